@@ -1,0 +1,13 @@
+"""autoremat: fit a model's training step into a byte budget by choosing what to recompute.
+
+Pipeline, each stage importing only earlier ones:
+capture -> profile -> memory -> solver -> passes -> plan -> api / backend / cli
+"""
+
+from autoremat.api import RematModule, optimize
+from autoremat.backend import PlanMismatch, backend
+from autoremat.plan import BudgetError, Plan
+from autoremat.units import format_bytes, parse_budget
+
+__all__ = ["BudgetError", "Plan", "PlanMismatch", "RematModule", "backend", "format_bytes", "optimize",
+           "parse_budget"]

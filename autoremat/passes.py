@@ -1,0 +1,67 @@
+"""Graph passes that carry out a plan: split the joint graph into forward and backward modules.
+
+The forward returns the user's outputs followed by the saved values; the backward takes the saved
+values and the tangents and recomputes the rest just before first use. The node order of the
+backward is exactly `Schedule.backward`, the order the memory model simulated.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch.fx as fx
+from torch._functorch.partitioners import _extract_fwd_bwd_modules
+from torch.fx.experimental.proxy_tensor import is_sym_node
+
+from autoremat.capture import CapturedGraph
+from autoremat.memory import Schedule
+
+_EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
+
+
+def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward and backward GraphModules that save `schedule.saved` and recompute the rest."""
+    joint = cg.joint
+    by_name = {n.name: n for n in joint.graph.nodes}
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    # Every primal is offered to the backward (parameters and inputs are alive anyway, and a
+    # recomputed op may read them); the ones the backward does not read are pruned.
+    saved = primals + [by_name[n] for n in schedule.saved]
+    saved_sym = [n for n in saved if is_sym_node(n)]
+    saved = [n for n in saved if not is_sym_node(n)]
+    kwargs = {"num_fwd_outputs": cg.num_fwd_outputs}
+    if "static_lifetime_input_nodes" in _EXTRACT_PARAMS:
+        kwargs["static_lifetime_input_nodes"] = {primals[i] for i in cg.static_input_indices if i < len(primals)}
+    if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
+        kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
+    fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
+    _check_same_nodes(fw, schedule.forward, "forward")
+    return fw, reorder(bw, schedule.backward)
+
+
+def _check_same_nodes(gm: fx.GraphModule, order: list[str], what: str) -> None:
+    have = {n.name for n in gm.graph.nodes if n.op == "call_function"}
+    if have != set(order):
+        extra, missing = sorted(have - set(order))[:5], sorted(set(order) - have)[:5]
+        raise RuntimeError(
+            f"autoremat internal error: the {what} graph differs from the simulated schedule "
+            f"(in graph only: {extra}; in schedule only: {missing}). Please report this model."
+        )
+
+
+def reorder(gm: fx.GraphModule, order: list[str]) -> fx.GraphModule:
+    """Rebuild `gm` with its call_function nodes in `order` (placeholders first, output last)."""
+    _check_same_nodes(gm, order, "backward")
+    old = {n.name: n for n in gm.graph.nodes}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = graph.node_copy(n, env.__getitem__)
+    for name in order:
+        env[old[name]] = graph.node_copy(old[name], env.__getitem__)
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            graph.node_copy(n, env.__getitem__)
+    graph.lint()
+    return fx.GraphModule(gm, graph)

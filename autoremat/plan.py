@@ -1,0 +1,222 @@
+"""The plan: what autoremat decided, as a plain dataclass that round-trips through JSON.
+
+A plan can be printed (`summary`), saved and loaded (`save`, `load`), diffed, and re-applied to the
+same model (`autoremat.optimize(model, ..., plan=plan)`); each graph carries a structural
+fingerprint so a plan is never applied to a graph it was not made for.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from autoremat.ledger import Ledger
+from autoremat.memory import Timeline
+from autoremat.profile import GraphProfile
+from autoremat.solver import Decision, evaluate, save_all
+from autoremat.units import format_bytes
+
+SCHEMA_VERSION = 1
+
+
+@dataclass
+class GraphPlan:
+    index: int
+    fingerprint: str
+    saved: list[str]
+    recomputed: list[str]
+    dtypes: dict[str, str] = field(default_factory=dict)  # compute dtype per forward node
+    modules: dict[str, dict[str, int]] = field(default_factory=dict)  # per nn.Module path: counts
+    num_nodes: int = 0
+
+
+@dataclass
+class Plan:
+    budget: int
+    ledger: dict
+    graphs: list[GraphPlan]
+    predicted_peak: int  # bytes, whole step: fixed parts + activation peak
+    activation_peak: int
+    peak_at: str  # where the peak happens: "backward of graph 0 at mm_3"
+    forward_time_s: float  # predicted time of all ops once (forward + backward), no recomputation
+    recompute_time_s: float
+    solver: dict
+    device: str
+    needs_grad_scaler: bool = False
+    timeline: list[list] = field(default_factory=list)  # [graph, phase, node, live bytes during]
+    baseline_peak: int = 0  # activation peak with no recomputation (save everything)
+    baseline_timeline: list[list] = field(default_factory=list)
+    versions: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def overhead(self) -> float:
+        """Predicted step-time increase from recomputation, as a fraction."""
+        return self.recompute_time_s / self.forward_time_s if self.forward_time_s else 0.0
+
+    # JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Plan:
+        if d.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"plan schema {d.get('schema')!r} is not supported (this autoremat reads {SCHEMA_VERSION})")
+        d = dict(d)
+        d["graphs"] = [GraphPlan(**g) for g in d["graphs"]]
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        return cls.from_json(Path(path).read_text())
+
+    # Reading -------------------------------------------------------------------------------
+    def summary(self) -> str:
+        ledger = Ledger.from_dict(self.ledger)
+        lines = [
+            f"autoremat plan: {len(self.graphs)} graph(s), budget {format_bytes(self.budget)} on {self.device}",
+            f"predicted peak {format_bytes(self.predicted_peak)} ({format_bytes(self.activation_peak)} "
+            f"activations and temporaries, peak at {self.peak_at})",
+            f"predicted recompute overhead {100 * self.overhead:.1f}% of the step "
+            f"({self.recompute_time_s * 1e3:.3f} ms of {self.forward_time_s * 1e3:.3f} ms)",
+            f"solver: {self.solver.get('path')} ({self.solver.get('status')}, {self.solver.get('solver')}, "
+            f"{self.solver.get('solve_time_s', 0):.2f} s, {self.solver.get('rounds')} round(s))",
+            "",
+            ledger.format(),
+            "",
+            f"{'module':<40} {'saved':>6} {'recomputed':>10}",
+        ]
+        merged: dict[str, dict[str, int]] = defaultdict(lambda: {"saved": 0, "recomputed": 0})
+        for g in self.graphs:
+            for mod, counts in g.modules.items():
+                for k, v in counts.items():
+                    merged[mod][k] += v
+        for mod in sorted(merged):
+            c = merged[mod]
+            lines.append(f"{mod or '(top level)':<40} {c['saved']:>6} {c['recomputed']:>10}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def build_plan(
+    profiles: list[GraphProfile],
+    decision: Decision,
+    ledger: Ledger,
+    budget: int,
+    device: str,
+) -> Plan:
+    """Gather a solver decision into a Plan."""
+    graphs = []
+    for g, sched in zip(profiles, decision.schedules):
+        modules: dict[str, dict[str, int]] = defaultdict(lambda: {"saved": 0, "recomputed": 0})
+        for n in sched.saved:
+            modules[_top_module(g.nodes[n].module)]["saved"] += 1
+        for n in sched.recomputed:
+            modules[_top_module(g.nodes[n].module)]["recomputed"] += 1
+        dtypes = {n: "fp32" if g.nodes[n].dtype == "float32" else g.nodes[n].dtype
+                  for n in g.forward_side() if g.nodes[n].dtype}
+        graphs.append(GraphPlan(
+            index=g.index, fingerprint=g.fingerprint, saved=list(sched.saved),
+            recomputed=list(sched.recomputed), dtypes=dtypes, modules=dict(modules), num_nodes=len(g.nodes),
+        ))
+    ledger.activations = decision.peak
+    ledger.budget = budget
+    _, baseline, _ = evaluate(profiles, save_all(profiles), decision.granularity)
+    step = decision.timeline.peak_step
+    peak_at = f"{step.phase} of graph {step.graph} at {step.node}" if step else "boundary"
+    return Plan(
+        budget=budget,
+        ledger=ledger.to_dict(),
+        graphs=graphs,
+        predicted_peak=ledger.fixed + decision.peak,
+        activation_peak=decision.peak,
+        peak_at=peak_at,
+        forward_time_s=sum(p.time_s for g in profiles for p in g.nodes.values()),
+        recompute_time_s=decision.recompute_time_s,
+        solver={"status": decision.status, "path": decision.path, "solver": decision.solver,
+                "solve_time_s": round(decision.solve_time_s, 4), "rounds": decision.rounds},
+        device=device,
+        timeline=_compress(decision.timeline),
+        baseline_peak=baseline.peak,
+        baseline_timeline=_compress(baseline),
+        versions={"torch": torch.__version__, "autoremat": _version()},
+        notes=list(decision.notes) + [n for g in profiles for n in g.notes],
+    )
+
+
+def _top_module(path: str) -> str:
+    """Group decisions two levels deep (e.g. "transformer.h.3"), enough to read a stack."""
+    parts = path.split(".")
+    return ".".join(parts[:3])
+
+
+def _compress(tl: Timeline, points: int = 2000) -> list[list]:
+    stride = max(1, len(tl.steps) // points)
+    keep = [s for i, s in enumerate(tl.steps) if i % stride == 0]
+    peak = tl.peak_step
+    if peak is not None and peak not in keep:
+        keep.append(peak)
+    return [[s.graph, s.phase, s.node, s.during] for s in keep]
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoremat")
+    except PackageNotFoundError:
+        return "0+local"
+
+
+def merge_plans(plans: list[Plan]) -> Plan:
+    """One Plan for graphs that were planned one at a time (the torch.compile face)."""
+    if len(plans) == 1:
+        return plans[0]
+    worst = max(plans, key=lambda p: p.predicted_peak)
+    merged = Plan(**{**worst.__dict__, "graphs": [g for p in plans for g in p.graphs]})
+    merged.forward_time_s = sum(p.forward_time_s for p in plans)
+    merged.recompute_time_s = sum(p.recompute_time_s for p in plans)
+    merged.notes = worst.notes + [f"{len(plans)} graphs were planned one at a time, each under the whole budget"]
+    return merged
+
+
+class BudgetError(ValueError):
+    """The budget is below the smallest one any plan fits in; says which budget would fit."""
+
+    def __init__(self, message: str, ledger: Ledger, smallest_budget: int | None) -> None:
+        super().__init__(message)
+        self.ledger = ledger
+        self.smallest_budget = smallest_budget
+
+    @classmethod
+    def from_infeasible(cls, budget, ledger: Ledger, error, profiles, device) -> BudgetError:
+        smallest = getattr(error, "smallest", None)
+        ledger.budget = budget
+        if smallest is not None:
+            ledger.activations = smallest.peak
+            need = ledger.fixed + smallest.peak
+            why = (f"the smallest budget that fits is {format_bytes(need)} ({need} bytes): "
+                   f"{format_bytes(ledger.fixed)} fixed + {format_bytes(smallest.peak)} activations at the "
+                   f"most memory-frugal plan found")
+        else:
+            need = None
+            why = (f"the fixed parts alone ({format_bytes(ledger.fixed)}) exceed it; more than "
+                   f"{format_bytes(ledger.fixed)} is needed before any activation")
+        msg = (f"budget {format_bytes(budget)} ({budget} bytes) is too small for this training step on "
+               f"{device.name}: {why}.\n{ledger.format()}")
+        return cls(msg, ledger, need)

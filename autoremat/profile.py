@@ -1,0 +1,269 @@
+"""Profile every node of a captured joint graph: bytes, FLOPs, time, and whether it may be recomputed.
+
+The result is a `GraphProfile`, a plain description of the graph by node name that the memory model
+and the solver read without touching FX again. Each node also gets ``node.meta["autoremat"]``.
+
+    >>> import torch
+    >>> from autoremat.capture import capture
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> graphs = capture(model, (torch.randn(4, 8),))
+    >>> prof = profile_graph(graphs[0])
+    >>> prof.nodes["relu"].kind, prof.nodes["relu"].nbytes
+    ('forward', 128)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import re
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import flop_registry
+
+from autoremat.capture import CapturedGraph
+from autoremat.devices import DeviceSpec, get_device
+
+# Namespaces whose ops we know to be pure functions of their inputs.
+PURE_NAMESPACES = {"aten", "prims"}
+# Ops that are never worth saving: recomputing them costs nothing (metadata only).
+_VIEW_COST = 0.0
+
+
+@dataclass
+class NodeProfile:
+    name: str
+    kind: str  # "param" | "input" | "tangent" | "forward" | "backward"
+    target: str
+    inputs: tuple[str, ...]  # names of the graph nodes this node reads
+    storage: str  # name of the node whose allocation holds this value ("" for non-tensors)
+    nbytes: int  # bytes this node allocates (0 for aliases and tuple containers)
+    transient_bytes: int = 0  # allocated and freed inside this node's step (unused tuple parts)
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    time_s: float = 0.0
+    recompute_ban: str = ""  # why this node may not be recomputed ("" = it may)
+    module: str = ""  # nn.Module path, from nn_module_stack
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    is_tuple: bool = False  # a multi-output op; its getitem users own the storages
+    tuple_parent: str = ""  # for getitem nodes: the multi-output node
+
+
+@dataclass
+class GraphProfile:
+    nodes: dict[str, NodeProfile]  # in the joint graph's order
+    fw_outputs: list[str]  # what the forward returns to the user (incl. buffer updates)
+    grad_outputs: list[str]  # gradient outputs of the backward (None entries dropped)
+    index: int = 0  # position among the graphs of one step (graph breaks)
+    fingerprint: str = ""
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+    def forward_side(self) -> list[str]:
+        return [n for n, p in self.nodes.items() if p.kind == "forward"]
+
+    def backward_side(self) -> list[str]:
+        return [n for n, p in self.nodes.items() if p.kind == "backward"]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    return str(t)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        # Backward nodes carry the forward node they came from in "fwd_nn_module_stack".
+        stack = node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    return re.sub(r"^L\['[^']*'\]\.?", "", path)  # "L['self'].blocks.0" -> "blocks.0"
+
+
+def recompute_ban(node: fx.Node) -> str:
+    """Why `node` must not be recomputed in the backward, or "" when recomputing it is safe."""
+    t = node.target
+    if t is operator.getitem:
+        return ""
+    if not isinstance(t, torch._ops.OpOverload):
+        return f"unsupported op {t!r} (not an ATen op): saved, never recomputed"
+    ns = t.namespace
+    if ns in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
+        return "collective: recomputing it would communicate again"
+    if ns not in PURE_NAMESPACES:
+        return f"custom op {t}: saved, never recomputed"
+    if torch.Tag.nondeterministic_seeded in t.tags:
+        return "random op: recomputing it would draw fresh randomness"
+    if t._schema.is_mutable:
+        return "mutates an input"
+    if torch.Tag.nondeterministic_bitwise in t.tags and "index_put" in t.name():
+        return "nondeterministic: recomputation may differ bitwise"
+    return ""
+
+
+def _flops(node: fx.Node) -> tuple[float, bool]:
+    t = node.target
+    if not isinstance(t, torch._ops.OpOverload):
+        return 0.0, False
+    fn = flop_registry.get(t.overloadpacket) or flop_registry.get(t)
+    if fn is None:
+        return 0.0, False
+    args, kwargs = pytree_map_vals((node.args, node.kwargs))
+    try:
+        return float(fn(*args, out_val=node.meta.get("val"), **kwargs)), True
+    except Exception:  # a formula that does not fit this overload: treat as elementwise
+        return 0.0, False
+
+
+def pytree_map_vals(tree):
+    return torch.utils._pytree.tree_map(
+        lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree
+    )
+
+
+def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> GraphProfile:
+    """Describe every node of a captured joint graph (see the module docstring)."""
+    dev = get_device(device if device is not None else cg.device)
+    gm = cg.joint
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if n.name.startswith("primals")]
+    static = {primals[i].name for i in cg.static_input_indices if i < len(primals)}
+
+    # Backward = everything downstream of a tangent; the rest is computable from the primals.
+    backward: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            backward.add(n)
+        elif any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(torch.utils._pytree.arg_tree_leaves(*out_node.args))
+    fw_outputs = [o.name for o in outs[: cg.num_fwd_outputs] if isinstance(o, fx.Node)]
+    grad_outputs = [o.name for o in outs[cg.num_fwd_outputs :] if isinstance(o, fx.Node)]
+
+    mutated = _mutated_primals(out_node, primals, static, grad_outputs_all=outs[cg.num_fwd_outputs :])
+
+    owner: dict[StorageWeakRef, str] = {}
+    nodes: dict[str, NodeProfile] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            kind = "tangent" if n.name.startswith("tangents") else ("param" if n.name in static else "input")
+        else:
+            kind = "backward" if n in backward else "forward"
+        prof = NodeProfile(
+            name=n.name,
+            kind=kind,
+            target=_target_name(n),
+            inputs=tuple(a.name for a in n.all_input_nodes),
+            storage="",
+            nbytes=0,
+            module=_module_path(n),
+        )
+        if isinstance(val, torch.Tensor):
+            prof.dtype = str(val.dtype).replace("torch.", "")
+            prof.shape = tuple(int(s) for s in val.shape)
+            key = StorageWeakRef(val.untyped_storage())
+            if key in owner:  # a view or an in-place result: shares an earlier allocation
+                prof.storage = owner[key]
+            else:
+                owner[key] = n.name
+                prof.storage = n.name
+                prof.nbytes = _nbytes(val) if kind in ("forward", "backward", "tangent") else 0
+        elif isinstance(val, (tuple, list)) and n.op == "call_function":
+            prof.is_tuple = True
+            used = {u.args[1] for u in n.users if u.target is operator.getitem}
+            prof.transient_bytes = sum(
+                _nbytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used
+            )
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            prof.tuple_parent = n.args[0].name
+        if n.op == "call_function":
+            prof.recompute_ban = recompute_ban(n)
+            if not prof.recompute_ban and mutated & set(prof.inputs):
+                # The runtime writes the new value into the buffer after the forward, so a
+                # backward recomputation would read the updated buffer (and trip autograd's
+                # version check): e.g. BatchNorm reading its running stats.
+                prof.recompute_ban = "reads a buffer the forward updates (e.g. BatchNorm running stats)"
+            flops, matmul = _flops(n)
+            moved = sum(_dense_bytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+            moved += sum(_dense_bytes(t) for t in _tensors(val))
+            is_alias = prof.storage and prof.storage != n.name
+            if n.target is operator.getitem or (is_alias and not flops):
+                prof.flops, prof.bytes_moved, prof.time_s = 0.0, 0.0, _VIEW_COST
+            else:
+                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(prof.dtype, "fp32")
+                prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
+                prof.bytes_moved = float(moved)
+                prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
+        n.meta["autoremat"] = prof
+        nodes[n.name] = prof
+
+    return GraphProfile(
+        nodes=nodes,
+        fw_outputs=fw_outputs,
+        grad_outputs=grad_outputs,
+        index=cg.index,
+        fingerprint=fingerprint(gm),
+        device=dev.name,
+    )
+
+
+def _mutated_primals(out_node: fx.Node, primals: list[fx.Node], static: set[str], grad_outputs_all: list) -> set[str]:
+    """Names of the primals the forward mutates (returned as extra outputs, copied back by the runtime)."""
+    descs = out_node.meta.get("desc")
+    if descs:
+        idx = {
+            d.mutated_input.idx
+            for d in descs
+            if type(d).__name__ == "InputMutationAOTOutput" and hasattr(d.mutated_input, "idx")
+        }
+        return {primals[i].name for i in idx if i < len(primals)}
+    # No descriptors: assume every buffer (a static input without a gradient) may be mutated.
+    return {p.name for i, p in enumerate(primals)
+            if p.name in static and (i >= len(grad_outputs_all) or grad_outputs_all[i] is None)}
+
+
+def fingerprint(gm: fx.GraphModule) -> str:
+    """A structural hash of a joint graph: ops, wiring, shapes and dtypes (not values, not names)."""
+    h = hashlib.sha256()
+    index = {}
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        val = n.meta.get("val")
+        shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(val)]
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, -1))
+        h.update(repr((n.op, _target_name(n), args, shapes)).encode())
+    return h.hexdigest()[:16]

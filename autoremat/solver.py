@@ -1,0 +1,412 @@
+"""Choose, for every forward value the backward reads, save or recompute: an ILP under a byte budget.
+
+Variables, per forward-side node v of each graph: s_v (saved for the backward) and r_v (recomputed
+in the backward), both binary. The objective is the predicted time of all recomputation.
+
+Memory is written as running sums (design note: shared/notes/design-memory-ilp.md), so every
+variable sits in O(1) rows and the model stays sparse:
+- forward step t: the static live bytes of the forward with nothing saved, plus the saved values
+  that would already have died by t;
+- backward step t: the static live bytes of the backward's own values, plus each saved value until
+  its last backward use LN(v), plus each recomputed value from its first need FN(v) to LN(v).
+
+FN and LN are fixed numbers only if recomputation stays local. The JIT schedule (memory.py) computes
+a recomputed value when its first consumer runs; if a recomputed consumer w is needed before the
+value u it reads would otherwise be (FN(w) < FN(u)), u would be dragged forward in time. We forbid
+exactly that pair (r_u + r_w <= 1), which makes FN exact; LN is bounded from above. The solution is
+then replayed by the exact simulator; if it overshoots, the budget is tightened and the ILP solved
+again, and if nothing fits a greedy plan that the simulator accepts is used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import pulp
+
+from autoremat.memory import Schedule, Timeline, _Heap, _run, make_schedule, simulate
+from autoremat.profile import GraphProfile
+
+INF = math.inf
+
+
+@dataclass
+class Decision:
+    saved: list[set[str]]  # per graph
+    schedules: list[Schedule]
+    timeline: Timeline
+    recompute_time_s: float
+    status: str  # "optimal" | "time_limit" | "greedy" | "save_all"
+    path: str  # which route produced it: "ilp", "ilp+tighten", "greedy"
+    solve_time_s: float = 0.0
+    rounds: int = 0
+    solver: str = ""
+    notes: list[str] = field(default_factory=list)
+    granularity: int = 1
+
+    @property
+    def peak(self) -> int:
+        return self.timeline.peak
+
+
+@dataclass
+class _Lifetimes:
+    fw_pos: dict[str, int]  # forward-side nodes in joint order
+    bw_pos: dict[str, int]  # backward nodes in joint order
+    fn: dict[str, float]  # first backward position at which v must exist if recomputed
+    ln: dict[str, float]  # last backward position at which v is read (upper bound)
+    last_fw: dict[str, int]  # last forward position at which v is read
+    needed: set[str]  # forward-side values a backward node reads directly
+    pass_through: dict[str, set[str]]  # users of v whose need time is v's need time
+
+
+def _lifetimes(g: GraphProfile) -> _Lifetimes:
+    nodes = g.nodes
+    fw = [n for n, p in nodes.items() if p.kind == "forward"]
+    bw = [n for n, p in nodes.items() if p.kind == "backward"]
+    fw_pos = {n: i for i, n in enumerate(fw)}
+    bw_pos = {n: i for i, n in enumerate(bw)}
+    users: dict[str, list[str]] = {n: [] for n in nodes}
+    for n, p in nodes.items():
+        for i in p.inputs:
+            users[i].append(n)
+    direct_first: dict[str, float] = {}
+    direct_last: dict[str, float] = {}
+    last_fw: dict[str, int] = {}
+    needed: set[str] = set()
+    grad_set = set(g.grad_outputs)
+    for v in fw:
+        bpos = [bw_pos[u] for u in users[v] if u in bw_pos]
+        if v in grad_set:
+            bpos.append(len(bw))
+        direct_first[v] = min(bpos, default=INF)
+        direct_last[v] = max(bpos, default=-INF)
+        if bpos:
+            needed.add(v)
+        last_fw[v] = max([fw_pos[u] for u in users[v] if u in fw_pos] + [fw_pos[v]])
+
+    def is_alias(w: str) -> bool:
+        return bool(nodes[w].storage) and nodes[w].storage != w
+
+    pass_through: dict[str, set[str]] = {}
+    fn: dict[str, float] = {}
+    ln: dict[str, float] = {}
+    for v in reversed(fw):  # users come later in joint order, so they are done already
+        fw_users = [w for w in users[v] if w in fw_pos]
+        pt = {
+            w for w in fw_users
+            if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple
+        }
+        pass_through[v] = pt
+        fn[v] = min([direct_first[v], *(fn[w] for w in pt)])
+        later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
+        ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
+    return _Lifetimes(fw_pos, bw_pos, fn, ln, last_fw, needed, pass_through)
+
+
+def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int]]:
+    """Live bytes at each forward and backward step when nothing is saved or recomputed."""
+    heap = _Heap(granularity)
+    steps: list = []
+    fw = [n for n, p in g.nodes.items() if p.kind == "forward"]
+    bw = [n for n, p in g.nodes.items() if p.kind == "backward"]
+    _run(g, fw, heap, set(g.fw_outputs), [], "forward", steps)
+    fw_during = [s.during for s in steps]
+    tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
+    for t in tangents:
+        heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
+    steps = []
+    _run(g, bw, heap, set(g.grad_outputs) | set(g.fw_outputs), tangents, "backward", steps)
+    return fw_during, [s.during for s in steps]
+
+
+def _size(g: GraphProfile, v: str, granularity: int) -> int:
+    p = g.nodes[v]
+    if p.storage != v or v in g.fw_outputs:  # aliases own nothing; outputs are alive anyway
+        return 0
+    return -(-p.nbytes // granularity) * granularity if granularity > 1 else p.nbytes
+
+
+def _pick_solver(name: str, time_limit: float, gap: float) -> pulp.LpSolver:
+    if name == "auto":
+        name = "highs" if "HiGHS" in pulp.listSolvers(onlyAvailable=True) else "cbc"
+    if name == "highs":
+        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+    if name == "cbc":
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+    raise ValueError(f"solver must be 'auto', 'cbc' or 'highs', got {name!r}")
+
+
+class _Model:
+    """The ILP for a list of graphs that run one after another in one step."""
+
+    def __init__(self, graphs: list[GraphProfile], granularity: int) -> None:
+        self.graphs = graphs
+        self.prob = pulp.LpProblem("autoremat", pulp.LpMinimize)
+        self.s: list[dict[str, pulp.LpVariable]] = []
+        self.r: list[dict[str, pulp.LpVariable]] = []
+        self.rows: list[tuple[int, pulp.LpAffineExpression]] = []  # (static bytes, variable bytes)
+        self.time_expr = pulp.LpAffineExpression()
+        self.bytes_expr = pulp.LpAffineExpression()
+        saved_total = []
+        per_graph_rows = []
+        for gi, g in enumerate(graphs):
+            life = _lifetimes(g)
+            fw_static, bw_static = _static_profile(g, granularity)
+            s, r = self._variables(gi, g, life)
+            self.s.append(s)
+            self.r.append(r)
+            size = {v: _size(g, v, granularity) for v in life.fw_pos}
+            saved_bytes = pulp.lpSum(size[v] * s[v] for v in s if size[v])
+            saved_total.append(saved_bytes)
+            self.bytes_expr += saved_bytes
+            per_graph_rows.append(self._memory_rows(gi, g, life, s, r, size, fw_static, bw_static))
+        # Graph i's saved values stay alive through the forward of later graphs and their
+        # backward (which runs first): add them to those rows.
+        for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
+            before = pulp.lpSum(saved_total[:gi])
+            for static, expr in fw_rows:
+                self.rows.append((static, expr + before))
+            for static, expr in bw_rows:
+                self.rows.append((static, expr + before))
+
+    def _variables(self, gi: int, g: GraphProfile, life: _Lifetimes):
+        s: dict[str, pulp.LpVariable] = {}
+        r: dict[str, pulp.LpVariable] = {}
+        nodes = g.nodes
+        for v in life.fw_pos:
+            p = nodes[v]
+            r[v] = pulp.LpVariable(f"r{gi}_{v}", cat="Binary")
+            if p.recompute_ban:
+                r[v].upBound = 0
+            if p.is_tuple:
+                continue
+            s[v] = pulp.LpVariable(f"s{gi}_{v}", cat="Binary")
+            if p.storage != v and _size_root(g, v):
+                s[v].upBound = 0  # saving a view would hold its base: recompute the view instead
+            self.prob += s[v] + r[v] <= 1
+        for v in life.fw_pos:
+            p = nodes[v]
+            if v in life.needed:
+                self.prob += (s[v] if v in s else 0) + r[v] >= 1
+            for u in p.inputs:
+                if u not in life.fw_pos:
+                    continue  # parameters, inputs: always there
+                avail = (s[u] if u in s else 0) + r[u]
+                self.prob += r[v] <= avail
+                # Locality: u must not be dragged to an earlier time by recomputing v.
+                if v not in life.pass_through[u] and life.fn[v] < life.fn[u]:
+                    self.prob += r[u] + r[v] <= 1
+            self.time_expr += p.time_s * r[v]
+        return s, r
+
+    def _memory_rows(self, gi, g, life, s, r, size, fw_static, bw_static):
+        fw_rows, bw_rows = [], []
+        # Forward: a saved value keeps living after its last forward use.
+        dies_at: dict[int, list[str]] = {}
+        for v in s:
+            if size[v]:
+                dies_at.setdefault(life.last_fw[v], []).append(v)
+        acc = pulp.LpAffineExpression()
+        for t, static in enumerate(fw_static):
+            if t - 1 in dies_at:
+                acc = acc + pulp.lpSum(size[v] * s[v] for v in dies_at[t - 1])
+            fw_rows.append((static, acc))
+        # Backward: saved values until LN; recomputed values from FN to LN.
+        starts: dict[int, list[str]] = {}
+        ends: dict[int, list[str]] = {}
+        held = pulp.LpAffineExpression()
+        for v in life.fw_pos:
+            if not size[v]:
+                continue
+            ln, fn = life.ln[v], life.fn[v]
+            if ln == -INF:
+                continue  # never read in the backward: a save only costs forward memory
+            ln_i = min(int(ln), len(bw_static) - 1)
+            if v in s:
+                held += size[v] * s[v]
+            ends.setdefault(ln_i, []).append(v)
+            if fn != INF:
+                starts.setdefault(max(0, min(int(fn), len(bw_static) - 1)), []).append(v)
+        acc = held
+        for t, static in enumerate(bw_static):
+            if t in starts:
+                acc = acc + pulp.lpSum(size[v] * r[v] for v in starts[t])
+            bw_rows.append((static, acc))
+            if t in ends:
+                acc = acc - pulp.lpSum(size[v] * ((s[v] if v in s else 0) + r[v]) for v in ends[t])
+        return fw_rows, bw_rows
+
+    def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False):
+        prob = self.prob.copy()
+        total_bytes = max(1, sum(_size(g, v, 1) for g in self.graphs for v in g.nodes))
+        total_time = max(1e-12, sum(p.time_s for g in self.graphs for p in g.nodes.values()))
+        if min_peak:
+            peak = pulp.LpVariable("peak", lowBound=0)
+            for static, expr in self.rows:
+                prob += expr + static <= peak
+            prob.setObjective(peak + 1e-3 * total_bytes / total_time * self.time_expr)
+        else:
+            for static, expr in self.rows:
+                if isinstance(expr, pulp.LpAffineExpression) and not expr.keys():
+                    if static + expr.constant > budget:
+                        return "infeasible", None
+                    continue
+                prob += expr + static <= budget
+            # Recompute time first; bytes only break ties (keeps peaks monotonic in the budget).
+            prob.setObjective(self.time_expr / total_time + 1e-4 * self.bytes_expr / total_bytes)
+        with _quiet_stdout():
+            prob.solve(solver)
+        if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
+            saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]
+            return status, saved
+        return pulp.LpStatus[prob.status].lower(), None
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner from C++ whatever msg says; keep the user's stdout clean."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stdout (pytest capture, notebooks)
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def _size_root(g: GraphProfile, v: str) -> int:
+    root = g.nodes[v].storage
+    return g.nodes[root].nbytes if root in g.nodes else 0
+
+
+def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1):
+    schedules = [make_schedule(g, s) for g, s in zip(graphs, saved)]
+    timeline = simulate(list(zip(graphs, schedules)), granularity)
+    cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
+    return schedules, timeline, cost
+
+
+def save_all(graphs: list[GraphProfile]) -> list[set[str]]:
+    """No recomputation: save every forward value the backward reads."""
+    return [set(_lifetimes(g).needed) - {v for v in g.nodes if g.nodes[v].is_tuple} for g in graphs]
+
+
+def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1) -> list[set[str]]:
+    """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.
+
+    Starts from saving everything and turns saved values into recomputed ones, one at a time,
+    largest bytes per second of recompute first, keeping a change only if the simulated peak does
+    not grow. Stops as soon as the peak fits.
+    """
+    saved = save_all(graphs)
+    _, tl, _ = evaluate(graphs, saved, granularity)
+    peak = tl.peak
+    candidates = []
+    for gi, g in enumerate(graphs):
+        for v in saved[gi]:
+            p = g.nodes[v]
+            if not p.recompute_ban and p.nbytes:
+                candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
+    for _, gi, v in sorted(candidates, reverse=True):
+        if peak <= budget:
+            break
+        trial = [set(s) for s in saved]
+        trial[gi].discard(v)
+        # Recomputing v needs its inputs: keep them saved (locality) unless they are free.
+        trial[gi].update(u for u in graphs[gi].nodes[v].inputs if graphs[gi].nodes[u].kind == "forward"
+                         and not graphs[gi].nodes[u].is_tuple)
+        try:
+            _, tl, _ = evaluate(graphs, trial, granularity)
+        except ValueError:
+            continue
+        if tl.peak <= peak:
+            saved, peak = trial, tl.peak
+    return saved
+
+
+def solve(
+    graphs: list[GraphProfile],
+    budget: int,
+    *,
+    granularity: int = 1,
+    solver: str = "auto",
+    time_limit: float = 30.0,
+    gap: float = 1e-4,
+    max_rounds: int = 4,
+) -> Decision:
+    """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
+
+    Raises `Infeasible` carrying the smallest activation peak any plan reached.
+    """
+    t0 = time.perf_counter()
+    model = _Model(graphs, granularity)
+    backend = _pick_solver(solver, time_limit, gap)
+    solver_name = type(backend).__name__
+    target = budget
+    best: Decision | None = None
+    status = "infeasible"
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):
+        status, saved = model.solve(target, backend)
+        if saved is None:
+            break
+        schedules, tl, cost = evaluate(graphs, saved, granularity)
+        if tl.peak <= budget:
+            best = Decision(saved, schedules, tl, cost, status, "ilp" if rounds == 1 else "ilp+tighten",
+                            rounds=rounds, solver=solver_name)
+            break
+        target -= tl.peak - budget  # the ILP was optimistic by this much: ask for less
+    if best is None:
+        saved = greedy(graphs, budget, granularity)
+        schedules, tl, cost = evaluate(graphs, saved, granularity)
+        if tl.peak <= budget:
+            best = Decision(saved, schedules, tl, cost, "greedy", "greedy", rounds=rounds, solver=solver_name,
+                            notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
+    if best is None:
+        smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit, model=model)
+        if smallest.peak > budget:
+            raise Infeasible(smallest, status)
+        best = smallest
+        best.notes.append("the ILP found no plan under this budget; used the smallest-peak plan, which fits")
+    best.solve_time_s = time.perf_counter() - t0
+    best.granularity = granularity
+    return best
+
+
+def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, model=None) -> Decision:
+    """The plan with the smallest simulated activation peak we can find (ILP min-peak, or greedy)."""
+    model = model or _Model(graphs, granularity)
+    backend = _pick_solver(solver, time_limit, 1e-3)
+    status, saved = model.solve(None, backend, min_peak=True)
+    options = []
+    if saved is not None:
+        options.append((saved, "ilp-min-peak"))
+    options.append((greedy(graphs, 0, granularity), "greedy"))
+    best = None
+    for cand, path in options:
+        schedules, tl, cost = evaluate(graphs, cand, granularity)
+        if best is None or tl.peak < best.peak:
+            best = Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
+                            granularity=granularity)
+    return best
+
+
+class Infeasible(Exception):
+    def __init__(self, smallest: Decision, status: str) -> None:
+        super().__init__(f"no plan fits (solver status {status}); smallest peak found {smallest.peak} B")
+        self.smallest = smallest
+        self.status = status
