@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from autoremat.backend import PlanMismatch, Planner, plan_graphs
-from autoremat.capture import aot_backend
+from autoremat.capture import aot_backend, compile_fresh
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.plan import BudgetError, Plan, build_plan
@@ -77,6 +77,7 @@ def optimize(
     solver: str = "auto",
     time_limit: float = 30.0,
     compiler: str = "eager",
+    verify: bool = True,
     world_size: int = 1,
     sharding: str = "none",
 ) -> RematModule:
@@ -92,6 +93,8 @@ def optimize(
         model's device.
     plan: a Plan (e.g. `Plan.load("plan.json")`) to re-apply instead of solving.
     compiler: "eager" (FX graphs run as Python) or "inductor".
+    verify: run one real step at planning time (state restored afterwards) and re-plan once if
+        the measured peak is above the prediction.
 
     Raises `BudgetError` (with the ledger and the smallest budget that fits) if nothing fits.
     """
@@ -109,14 +112,82 @@ def optimize(
         if len(planner.profiles) > 1:
             plan, compiled = _replan_jointly(model, planner, budget_bytes, ledger, dev, compiler, args, kwargs,
                                              solver, time_limit)
+        if verify and where.type != "meta":
+            plan, compiled = _verify(model, compiled, plan, planner, budget_bytes, ledger, dev, compiler, args,
+                                     kwargs, solver, time_limit, where)
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
     return RematModule(model, compiled, plan, planner)
 
 
+class _Restore:
+    """Leave no trace of a planning step: buffers (BatchNorm stats), gradients and RNG as they were."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.grads = [p.grad for p in self.model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), self.buffers):
+                b.copy_(saved)
+        for p, g in zip(self.model.parameters(), self.grads):
+            p.grad = g
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    """Something to call backward on: the output if scalar, else the sum of every float output."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(leaves) == 1 and leaves[0].numel() == 1:
+        return leaves[0]
+    if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    return sum(t.float().sum() for t in leaves)
+
+
+def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, solver, time_limit, where):
+    """Run one real step and compare its peak with the prediction; re-plan once if the model missed.
+
+    The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
+    the real peak pass the budget. The measured gap is reserved and the graphs are planned again.
+    """
+    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
+
+    def step() -> None:
+        _loss(compiled(*args, **kwargs)).backward()
+
+    with _Restore(model):
+        for p in model.parameters():
+            p.grad = None
+        _, m = measure_peak(step, device=where, baseline_bytes=0)
+    measured = m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
+    gap = measured - plan.activation_peak
+    plan.notes.append(f"verified on one real step: measured activation peak {measured} B, predicted "
+                      f"{plan.activation_peak} B")
+    if ledger.fixed + measured <= budget or len(planner.profiles) != 1:
+        return plan, compiled  # the real step fits
+    profiles = planner.profiles
+    tighter = dict(ledger.to_dict(), notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"])
+    reserve = Ledger.from_dict(tighter)
+    reserve.inputs += gap
+    decision = plan_graphs(profiles, budget, reserve, dev, solver=solver, time_limit=time_limit)
+    new = build_plan(profiles, decision, ledger, budget, dev.name)
+    new.notes += plan.notes + [f"re-planned with {gap} B reserved for scratch the memory model missed"]
+    applier = Planner(budget, device=dev, ledger=ledger, plan=new)
+    return new, _compile_and_trace(model, applier, compiler, args, kwargs)
+
+
 def _compile_and_trace(model, planner: Planner, compiler: str, args: tuple, kwargs: dict) -> Any:
-    compiled = torch.compile(model, backend=aot_backend(planner, compiler=compiler), dynamic=False)
+    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler))
     try:
-        with torch.enable_grad():
+        with _Restore(model), torch.enable_grad():
             out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     except torch._dynamo.exc.BackendCompilerFailed as e:
         # Our own errors (BudgetError, PlanMismatch) reach the user as themselves, not wrapped.

@@ -22,7 +22,7 @@ from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
 from autoremat.passes import split
 from autoremat.plan import BudgetError, Plan, build_plan, merge_plans
-from autoremat.profile import GraphProfile, profile_graph
+from autoremat.profile import GraphProfile, calibrate_scratch, profile_graph
 from autoremat.solver import Decision, Infeasible, smallest_peak, solve
 from autoremat.units import parse_budget
 
@@ -74,7 +74,9 @@ class Planner:
         plan: Plan | None = None,
         solver: str = "auto",
         time_limit: float = 30.0,
+        calibrate: bool = True,
     ) -> None:
+        self.calibrate = calibrate
         self.budget = parse_budget(budget) if budget is not None else None
         self.optimizer = optimizer
         self.device = get_device(device) if device is not None else None
@@ -91,6 +93,8 @@ class Planner:
     def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         dev = self._device(cg)
         gp = profile_graph(cg, dev)
+        if self.calibrate:
+            calibrate_scratch(cg, gp)
         self.profiles.append(gp)
         if self.plan is not None:
             saved = self._saved_from_plan(gp, cg.index)

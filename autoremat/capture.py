@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,3 +127,18 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
     with torch.enable_grad():
         compiled(*example_inputs, **(example_kwargs or {}))
     return graphs
+
+
+def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:
+    """`torch.compile(model)` with a cache of its own.
+
+    Dynamo caches compiled graphs on the forward's code object, and a second compile of the same
+    model with another backend can hit the first one's cache. Compiling a copy of the forward
+    function (a new code object, same globals and closure) makes every plan trace afresh.
+    """
+    fn = model.forward.__func__ if hasattr(model.forward, "__func__") else type(model).forward
+    code = fn.__code__.replace()  # equal, but a distinct object: a separate dynamo cache
+    fresh = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    fresh.__kwdefaults__ = fn.__kwdefaults__
+    fresh.__dict__.update(fn.__dict__)
+    return torch.compile(types.MethodType(fresh, model), backend=backend, dynamic=False)

@@ -21,6 +21,7 @@ from autoremat.solver import Decision, evaluate, save_all
 from autoremat.units import format_bytes
 
 SCHEMA_VERSION = 1
+SLACK = 1024  # bytes added to the smallest feasible budget we report
 
 
 @dataclass
@@ -209,7 +210,8 @@ class BudgetError(ValueError):
         ledger.budget = budget
         if smallest is not None:
             ledger.activations = smallest.peak
-            need = ledger.fixed + smallest.peak
+            # A little room for what no graph holds: autograd's loss and seed-gradient scalars.
+            need = ledger.fixed + smallest.peak + SLACK
             why = (f"the smallest budget that fits is {format_bytes(need)} ({need} bytes): "
                    f"{format_bytes(ledger.fixed)} fixed + {format_bytes(smallest.peak)} activations at the "
                    f"most memory-frugal plan found")

@@ -17,10 +17,12 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
@@ -267,3 +269,78 @@ def fingerprint(gm: fx.GraphModule) -> str:
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, -1))
         h.update(repr((n.op, _target_name(n), args, shapes)).encode())
     return h.hexdigest()[:16]
+
+
+def _materialize(val, device: torch.device):
+    """A real tensor shaped like the fake `val` (random floats, zero integers: always valid indices)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=device)
+    flat = torch.empty(0, dtype=val.dtype, device=device).set_(t.untyped_storage())  # fill every byte once
+    if flat.is_floating_point() or flat.is_complex():
+        flat.normal_()
+    else:
+        flat.zero_()
+    return t
+
+
+def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.0) -> int:
+    """Measure each op's temporary memory once on real tensors of the traced shapes.
+
+    Some kernels allocate beyond their outputs (a CPU convolution's column buffer, a GELU
+    backward on an expanded gradient); the memory model needs that to predict the true peak. Each
+    distinct (op, shapes, arguments) runs once under the profiler; the scratch is its allocation
+    peak minus the bytes of its outputs. Returns how many ops were measured. Graphs traced on the
+    meta device have no real memory and are skipped.
+    """
+    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
+
+    if cg.device == "meta":
+        return 0
+    device = torch.device(cg.device)
+    seen: dict[str, int] = {}
+    start = time.perf_counter()
+    # We are inside AOTAutograd's tracing: step out of its fake-tensor mode to run real kernels.
+    with unset_fake_temporarily():
+        for n in cg.joint.graph.nodes:
+            _calibrate_node(n, gp, device, seen, start, budget_s, measure_peak)
+    return len(seen)
+
+
+def _calibrate_node(n, gp, device, seen, start, budget_s, measure_peak) -> None:
+    prof = gp.nodes.get(n.name)
+    if n.op != "call_function" or prof is None or not isinstance(n.target, torch._ops.OpOverload):
+        return
+    if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
+        return
+    key = repr((str(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _sig(a.meta.get("val")))))
+    if key not in seen:
+        if time.perf_counter() - start > budget_s:
+            return
+        seen[key] = _measure_op(n, device, measure_peak)
+    prof.transient_bytes += seen[key]
+
+
+def _sig(val) -> object:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), str(val.dtype))
+    return repr(val)
+
+
+def _measure_op(n: fx.Node, device: torch.device, measure_peak) -> int:
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
+    )
+    out_bytes = [0]
+
+    def run() -> None:
+        out = n.target(*args, **kwargs)
+        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(out)}
+        out_bytes[0] = sum(storages.values())
+        del out
+
+    try:
+        _, m = measure_peak(run, device=device, baseline_bytes=0)
+    except Exception:  # an op that does not run on made-up data: assume no scratch
+        return 0
+    return max(0, m.delta_peak_bytes - out_bytes[0])

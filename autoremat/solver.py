@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import pulp
@@ -146,6 +147,11 @@ class _Model:
     """The ILP for a list of graphs that run one after another in one step."""
 
     def __init__(self, graphs: list[GraphProfile], granularity: int) -> None:
+        with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._build(graphs, granularity)
+
+    def _build(self, graphs: list[GraphProfile], granularity: int) -> None:
         self.graphs = graphs
         self.prob = pulp.LpProblem("autoremat", pulp.LpMinimize)
         self.s: list[dict[str, pulp.LpVariable]] = []
@@ -361,7 +367,9 @@ def solve(
     status = "infeasible"
     rounds = 0
     for rounds in range(1, max_rounds + 1):
-        status, saved = model.solve(target, backend)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            status, saved = model.solve(target, backend)
         if saved is None:
             break
         schedules, tl, cost = evaluate(graphs, saved, granularity)
@@ -391,7 +399,9 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     """The plan with the smallest simulated activation peak we can find (ILP min-peak, or greedy)."""
     model = model or _Model(graphs, granularity)
     backend = _pick_solver(solver, time_limit, 1e-3)
-    status, saved = model.solve(None, backend, min_peak=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        status, saved = model.solve(None, backend, min_peak=True)
     options = []
     if saved is not None:
         options.append((saved, "ilp-min-peak"))

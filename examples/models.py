@@ -25,7 +25,6 @@ class MLP(nn.Module):
             x = F.gelu(layer(x))
         return self.head(x).square().mean()
 
-
 class Block(nn.Module):
     """Pre-LN transformer block with dropout, written with plain ops."""
 
@@ -47,7 +46,6 @@ class Block(nn.Module):
         x = x + self.drop(self.proj(y))
         return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
-
 class TransformerStack(nn.Module):
     def __init__(self, n_layer: int = 4, d: int = 128, n_head: int = 4, dropout: float = 0.1) -> None:
         super().__init__()
@@ -58,7 +56,6 @@ class TransformerStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x).square().mean()
-
 
 class ConvNet(nn.Module):
     """Conv + BatchNorm + residual blocks, the shape of a small ResNet."""
@@ -79,7 +76,6 @@ class ConvNet(nn.Module):
             x = F.relu(x + block(x))
         return F.cross_entropy(self.head(x.mean(dim=(2, 3))), y)
 
-
 class DictOutput(nn.Module):
     """Returns a dict and a tuple inside it, like many HF models."""
 
@@ -92,23 +88,18 @@ class DictOutput(nn.Module):
         out = self.b(h)
         return {"loss": out.square().mean(), "hidden": (h, out)}
 
-
 def mlp(batch: int = 64, width: int = 256, depth: int = 6):
     return MLP(width, depth), (torch.randn(batch, width),)
-
 
 def transformer_stack(batch: int = 4, seq: int = 64, n_layer: int = 4, d: int = 128, n_head: int = 4,
                       dropout: float = 0.1):
     return TransformerStack(n_layer, d, n_head, dropout), (torch.randn(batch, seq, d),)
 
-
 def convnet(batch: int = 8, size: int = 16, channels: int = 16, blocks: int = 3):
     return ConvNet(channels, blocks), (torch.randn(batch, 3, size, size), torch.randint(0, 10, (batch,)))
 
-
 def dict_output(batch: int = 16, width: int = 128):
     return DictOutput(width), (torch.randn(batch, width),)
-
 
 def gpt2(batch: int = 2, seq: int = 64, n_layer: int = 2, n_embd: int = 64, n_head: int = 4, vocab: int = 256,
          dropout: float = 0.1):
@@ -123,11 +114,9 @@ def gpt2(batch: int = 2, seq: int = 64, n_layer: int = 2, n_embd: int = 64, n_he
     ids = torch.randint(0, vocab, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}
 
-
 def gpt2_small(batch: int = 8, seq: int = 1024):
     """GPT-2 small's shape (12 layers, 768 wide, vocab 50257)."""
     return gpt2(batch=batch, seq=seq, n_layer=12, n_embd=768, n_head=12, vocab=50257)
-
 
 def llama(batch: int = 2, seq: int = 64, n_layer: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256):
     """HF transformers Llama built from a config (no download)."""
@@ -139,7 +128,6 @@ def llama(batch: int = 2, seq: int = 64, n_layer: int = 2, hidden: int = 64, hea
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, vocab, (batch, seq))
     return model, {"input_ids": ids, "labels": ids}
-
 
 def loss_of(output) -> torch.Tensor:
     """The scalar loss from any of these models' outputs (tensor, dict, or HF ModelOutput)."""

@@ -1,0 +1,460 @@
+"""autoremat vs its peers, side by side in one process: peak memory, step time, gradient error.
+
+Rows, per model (a 12-layer transformer stack and a small HF GPT-2) and per device (CPU, and CUDA
+when available):
+  eager                      plain PyTorch, no compile: the reference for time and gradients
+  checkpoint                 torch.utils.checkpoint on every block (non-reentrant)
+  pt-budget b                torch.compile(backend="aot_eager") under
+                             torch._functorch.config.activation_memory_budget = b (min-cut partitioner)
+  autoremat (grid)           autoremat.optimize at evenly spaced absolute budgets between the smallest
+                             feasible one and the no-recompute total
+  autoremat (@ peer)         autoremat.optimize with budget = that peer's *measured* peak
+
+For each row: measured peak bytes of one training step (forward + backward, no optimizer; gradients
+already exist from a warm-up step, for every row alike), step time relative to eager (median of N
+steps, each row step paired with an eager step right before it, so drifts in machine speed cancel),
+and the largest relative gradient error vs eager over all parameters (||g - g_eager|| / ||g_eager||
+per tensor; the same seed before each forward, dropout on).
+
+    python benchmarks/remat_vs_peers.py            # full (~10 min on a 2-core CPU)
+    python benchmarks/remat_vs_peers.py --quick    # small models (~2 min)
+
+Writes benchmarks/results/remat_vs_peers_<device>[_quick].md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import functools
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
+
+import autoremat  # noqa: E402
+from autoremat.measure import measure_peak  # noqa: E402
+from examples.models import gpt2, loss_of, transformer_stack  # noqa: E402
+
+MiB = 2**20
+SEED = 1234
+PT_BUDGETS = (1.0, 0.5, 0.1, 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# models and configurations
+
+
+def configs(quick: bool) -> list[dict]:
+    if quick:
+        return [
+            dict(name="stack", factory=transformer_stack,
+                 kwargs=dict(n_layer=4, d=128, n_head=4, seq=64, batch=4, dropout=0.1)),
+            dict(name="gpt2", factory=gpt2,
+                 kwargs=dict(n_layer=2, n_embd=128, n_head=4, seq=64, batch=4, vocab=1024, dropout=0.1)),
+        ]
+    return [
+        dict(name="stack", factory=transformer_stack,
+             kwargs=dict(n_layer=12, d=256, n_head=4, seq=128, batch=8, dropout=0.1)),
+        dict(name="gpt2", factory=gpt2,
+             kwargs=dict(n_layer=4, n_embd=256, n_head=4, seq=128, batch=8, vocab=4096, dropout=0.1)),
+    ]
+
+
+def split(ex) -> tuple[tuple, dict]:
+    return ((), dict(ex)) if isinstance(ex, dict) else (tuple(ex), {})
+
+
+def to_device(ex, device):
+    if isinstance(ex, dict):
+        return {k: v.to(device) for k, v in ex.items()}
+    return tuple(t.to(device) for t in ex)
+
+
+def make_step(fn, args, kwargs):
+    def step():
+        loss = loss_of(fn(*args, **kwargs))
+        loss.backward()
+        return None
+    return step
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def grads_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def zero(model):
+    for p in model.parameters():
+        p.grad = None
+
+
+def max_rel_err(g: dict, ref: dict) -> float:
+    if set(g) != set(ref):
+        return float("inf")
+    worst = 0.0
+    for n, r in ref.items():
+        d = (g[n].double() - r.double()).norm().item()
+        s = r.double().norm().item()
+        worst = max(worst, d / s if s > 0 else (0.0 if d == 0 else float("inf")))
+    return worst
+
+
+# --------------------------------------------------------------------------------------------
+# the rows: each builds a callable that runs the model, on its own copy of the model
+
+
+def build_checkpoint(model, cfg):
+    if cfg["name"] == "gpt2":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        from torch.utils.checkpoint import checkpoint
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
+class Bench:
+    def __init__(self, cfg, device, n_steps, log):
+        self.cfg, self.device, self.n, self.log = cfg, device, n_steps, log
+        torch.manual_seed(0)
+        model, ex = cfg["factory"](**cfg["kwargs"])
+        self.pristine = model.to(device).train()
+        self.ex = to_device(ex, device)
+        self.args, self.kwargs = split(self.ex)
+        # the eager reference: its own copy, never compiled, used for the gradient reference and
+        # as the paired timing partner of every row
+        self.eager = copy.deepcopy(self.pristine)
+        self.eager_step = make_step(self.eager, self.args, self.kwargs)
+        zero(self.eager)
+        torch.manual_seed(SEED)
+        self.eager_step()
+        self.ref_grads = grads_of(self.eager)
+        self.eager_step()  # warm
+
+    def fresh(self):
+        return copy.deepcopy(self.pristine)
+
+    def run_row(self, method, setting, build, extra=None) -> dict:
+        """build(model) -> (callable, info dict); the first call (compilation) happens in build."""
+        row = dict(model=self.cfg["name"], method=method, setting=setting, device=str(self.device))
+        row.update(extra or {})
+        t0 = time.perf_counter()
+        try:
+            model = self.fresh()
+            fn, info = build(model)
+            row.update(info)
+            step = make_step(fn, self.args, self.kwargs)
+            # warm-up (compiles where it has not yet), without zeroing: grads exist from now on
+            step()
+            sync(self.device)
+            _, m = measure_peak(step, device=self.device, baseline_objs=(model, self.ex))
+            row["measured_peak"] = m.peak_bytes
+            row["measure_method"] = m.method
+            # timing: each row step right after an eager step
+            rt, et = [], []
+            for _ in range(self.n):
+                sync(self.device)
+                a = time.perf_counter()
+                self.eager_step()
+                sync(self.device)
+                b = time.perf_counter()
+                step()
+                sync(self.device)
+                c = time.perf_counter()
+                et.append(b - a)
+                rt.append(c - b)
+            row["step_s"] = statistics.median(rt)
+            row["eager_step_s"] = statistics.median(et)
+            row["step_vs_eager"] = row["step_s"] / row["eager_step_s"]
+            row["step_samples_s"] = rt
+            row["eager_samples_s"] = et
+            # gradients of one step from zero, same seed as the eager reference
+            zero(model)
+            torch.manual_seed(SEED)
+            step()
+            row["max_grad_rel_err"] = max_rel_err(grads_of(model), self.ref_grads)
+            row["status"] = "ok"
+        except autoremat.BudgetError as e:
+            row["status"] = "infeasible"
+            row["smallest_budget"] = e.smallest_budget
+        except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
+            row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            row["traceback"] = traceback.format_exc()
+            self.log(row["traceback"])
+        finally:
+            fn = model = step = None  # noqa: F841
+            gc.collect()
+            torch._dynamo.reset()
+        row["row_wall_s"] = time.perf_counter() - t0
+        self.log(fmt_row_line(row))
+        return row
+
+
+def eager_build(model):
+    return model, {}
+
+
+def ckpt_build(cfg):
+    def build(model):
+        return build_checkpoint(model, cfg), {}
+    return build
+
+
+def pt_build(b, args, kwargs):
+    def build(model):
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(activation_memory_budget=b):
+            cm = torch.compile(model, backend="aot_eager")
+            loss_of(cm(*args, **kwargs)).backward()  # first call (compile + partition) inside the patch
+        return cm, {}
+    return build
+
+
+def ar_build(budget, ex):
+    def build(model):
+        torch._dynamo.reset()
+        om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None)
+        p = om.plan
+        info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
+                    baseline_peak=p.baseline_peak, predicted_overhead=p.overhead, num_graphs=om.num_graphs,
+                    solver_status=p.solver.get("status"))
+        return om, info
+    return build
+
+
+def ar_limits(bench) -> dict:
+    """Smallest feasible budget (from a BudgetError at budget=1) and the no-recompute total."""
+    out = {}
+    torch._dynamo.reset()
+    try:
+        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None)
+        raise RuntimeError("budget=1 did not raise BudgetError")
+    except autoremat.BudgetError as e:
+        out["smallest"] = e.smallest_budget
+    torch._dynamo.reset()
+    om = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None)
+    p = om.plan
+    fixed = p.ledger["parameters"] + p.ledger["gradients"] + p.ledger["optimizer_state"] + \
+        p.ledger["master_weights"] + p.ledger["inputs"]
+    out["fixed"] = fixed
+    out["no_recompute"] = fixed + p.baseline_peak
+    out["huge_budget_predicted_peak"] = p.predicted_peak
+    del om
+    torch._dynamo.reset()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# output
+
+
+def fmt_row_line(r) -> str:
+    if r["status"] != "ok":
+        return f"  {r['model']:6} {r['method']:22} {r['setting']:18} {r['status']} ({r['row_wall_s']:.1f}s)"
+    pp = f" pred {r['predicted_peak'] / MiB:8.1f}" if "predicted_peak" in r else ""
+    return (f"  {r['model']:6} {r['method']:22} {r['setting']:18} peak {r['measured_peak'] / MiB:8.1f} MiB{pp}"
+            f"  time x{r['step_vs_eager']:.3f}  err {r['max_grad_rel_err']:.2e}  ({r['row_wall_s']:.1f}s)")
+
+
+def table(rows) -> str:
+    head = ("| model | method | setting | measured peak (MiB) | peak vs eager | step time vs eager | "
+            "max grad rel err | predicted peak (MiB) |")
+    lines = [head, "|" + "---|" * 8]
+    eager_peak = {(r["model"], r["device"]): r["measured_peak"] for r in rows
+                  if r["method"] == "eager" and r["status"] == "ok"}
+    for r in rows:
+        pred = f"{r['predicted_peak'] / MiB:.1f}" if r.get("predicted_peak") is not None else ""
+        if r["status"] == "ok":
+            ep = eager_peak.get((r["model"], r["device"]))
+            lines.append(
+                f"| {r['model']} | {r['method']} | {r['setting']} | {r['measured_peak'] / MiB:.1f} | "
+                f"{r['measured_peak'] / ep:.3f} | {r['step_vs_eager']:.3f} | {r['max_grad_rel_err']:.1e} | {pred} |"
+                if ep else f"| {r['model']} | {r['method']} | {r['setting']} | {r['measured_peak'] / MiB:.1f} | | "
+                f"{r['step_vs_eager']:.3f} | {r['max_grad_rel_err']:.1e} | {pred} |")
+        elif r["status"] == "infeasible":
+            sb = r.get("smallest_budget")
+            note = f"infeasible (BudgetError: smallest {sb / MiB:.1f} MiB)" if sb else "infeasible (BudgetError)"
+            lines.append(f"| {r['model']} | {r['method']} | {r['setting']} | {note} | | | | |")
+        else:
+            lines.append(f"| {r['model']} | {r['method']} | {r['setting']} | {r['status']} | | | | |")
+    return "\n".join(lines)
+
+
+def goal_check(rows, noise) -> tuple[str, dict]:
+    """At every memory level autoremat's step time is no worse than every peer whose measured peak is at or
+    below it: for each autoremat row A and each peer row P (eager, checkpoint, pt-budget) of the same model
+    and device with peak(P) <= peak(A), require time(A) <= time(P)."""
+    lines = []
+    held = failed = failed_in_noise = 0
+    ok = [r for r in rows if r["status"] == "ok"]
+    for r_ar in ok:
+        if not r_ar["method"].startswith("autoremat"):
+            continue
+        for p in ok:
+            if p["method"].startswith("autoremat") or (p["model"], p["device"]) != (r_ar["model"], r_ar["device"]):
+                continue
+            if p["measured_peak"] > r_ar["measured_peak"]:
+                continue
+            a, b = r_ar["step_vs_eager"], p["step_vs_eager"]
+            if a <= b:
+                verdict = "holds"
+                held += 1
+            elif a <= b * (1 + noise.get((p["model"], p["device"]), 0.0)):
+                verdict = "FAILS (within timing noise)"
+                failed += 1
+                failed_in_noise += 1
+            else:
+                verdict = "FAILS"
+                failed += 1
+            lines.append(
+                f"- {r_ar['model']}/{r_ar['device']}: {r_ar['method']} {r_ar['setting']} "
+                f"({r_ar['measured_peak'] / MiB:.1f} MiB, x{a:.3f}) vs {p['method']} {p['setting']} "
+                f"({p['measured_peak'] / MiB:.1f} MiB, x{b:.3f}): {verdict}")
+    n = held + failed
+    summary = (f"Goal check: \"at every memory level autoremat's step time is no worse than every peer whose "
+               f"measured peak is at or below it\": {held}/{n} comparisons hold, {failed} fail "
+               f"({failed_in_noise} of those within the timing noise). "
+               + ("GOAL MET." if failed == 0 else "GOAL NOT MET."))
+    return summary + "\n" + "\n".join(lines), dict(held=held, failed=failed, failed_within_noise=failed_in_noise,
+                                                    comparisons=n)
+
+
+def timing_noise(rows) -> dict:
+    """Relative spread of the eager steps paired with every row: (p90 - p10) / median / 2, per model/device."""
+    out = {}
+    for key in {(r["model"], r["device"]) for r in rows}:
+        samples = [s for r in rows if (r["model"], r["device"]) == key and r["status"] == "ok"
+                   for s in r["eager_samples_s"]]
+        if len(samples) >= 5:
+            q = statistics.quantiles(samples, n=10)
+            out[key] = (q[-1] - q[0]) / statistics.median(samples) / 2
+    return out
+
+
+def git_state() -> str:
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "autoremat"], capture_output=True,
+                               text=True).stdout.strip()
+        return head + (" (autoremat/ has uncommitted changes)" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def bench_model(cfg, device, n_steps, n_grid, log) -> tuple[list[dict], dict]:
+    log(f"== {cfg['name']} on {device}: {cfg['kwargs']}")
+    t0 = time.perf_counter()
+    bench = Bench(cfg, device, n_steps, log)
+    rows = [bench.run_row("eager", "-", eager_build),
+            bench.run_row("checkpoint", "every block", ckpt_build(cfg))]
+    for b in PT_BUDGETS:
+        rows.append(bench.run_row("pt-budget", f"amb={b}", pt_build(b, bench.args, bench.kwargs)))
+    lim = ar_limits(bench)
+    log(f"  autoremat limits: smallest {lim['smallest'] / MiB:.1f} MiB, no-recompute total "
+        f"{lim['no_recompute'] / MiB:.1f} MiB (fixed {lim['fixed'] / MiB:.1f} MiB)")
+    lo, hi = lim["smallest"], lim["no_recompute"]
+    for i in range(n_grid):
+        budget = int(lo + (hi - lo) * i / (n_grid - 1)) if n_grid > 1 else hi
+        rows.append(bench.run_row("autoremat", f"grid {i}: {budget / MiB:.1f} MiB", ar_build(budget, bench.ex)))
+    for p in list(rows):
+        if p["method"] in ("eager", "checkpoint", "pt-budget") and p["status"] == "ok":
+            budget = p["measured_peak"]
+            rows.append(bench.run_row("autoremat @ peer", f"{p['method']} {p['setting']}: {budget / MiB:.1f} MiB",
+                                      ar_build(budget, bench.ex)))
+    lim["wall_s"] = time.perf_counter() - t0
+    return rows, lim
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small models (~2 min on a 2-core CPU)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per row (median), >= 5")
+    ap.add_argument("--grid", type=int, default=5, help="autoremat budgets between smallest and no-recompute")
+    ap.add_argument("--devices", default=None, help="comma list; default: cpu, and cuda when available")
+    ap.add_argument("--models", default="stack,gpt2")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    devices = a.devices.split(",") if a.devices else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    cfgs = [c for c in configs(a.quick) if c["name"] in a.models.split(",")]
+
+    def log(s):
+        print(s, flush=True)
+
+    t_start = time.perf_counter()
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv),
+                quick=a.quick, steps=a.steps, grid=a.grid, torch=torch.__version__, threads=torch.get_num_threads(),
+                python=platform.python_version(), machine=platform.processor() or platform.machine(),
+                autoremat_file=autoremat.__file__, repo_git=git_state(), seed=SEED,
+                configs={c["name"]: c["kwargs"] for c in cfgs})
+    try:
+        import transformers
+        meta["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    log(f"autoremat from {meta['autoremat_file']} (repo {meta['repo_git']}), torch {torch.__version__}, "
+        f"1 thread")
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for dev_name in devices:
+        device = torch.device(dev_name)
+        rows, limits = [], {}
+        for cfg in cfgs:
+            r, lim = bench_model(cfg, device, max(5, a.steps), a.grid, log)
+            rows += r
+            limits[cfg["name"]] = lim
+        noise = timing_noise(rows)
+        md_table = table(rows)
+        goal, goal_counts = goal_check(rows, noise)
+        wall = time.perf_counter() - t_start
+        sizes = "; ".join(f"{c['name']}: {c['kwargs']}" for c in cfgs)
+        header = (f"# autoremat vs peers on {dev_name}{' (--quick)' if a.quick else ''}\n\n"
+                  f"Command: `python benchmarks/remat_vs_peers.py {' '.join(sys.argv[1:])}`, {meta['date']}, "
+                  f"torch {torch.__version__}, {torch.get_num_threads()} thread, repo {meta['repo_git']}, "
+                  f"wall {wall:.0f} s.\n\nModels: {sizes}."
+                  + ("" if a.quick else " The 12-layer stack is at the brief's full size (d=256, seq 128, batch 8); "
+                     "GPT-2 is 4 layers, 256 wide, vocab 4096, to fit a CPU.")
+                  + f"\n\nStep = forward + backward of one micro-batch, no optimizer (optimizer=None), gradients "
+                  f"already allocated by a warm-up step. Peak: {rows[0].get('measure_method', '?')} "
+                  f"(autoremat.measure.measure_peak), baseline = model parameters + grads + inputs. Step time: median "
+                  f"of {max(5, a.steps)} steps, each paired with an eager step just before it. Grad error: max over "
+                  f"parameters of ||g - g_eager|| / ||g_eager||, after torch.manual_seed({SEED}) before the forward "
+                  f"(dropout 0.1 on). Timing noise (eager p10-p90 half-spread): "
+                  + ", ".join(f"{k[0]} {100 * v:.1f}%" for k, v in sorted(noise.items())) + ".\n\n"
+                  + "\n".join(f"autoremat limits for {k}: smallest feasible {v['smallest'] / MiB:.1f} MiB, "
+                              f"no-recompute total {v['no_recompute'] / MiB:.1f} MiB (fixed {v['fixed'] / MiB:.1f} "
+                              f"MiB)." for k, v in limits.items()) + "\n")
+        text = header + "\n" + md_table + "\n\n" + goal + "\n"
+        log("\n" + text)
+        stem = f"remat_vs_peers_{dev_name}{'_quick' if a.quick else ''}"
+        (out_dir / f"{stem}.md").write_text(text)
+        (out_dir / f"{stem}.json").write_text(json.dumps(
+            dict(meta=meta, wall_s=wall, limits=limits, noise={f"{k[0]}/{k[1]}": v for k, v in noise.items()},
+                 goal=goal_counts, rows=rows), indent=1, default=str))
+        log(f"wrote {out_dir / stem}.md and .json")
+
+
+if __name__ == "__main__":
+    main()
