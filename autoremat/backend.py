@@ -21,7 +21,7 @@ from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
 from autoremat.passes import split
-from autoremat.plan import BudgetError, Plan, build_plan, merge_plans
+from autoremat.plan import SLACK, BudgetError, Plan, build_plan, merge_plans
 from autoremat.profile import GraphProfile, calibrate_scratch, profile_graph
 from autoremat.solver import Decision, Infeasible, smallest_peak, solve
 from autoremat.units import parse_budget
@@ -133,7 +133,7 @@ def plan_graphs(
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
     if budget is None:  # no budget: the device's memory, or no limit at all on a CPU
         budget = device.memory_bytes or 2**62
-    activations = budget - ledger.fixed
+    activations = budget - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars, held by no graph
     try:
         if activations <= 0:
             smallest = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver,

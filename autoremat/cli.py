@@ -338,9 +338,9 @@ def pareto_points(opt_model: Any, plan: Any, args: argparse.Namespace, count: in
 def format_pareto(points: list[tuple[int, float]], plan: Any) -> str:
     from autoremat.units import format_bytes
 
+    rows = sorted([(b, o, "") for b, o in points] + [(plan.budget, plan.overhead, "  (chosen)")])
     lines = [f"{'budget':>12}  {'predicted overhead':>18}"]
-    lines += [f"{format_bytes(b):>12}  {100 * o:>17.1f}%" for b, o in points]
-    lines.append(f"{format_bytes(plan.budget):>12}  {100 * plan.overhead:>17.1f}%  (chosen)")
+    lines += [f"{format_bytes(b):>12}  {100 * o:>17.1f}%{mark}" for b, o, mark in rows]
     return "\n".join(lines)
 
 
@@ -405,7 +405,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="another factory keyword argument (int, float or string); repeatable")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES, help="sizes the optimizer state")
-    p.add_argument("--device", choices=known_devices(), metavar="NAME",
+    p.add_argument("--device", metavar="NAME",
                    help=f"roofline device for op times: {', '.join(known_devices())} (default cpu)")
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="ILP time limit per solve")
