@@ -196,7 +196,19 @@ def _compile_and_trace(model, planner: Planner, compiler: str, args: tuple, kwar
             raise inner from None
         raise
     del out
+    _reshard(model)
     return compiled
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """A forward with no backward leaves FSDP2's gathered parameters in place; put the shards back."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _replan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, solver, time_limit):

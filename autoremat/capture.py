@@ -141,4 +141,40 @@ def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:
     fresh = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     fresh.__kwdefaults__ = fn.__kwdefaults__
     fresh.__dict__.update(fn.__dict__)
-    return torch.compile(types.MethodType(fresh, model), backend=backend, dynamic=False)
+    bound = types.MethodType(fresh, model)
+    if not _has_call_hooks(model):
+        return torch.compile(bound, backend=backend, dynamic=False)
+
+    # Calling the forward directly would skip the module's own hooks (FSDP2's fully_shard gathers
+    # the root's parameters in a forward pre-hook). Run them around the fresh forward.
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _call_with_hooks(model, compiled_forward, args, kwargs)
+
+    compiled_forward = torch.compile(bound, backend=backend, dynamic=False)
+    return call
+
+
+def _has_call_hooks(model: torch.nn.Module) -> bool:
+    return bool(model._forward_pre_hooks or model._forward_hooks)
+
+
+def _call_with_hooks(model: torch.nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+    """What nn.Module._call_impl does with the module's forward (pre-)hooks, around `forward`."""
+    for hook_id, hook in list(model._forward_pre_hooks.items()):
+        if hook_id in model._forward_pre_hooks_with_kwargs:
+            result = hook(model, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        else:
+            result = hook(model, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    out = forward(*args, **kwargs)
+    for hook_id, hook in list(model._forward_hooks.items()):
+        if hook_id in model._forward_hooks_with_kwargs:
+            result = hook(model, args, kwargs, out)
+        else:
+            result = hook(model, args, out)
+        if result is not None:
+            out = result
+    return out

@@ -272,8 +272,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _optimize(model: Any, budget: int, inputs: Any, args: argparse.Namespace, device: str) -> Any:
     import autoremat
 
-    return autoremat.optimize(model, budget, inputs, optimizer=args.optimizer, device=device, solver=args.solver,
-                              time_limit=args.time_limit)
+    try:
+        return autoremat.optimize(model, budget, inputs, optimizer=args.optimizer, device=device,
+                                  solver=args.solver, time_limit=args.time_limit, world_size=args.world_size,
+                                  sharding=args.sharding)
+    except ValueError as e:
+        if "world_size" in str(e) or "sharding" in str(e):
+            raise UsageError(str(e)) from e
+        raise
 
 
 def _first_line(e: BaseException) -> str:
@@ -319,10 +325,12 @@ def pareto_points(opt_model: Any, plan: Any, args: argparse.Namespace, count: in
     profiles = opt_model._planner.profiles
     dev = get_device(args.device or "cpu")
     fixed = Ledger.from_dict(plan.ledger).fixed
-    low = fixed + smallest_peak(profiles, granularity=dev.alloc_granularity, solver=args.solver,
-                                time_limit=args.time_limit).peak
+    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=args.solver,
+                             time_limit=args.time_limit)
+    low = fixed + smallest.peak
     high = fixed + max(plan.baseline_peak, plan.activation_peak)
     budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
+    forward = plan.forward_time_s or 1.0
     points = []
     for b in budgets:
         try:
@@ -330,8 +338,10 @@ def pareto_points(opt_model: Any, plan: Any, args: argparse.Namespace, count: in
             decision = plan_graphs(profiles, b, Ledger.from_dict(plan.ledger), dev, solver=args.solver,
                                    time_limit=args.time_limit)
         except BudgetError:
-            continue  # the min-peak plan can be a hair under what the ILP reaches; skip that point
-        points.append((b, decision.recompute_time_s / plan.forward_time_s if plan.forward_time_s else 0.0))
+            if b != low:
+                continue
+            decision = smallest  # at the very edge the search can miss what the min-peak plan reached
+        points.append((b, decision.recompute_time_s / forward))
     return points
 
 
@@ -407,6 +417,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES, help="sizes the optimizer state")
     p.add_argument("--device", metavar="NAME",
                    help=f"roofline device for op times: {', '.join(known_devices())} (default cpu)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks the step is sharded over (per-rank plan)")
+    p.add_argument("--sharding", default="none", choices=SHARDINGS)
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="ILP time limit per solve")
     p.add_argument("--json", metavar="FILE", help="save the plan (re-apply it with autoremat.Plan.load)")

@@ -10,11 +10,12 @@ variable sits in O(1) rows and the model stays sparse:
 - backward step t: the static live bytes of the backward's own values, plus each saved value until
   its last backward use LN(v), plus each recomputed value from its first need FN(v) to LN(v).
 
-FN and LN are fixed numbers only if recomputation stays local. The JIT schedule (memory.py) computes
-a recomputed value when its first consumer runs; if a recomputed consumer w is needed before the
-value u it reads would otherwise be (FN(w) < FN(u)), u would be dragged forward in time. We forbid
-exactly that pair (r_u + r_w <= 1), which makes FN exact; LN is bounded from above. The solution is
-then replayed by the exact simulator; if it overshoots, the budget is tightened and the ILP solved
+The JIT schedule (memory.py) computes a recomputed value when its first consumer runs, so a
+recomputed consumer w needed before u (FN(w) < FN(u)) drags u forward in time. Inside one repeated
+block (e.g. "transformer.h.3", the natural checkpoint segment) we allow the drag and allocate u from
+the earliest time a chain of recomputed consumers could need it (START); across blocks we forbid the
+pair (r_u + r_w <= 1), since a drag there would keep whole layers alive. START is a lower and LN an
+upper bound of the real lifetime, so the rows are conservative. The solution is then replayed by the exact simulator; if it overshoots, the budget is tightened and the ILP solved
 again, and if nothing fits a greedy plan that the simulator accepts is used.
 """
 
@@ -59,14 +60,15 @@ class Decision:
 class _Lifetimes:
     fw_pos: dict[str, int]  # forward-side nodes in joint order
     bw_pos: dict[str, int]  # backward nodes in joint order
-    fn: dict[str, float]  # first backward position at which v must exist if recomputed
+    fn: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
+    start: dict[str, float]  # earliest position a recomputed v can be computed at (recomputed users drag it)
     ln: dict[str, float]  # last backward position at which v is read (upper bound)
     last_fw: dict[str, int]  # last forward position at which v is read
     needed: set[str]  # forward-side values a backward node reads directly
-    pass_through: dict[str, set[str]]  # users of v whose need time is v's need time
+    follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
 
 
-def _lifetimes(g: GraphProfile) -> _Lifetimes:
+def _lifetimes(g: GraphProfile, drag: bool = False) -> _Lifetimes:
     nodes = g.nodes
     fw = [n for n, p in nodes.items() if p.kind == "forward"]
     bw = [n for n, p in nodes.items() if p.kind == "backward"]
@@ -94,20 +96,31 @@ def _lifetimes(g: GraphProfile) -> _Lifetimes:
     def is_alias(w: str) -> bool:
         return bool(nodes[w].storage) and nodes[w].storage != w
 
-    pass_through: dict[str, set[str]] = {}
+    follows: dict[str, set[str]] = {}
     fn: dict[str, float] = {}
+    start: dict[str, float] = {}
     ln: dict[str, float] = {}
     for v in reversed(fw):  # users come later in joint order, so they are done already
         fw_users = [w for w in users[v] if w in fw_pos]
-        pt = {
-            w for w in fw_users
-            if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple
-        }
-        pass_through[v] = pt
+        pt = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
         fn[v] = min([direct_first[v], *(fn[w] for w in pt)])
+        # A recomputed user drags v to its own start; we allow that inside one repeated block (a
+        # checkpoint-like segment) and account for it, and forbid it across blocks.
+        same = {w for w in fw_users if drag and _block(nodes[w].module) == _block(nodes[v].module)}
+        follows[v] = pt | same
+        start[v] = min([fn[v], *(start[w] for w in follows[v])])
         later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
         ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
-    return _Lifetimes(fw_pos, bw_pos, fn, ln, last_fw, needed, pass_through)
+    return _Lifetimes(fw_pos, bw_pos, fn, start, ln, last_fw, needed, follows)
+
+
+def _block(module: str) -> str:
+    """The repeated block a module path belongs to: "transformer.h.3.attn.c_attn" -> "transformer.h.3"."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
 
 
 def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int]]:
@@ -146,7 +159,8 @@ def _pick_solver(name: str, time_limit: float, gap: float) -> pulp.LpSolver:
 class _Model:
     """The ILP for a list of graphs that run one after another in one step."""
 
-    def __init__(self, graphs: list[GraphProfile], granularity: int) -> None:
+    def __init__(self, graphs: list[GraphProfile], granularity: int, drag: bool) -> None:
+        self.drag = drag
         with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
             warnings.simplefilter("ignore", DeprecationWarning)
             self._build(graphs, granularity)
@@ -162,7 +176,7 @@ class _Model:
         saved_total = []
         per_graph_rows = []
         for gi, g in enumerate(graphs):
-            life = _lifetimes(g)
+            life = _lifetimes(g, self.drag)
             fw_static, bw_static = _static_profile(g, granularity)
             s, r = self._variables(gi, g, life)
             self.s.append(s)
@@ -205,8 +219,8 @@ class _Model:
                     continue  # parameters, inputs: always there
                 avail = (s[u] if u in s else 0) + r[u]
                 self.prob += r[v] <= avail
-                # Locality: u must not be dragged to an earlier time by recomputing v.
-                if v not in life.pass_through[u] and life.fn[v] < life.fn[u]:
+                # Locality: u must not be dragged earlier than `start` accounts for.
+                if v not in life.follows[u] and life.start[v] < life.start[u]:
                     self.prob += r[u] + r[v] <= 1
             self.time_expr += p.time_s * r[v]
         return s, r
@@ -230,7 +244,7 @@ class _Model:
         for v in life.fw_pos:
             if not size[v]:
                 continue
-            ln, fn = life.ln[v], life.fn[v]
+            ln, fn = life.ln[v], life.start[v]
             if ln == -INF:
                 continue  # never read in the backward: a save only costs forward memory
             ln_i = min(int(ln), len(bw_static) - 1)
@@ -344,6 +358,46 @@ def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1) -> lis
     return saved
 
 
+def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:
+    """Save only what crosses a repeated block (and what may not be recomputed): checkpointing."""
+    plans = []
+    for g in graphs:
+        life = _lifetimes(g)
+        saved = set()
+        for v in life.fw_pos:
+            p = g.nodes[v]
+            if p.is_tuple:
+                continue
+            crosses = any(
+                _block(g.nodes[w].module) != _block(p.module) for w in g.nodes if v in g.nodes[w].inputs
+                and g.nodes[w].kind == "forward"
+            )
+            parent_banned = bool(p.tuple_parent) and bool(g.nodes[p.tuple_parent].recompute_ban)
+            if p.recompute_ban or parent_banned or crosses or v in g.fw_outputs:
+                saved.add(v)
+        plans.append(saved)
+    return plans
+
+
+def _solve_model(model: _Model, graphs, budget, backend, granularity, max_rounds) -> Decision | None:
+    """Solve one ILP model, tightening its budget while the simulator says the plan overshoots."""
+    target, solver_name = budget, type(backend).__name__
+    status = "infeasible"
+    for rounds in range(1, max_rounds + 1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            status, saved = model.solve(target, backend)
+        if saved is None:
+            break
+        schedules, tl, cost = evaluate(graphs, saved, granularity)
+        if tl.peak <= budget:
+            path = ("ilp" if rounds == 1 else "ilp+tighten") + ("/block-drag" if model.drag else "")
+            return Decision(saved, schedules, tl, cost, status, path, rounds=rounds, solver=solver_name)
+        target -= tl.peak - budget  # the ILP was optimistic by this much: ask for less
+    model.last_status = status
+    return None
+
+
 def solve(
     graphs: list[GraphProfile],
     budget: int,
@@ -356,36 +410,27 @@ def solve(
 ) -> Decision:
     """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
 
+    Two ILP models are solved: one that keeps recomputation local (exact start times) and one that
+    lets it span a repeated block (checkpoint-like segments, start times bounded). The cheaper
+    plan the simulator accepts wins; then the greedy plan, then the smallest-peak plan.
     Raises `Infeasible` carrying the smallest activation peak any plan reached.
     """
     t0 = time.perf_counter()
-    model = _Model(graphs, granularity)
     backend = _pick_solver(solver, time_limit, gap)
     solver_name = type(backend).__name__
-    target = budget
-    best: Decision | None = None
-    status = "infeasible"
-    rounds = 0
-    for rounds in range(1, max_rounds + 1):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            status, saved = model.solve(target, backend)
-        if saved is None:
-            break
-        schedules, tl, cost = evaluate(graphs, saved, granularity)
-        if tl.peak <= budget:
-            best = Decision(saved, schedules, tl, cost, status, "ilp" if rounds == 1 else "ilp+tighten",
-                            rounds=rounds, solver=solver_name)
-            break
-        target -= tl.peak - budget  # the ILP was optimistic by this much: ask for less
+    models = [_Model(graphs, granularity, drag) for drag in (False, True)]
+    found = [d for m in models if (d := _solve_model(m, graphs, budget, backend, granularity, max_rounds))]
+    best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
+    status = best.status if best else getattr(models[0], "last_status", "infeasible")
     if best is None:
         saved = greedy(graphs, budget, granularity)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= budget:
-            best = Decision(saved, schedules, tl, cost, "greedy", "greedy", rounds=rounds, solver=solver_name,
+            best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
     if best is None:
-        smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit, model=model)
+        smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
+                                 models=models)
         if smallest.peak > budget:
             raise Infeasible(smallest, status)
         best = smallest
@@ -395,21 +440,30 @@ def solve(
     return best
 
 
-def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, model=None) -> Decision:
-    """The plan with the smallest simulated activation peak we can find (ILP min-peak, or greedy)."""
-    model = model or _Model(graphs, granularity)
+def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None) -> Decision:
+    """The plan with the smallest simulated activation peak we can find.
+
+    Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy.
+    """
+    models = models or [_Model(graphs, granularity, drag) for drag in (False, True)]
     backend = _pick_solver(solver, time_limit, 1e-3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        status, saved = model.solve(None, backend, min_peak=True)
     options = []
-    if saved is not None:
-        options.append((saved, "ilp-min-peak"))
+    status = "infeasible"
+    for model in models:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            status, saved = model.solve(None, backend, min_peak=True)
+        if saved is not None:
+            options.append((saved, "ilp-min-peak" + ("/block-drag" if model.drag else "")))
+    options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
     options.append((greedy(graphs, 0, granularity), "greedy"))
     best = None
     for cand, path in options:
-        schedules, tl, cost = evaluate(graphs, cand, granularity)
-        if best is None or tl.peak < best.peak:
+        try:
+            schedules, tl, cost = evaluate(graphs, cand, granularity)
+        except ValueError:  # a candidate the schedule cannot run (a needed value nobody may recompute)
+            continue
+        if best is None or (tl.peak, cost) < (best.peak, best.recompute_time_s):
             best = Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
                             granularity=granularity)
     return best
