@@ -69,6 +69,25 @@ def _graph_device(gm: fx.GraphModule) -> str:
     return "cpu"
 
 
+def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
+    """Dropout as a random bool mask and two multiplies, so that the output can be recomputed.
+
+    The mask is the only random value (1 byte per element, always saved); the output becomes a
+    pure function of the input and the mask. On CPU this draws exactly what the fused kernel
+    draws (bernoulli_ into a bool tensor, then input * mask * scale: checked bit for bit), so
+    gradients stay equal to eager's. CUDA's fused kernel draws differently: left alone there.
+    """
+    if x.device.type not in ("cpu", "meta") or train is False or p == 0 or x.numel() == 0:
+        return NotImplemented
+    if p >= 1:
+        return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
+    mask = torch.ops.aten.bernoulli.p(torch.empty_like(x, dtype=torch.bool), 1 - p)  # functional bernoulli_
+    return torch.mul(torch.mul(x, mask), 1.0 / (1 - p)), mask
+
+
+DECOMPOSITIONS = {torch.ops.aten.native_dropout.default: _native_dropout}
+
+
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager") -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
@@ -94,12 +113,14 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager") -> Callabl
         return on_joint(cg)
 
     if compiler == "eager":
-        return aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn)
+        return aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
+                            decompositions=DECOMPOSITIONS)
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
 
         return aot_autograd(
-            fw_compiler=compile_fx_inner, bw_compiler=compile_fx_inner, partition_fn=partition_fn
+            fw_compiler=compile_fx_inner, bw_compiler=compile_fx_inner, partition_fn=partition_fn,
+            decompositions=DECOMPOSITIONS,
         )
     raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
 

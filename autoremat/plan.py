@@ -96,7 +96,7 @@ class Plan:
             f"predicted recompute overhead {100 * self.overhead:.1f}% of the step "
             f"({self.recompute_time_s * 1e3:.3f} ms of {self.forward_time_s * 1e3:.3f} ms)",
             f"solver: {self.solver.get('path')} ({self.solver.get('status')}, {self.solver.get('solver')}, "
-            f"{self.solver.get('solve_time_s', 0):.2f} s, {self.solver.get('rounds')} round(s))",
+            f"{self.solver.get('solve_time_s', 0):.2f} s)",
             "",
             ledger.format(),
             "",
@@ -168,10 +168,8 @@ def _top_module(path: str) -> str:
 
 def _compress(tl: Timeline, points: int = 2000) -> list[list]:
     stride = max(1, len(tl.steps) // points)
-    keep = [s for i, s in enumerate(tl.steps) if i % stride == 0]
     peak = tl.peak_step
-    if peak is not None and peak not in keep:
-        keep.append(peak)
+    keep = [s for i, s in enumerate(tl.steps) if i % stride == 0 or s is peak]  # in time order
     return [[s.graph, s.phase, s.node, s.during] for s in keep]
 
 

@@ -108,7 +108,8 @@ def _module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = str(list(stack.values())[-1][0])
-    return re.sub(r"^L\['[^']*'\]\.?", "", path)  # "L['self'].blocks.0" -> "blocks.0"
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)  # "L['self'].blocks.0" -> "blocks.0"
+    return re.sub(r"^__self__\.?", "", path)  # a compiled bound method's module: "__self__.0" -> "0"
 
 
 def recompute_ban(node: fx.Node) -> str:

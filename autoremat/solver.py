@@ -275,7 +275,7 @@ class _Model:
             for static, expr in self.rows:
                 if isinstance(expr, pulp.LpAffineExpression) and not expr.keys():
                     if static + expr.constant > budget:
-                        return "infeasible", None
+                        return "infeasible", None, None
                     continue
                 prob += expr + static <= budget
             # Recompute time first; bytes only break ties (keeps peaks monotonic in the budget).
@@ -285,8 +285,9 @@ class _Model:
         if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
             saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]
-            return status, saved
-        return pulp.LpStatus[prob.status].lower(), None
+            predicted = max((static + (pulp.value(expr) or 0) for static, expr in self.rows), default=0)
+            return status, saved, predicted
+        return pulp.LpStatus[prob.status].lower(), None, None
 
 
 @contextlib.contextmanager
@@ -379,23 +380,47 @@ def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:
     return plans
 
 
-def _solve_model(model: _Model, graphs, budget, backend, granularity, max_rounds) -> Decision | None:
-    """Solve one ILP model, tightening its budget while the simulator says the plan overshoots."""
-    target, solver_name = budget, type(backend).__name__
-    status = "infeasible"
+def _solve_model(model: _Model, graphs, budget, backend, granularity, max_rounds, deadline) -> Decision | None:
+    """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
+
+    If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
+    were pessimistic: ask for the slack back and keep the cheapest plan that fits. If the ILP finds
+    nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once.
+    """
+    target, best, learned = budget, None, False
+    model.last_status = "infeasible"
     for rounds in range(1, max_rounds + 1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            status, saved = model.solve(target, backend)
-        if saved is None:
-            break
+            status, saved, _ = model.solve(target, backend)
+            model.last_status = status
+            if saved is None:
+                if learned or best is not None:
+                    break
+                learned = True
+                _, low, low_rows = model.solve(None, backend, min_peak=True)
+                if low is None:
+                    break
+                offset = low_rows - evaluate(graphs, low, granularity)[1].peak
+                if offset <= 0:
+                    break
+                target = budget + offset
+                continue
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= budget:
-            path = ("ilp" if rounds == 1 else "ilp+tighten") + ("/block-drag" if model.drag else "")
-            return Decision(saved, schedules, tl, cost, status, path, rounds=rounds, solver=solver_name)
-        target -= tl.peak - budget  # the ILP was optimistic by this much: ask for less
-    model.last_status = status
-    return None
+            if best is None or cost < best.recompute_time_s:
+                path = ("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.drag else "")
+                best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
+                                solver=type(backend).__name__)
+            slack = budget - tl.peak
+            if cost == 0 or slack <= 0.01 * budget or time.perf_counter() > deadline:
+                break
+            target += slack  # memory the rows could not see: offer it to the ILP
+        else:
+            if time.perf_counter() > deadline:
+                break
+            target -= tl.peak - budget  # the ILP was optimistic by this much: ask for less
+    return best
 
 
 def solve(
@@ -406,7 +431,7 @@ def solve(
     solver: str = "auto",
     time_limit: float = 30.0,
     gap: float = 1e-4,
-    max_rounds: int = 4,
+    max_rounds: int = 5,
 ) -> Decision:
     """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
 
@@ -418,8 +443,14 @@ def solve(
     t0 = time.perf_counter()
     backend = _pick_solver(solver, time_limit, gap)
     solver_name = type(backend).__name__
+    everything = save_all(graphs)
+    schedules, tl, _ = evaluate(graphs, everything, granularity)
+    if tl.peak <= budget:  # no recomputation needed: nothing to solve
+        return Decision(everything, schedules, tl, 0.0, "optimal", "save-all", solver="none",
+                        solve_time_s=time.perf_counter() - t0, granularity=granularity)
+    deadline = t0 + time_limit
     models = [_Model(graphs, granularity, drag) for drag in (False, True)]
-    found = [d for m in models if (d := _solve_model(m, graphs, budget, backend, granularity, max_rounds))]
+    found = [d for m in models if (d := _solve_model(m, graphs, budget, backend, granularity, max_rounds, deadline))]
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
     status = best.status if best else getattr(models[0], "last_status", "infeasible")
     if best is None:
@@ -452,7 +483,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     for model in models:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            status, saved = model.solve(None, backend, min_peak=True)
+            status, saved, _ = model.solve(None, backend, min_peak=True)
         if saved is not None:
             options.append((saved, "ilp-min-peak" + ("/block-drag" if model.drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
