@@ -73,7 +73,7 @@ class Planner:
         ledger: Ledger | None = None,
         plan: Plan | None = None,
         solver: str = "auto",
-        time_limit: float = 30.0,
+        time_limit: float = 10.0,
         calibrate: bool = True,
     ) -> None:
         self.calibrate = calibrate
@@ -128,7 +128,7 @@ def plan_graphs(
     device: DeviceSpec,
     *,
     solver: str = "auto",
-    time_limit: float = 30.0,
+    time_limit: float = 10.0,
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
     if budget is None:  # no budget: the device's memory, or no limit at all on a CPU
@@ -151,7 +151,7 @@ def backend(
     optimizer: Any = "adamw",
     device: DeviceSpec | str | None = None,
     solver: str = "auto",
-    time_limit: float = 30.0,
+    time_limit: float = 10.0,
     compiler: str = "eager",
 ) -> Callable:
     """A `torch.compile` backend that plans every graph under `budget` (see the module docstring).

@@ -326,7 +326,7 @@ def save_all(graphs: list[GraphProfile]) -> list[set[str]]:
     return [set(_lifetimes(g).needed) - {v for v in g.nodes if g.nodes[v].is_tuple} for g in graphs]
 
 
-def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1) -> list[set[str]]:
+def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300) -> list[set[str]]:
     """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.
 
     Starts from saving everything and turns saved values into recomputed ones, one at a time,
@@ -342,8 +342,8 @@ def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1) -> lis
             p = g.nodes[v]
             if not p.recompute_ban and p.nbytes:
                 candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
-    for _, gi, v in sorted(candidates, reverse=True):
-        if peak <= budget:
+    for tries, (_, gi, v) in enumerate(sorted(candidates, reverse=True)):
+        if peak <= budget or tries >= max_tries:
             break
         trial = [set(s) for s in saved]
         trial[gi].discard(v)
@@ -378,6 +378,69 @@ def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:
                 saved.add(v)
         plans.append(saved)
     return plans
+
+
+def _crossing(g: GraphProfile) -> set[str]:
+    """Forward values read by a forward node of another repeated block (block boundaries)."""
+    out = set()
+    for p in g.nodes.values():
+        if p.kind != "forward":
+            continue
+        for v in p.inputs:
+            q = g.nodes[v]
+            if q.kind == "forward" and not q.is_tuple and _block(q.module) != _block(p.module):
+                out.add(v)
+    return out
+
+
+def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, deadline: float) -> list[Decision]:
+    """Plans that give each repeated block one of three modes, searched exhaustively over a family.
+
+    Modes: save everything the backward reads; recompute only what is cheap (save matmul-class outputs,
+    as selective checkpointing does); recompute the whole block (checkpointing). Earlier blocks hold
+    their activations longest, so the family is: the first k blocks checkpointed, the next j
+    selectively, the rest saved. Each candidate is simulated exactly; those that fit are returned.
+    """
+    modes = []
+    for g in graphs:
+        everything = save_all([g])[0]
+        crossing = _crossing(g)
+        keep = {v for v, p in g.nodes.items() if p.kind == "forward" and not p.is_tuple and (
+            p.recompute_ban or v in g.fw_outputs or v in crossing
+            or (p.tuple_parent and g.nodes[p.tuple_parent].recompute_ban))}
+        heavy = {v for v, p in g.nodes.items() if p.kind == "forward" and not p.is_tuple
+                 and (p.flops > 4 * max(1, p.nbytes) or (p.tuple_parent and g.nodes[p.tuple_parent].flops
+                                                          > 4 * max(1, p.nbytes)))}
+        blocks: dict[str, set[str]] = {}
+        for v in _lifetimes(g).fw_pos:
+            blocks.setdefault(_block(g.nodes[v].module), set()).add(v)
+        order = [b for b in blocks if b]  # first appearance in forward order
+        base = {v for v in everything if not _block(g.nodes[v].module)} | (keep & blocks.get("", set()))
+        per = {b: {"save": (everything | keep) & nodes, "selective": (keep | (heavy & everything)) & nodes,
+                   "checkpoint": keep & nodes} for b, nodes in blocks.items() if b}
+        modes.append((base, order, per))
+    n = max((len(order) for _, order, _ in modes), default=0)
+    if n == 0:
+        return []
+    found = []
+    for k in range(n + 1):
+        for j in range(n - k + 1):
+            if time.perf_counter() > deadline:
+                return found
+            saved = []
+            for base, order, per in modes:
+                plan = set(base)
+                for i, b in enumerate(order):
+                    plan |= per[b]["checkpoint" if i < k else "selective" if i < k + j else "save"]
+                saved.append(plan)
+            try:
+                schedules, tl, cost = evaluate(graphs, saved, granularity)
+            except ValueError:
+                continue
+            if tl.peak <= budget:
+                found.append(Decision(saved, schedules, tl, cost, "heuristic",
+                                      f"block-modes(checkpoint {k}, selective {j})"))
+    return found
 
 
 def _solve_model(model: _Model, graphs, budget, backend, granularity, max_rounds, deadline) -> Decision | None:
@@ -429,7 +492,7 @@ def solve(
     *,
     granularity: int = 1,
     solver: str = "auto",
-    time_limit: float = 30.0,
+    time_limit: float = 10.0,
     gap: float = 1e-4,
     max_rounds: int = 5,
 ) -> Decision:
@@ -449,10 +512,21 @@ def solve(
         return Decision(everything, schedules, tl, 0.0, "optimal", "save-all", solver="none",
                         solve_time_s=time.perf_counter() - t0, granularity=granularity)
     deadline = t0 + time_limit
-    models = [_Model(graphs, granularity, drag) for drag in (False, True)]
-    found = [d for m in models if (d := _solve_model(m, graphs, budget, backend, granularity, max_rounds, deadline))]
+    # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
+    # and the answer when the ILP runs out of time on a large graph.
+    found = block_mode_plans(graphs, budget, granularity, t0 + time_limit / 3)
+    # Each MIP gets a share of the time: the calibration rounds solve it several times.
+    backend = _pick_solver(solver, max(2.0, time_limit / 6), gap)
+    models = []
+    for drag in (False, True):
+        if time.perf_counter() > deadline:
+            break
+        models.append(_Model(graphs, granularity, drag))
+        d = _solve_model(models[-1], graphs, budget, backend, granularity, max_rounds, deadline)
+        if d is not None:
+            found.append(d)
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
-    status = best.status if best else getattr(models[0], "last_status", "infeasible")
+    status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
     if best is None:
         saved = greedy(graphs, budget, granularity)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
@@ -477,7 +551,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy.
     """
     models = models or [_Model(graphs, granularity, drag) for drag in (False, True)]
-    backend = _pick_solver(solver, time_limit, 1e-3)
+    backend = _pick_solver(solver, max(2.0, time_limit / 4), 1e-3)
     options = []
     status = "infeasible"
     for model in models:
@@ -487,7 +561,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if saved is not None:
             options.append((saved, "ilp-min-peak" + ("/block-drag" if model.drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
-    options.append((greedy(graphs, 0, granularity), "greedy"))
+    options.append((greedy(graphs, 0, granularity, max_tries=100), "greedy"))
     best = None
     for cand, path in options:
         try:
