@@ -6,8 +6,9 @@ capture -> profile -> memory -> solver -> passes -> plan -> api / backend / cli
 
 from autoremat.api import RematModule, optimize
 from autoremat.backend import PlanMismatch, backend
+from autoremat.fit import FitConfig, fit
 from autoremat.plan import BudgetError, Plan
 from autoremat.units import format_bytes, parse_budget
 
-__all__ = ["BudgetError", "Plan", "PlanMismatch", "RematModule", "backend", "format_bytes", "optimize",
-           "parse_budget"]
+__all__ = ["BudgetError", "FitConfig", "Plan", "PlanMismatch", "RematModule", "backend", "fit", "format_bytes",
+           "optimize", "parse_budget"]

@@ -15,10 +15,12 @@ read-only use of it: it records the joint graphs of one forward call and changes
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,6 +152,45 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
     return graphs
 
 
+@functools.cache
+def _composite_ops_with_meta_kernels() -> tuple[torch._ops.OpOverload, ...]:
+    """aten ops that decompose on a real device but have a Python kernel of their own on meta."""
+    import torch._meta_registrations  # noqa: F401  # registers the Python meta kernels
+
+    found = []
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if (torch._C.DispatchKey.Meta in op.py_kernels
+                    and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")):
+                found.append(op)
+    return tuple(found)
+
+
+@contextlib.contextmanager
+def meta_traces_like_real() -> Iterator[None]:
+    """Trace on meta through the same decompositions a real device takes.
+
+    Under torch.compile the Python dispatcher prefers a Python Meta kernel over an op's
+    CompositeImplicitAutograd decomposition. For nll_loss (cross_entropy) that kernel has no
+    autograd formula, so the joint graph traced on meta had no backward at all, and its plan
+    predicted a tenth of the real peak. Hiding those kernels while tracing makes the op decompose
+    as it does on CPU and CUDA, backward included.
+    """
+    hidden = [(op, op.py_kernels.pop(torch._C.DispatchKey.Meta)) for op in _composite_ops_with_meta_kernels()]
+    for op, _ in hidden:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in hidden:
+            op.py_kernels[torch._C.DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
 def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:
     """`torch.compile(model)` with a cache of its own.
 
@@ -163,6 +204,20 @@ def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:
     fresh.__kwdefaults__ = fn.__kwdefaults__
     fresh.__dict__.update(fn.__dict__)
     bound = types.MethodType(fresh, model)
+    if any(p.is_meta for p in model.parameters()):
+        return _on_meta(_compile_fresh_bound(model, bound, backend))
+    return _compile_fresh_bound(model, bound, backend)
+
+
+def _on_meta(compiled: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with meta_traces_like_real():
+            return compiled(*args, **kwargs)
+
+    return call
+
+
+def _compile_fresh_bound(model: torch.nn.Module, bound: Callable, backend: Callable) -> Callable:
     if not _has_call_hooks(model):
         return torch.compile(bound, backend=backend, dynamic=False)
 

@@ -198,37 +198,32 @@ def fit(
     Raises `BudgetError` (with the ledger and the smallest budget) if micro-batch 1 does not fit.
     """
     budget_bytes = parse_budget(budget)
-    if global_batch < 1:
-        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
-    sizes = sorted(set(micro_batches or _divisors(global_batch)))
-    if bad := [m for m in sizes if m < 1 or global_batch % m]:
-        raise ValueError(f"micro-batches {bad} do not divide global_batch {global_batch}")
     where = _model_device(model, *_split(sample))
-    dev = get_device(device if device is not None else where)
     notes: list[str] = []
     warns: list[str] = []
 
-    candidates = _plan_on_meta(model, budget_bytes, global_batch, sizes, sample, optimizer, dev, warns,
-                               optimize_kwargs)
+    candidates = plan_candidates(model, budget_bytes, global_batch, sample, optimizer=optimizer, device=device,
+                                 micro_batches=micro_batches, warns=warns, **optimize_kwargs)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.time_per_global_batch_s, -c.micro_batch))
 
-    # Plan the winner for real. The real step can need more than the meta plan saw (kernel scratch
-    # measured by calibration or verification); then the next best candidate is tried.
+    # Plan the winner for real. The real step can need more than the meta plan saw: kernel scratch
+    # (CPU convolutions) is measured by running kernels, which meta cannot. Then the next best
+    # candidate is tried; if none fits, the smallest micro-batch's error says what would.
+    errors: dict[int, BudgetError] = {}
+    opt_model = None
     for chosen in fitting:
-        inputs = _as_example_inputs(_batched(sample, chosen.micro_batch))
         try:
-            opt_model = optimize(model, budget_bytes, example_inputs=inputs, optimizer=optimizer, device=device,
-                                 verify=verify, **optimize_kwargs)
+            opt_model = optimize(model, budget_bytes, example_inputs=_as_example_inputs(_batched(sample, chosen.micro_batch)),
+                                 optimizer=optimizer, device=device, verify=verify, **optimize_kwargs)
+            break
         except BudgetError as e:
+            errors[chosen.micro_batch] = e
             chosen.fits = False
-            chosen.note = "did not fit when planned on the real device"
-            warns.append(f"micro-batch {chosen.micro_batch} fitted on meta but not on {where}: "
-                         f"{str(e).splitlines()[0]}")
-            if chosen is fitting[-1]:
-                raise
-            continue
-        break
-    del inputs
+            chosen.note = f"fits on meta, but on {where} needs {format_bytes(e.smallest_budget or 0)}"
+            warns.append(f"micro-batch {chosen.micro_batch} fitted when planned on meta but not on {where} "
+                         f"(kernel scratch the meta trace cannot see): {str(e).splitlines()[0]}")
+    if opt_model is None:
+        raise errors[min(errors)]
     if chosen.predicted_peak != opt_model.plan.predicted_peak:
         # Tracing on meta can take other kernels than the real device (SDPA falls back to its math
         # path there), so the two plans may differ; the real one is what runs.
@@ -255,12 +250,31 @@ def _split(sample: Any) -> tuple[tuple, dict]:
     return (tuple(sample) if isinstance(sample, (tuple, list)) else (sample,)), {}
 
 
-def _plan_on_meta(model, budget, global_batch, sizes, sample, optimizer, dev, notes, optimize_kwargs):
-    """Plan every size on the meta twin, smallest first, until one does not fit."""
+def plan_candidates(
+    model: torch.nn.Module,
+    budget: int | str,
+    global_batch: int,
+    sample: Any,
+    *,
+    optimizer: Any = "adamw",
+    device: DeviceSpec | str | None = None,
+    micro_batches: list[int] | None = None,
+    warns: list[str] | None = None,
+    **optimize_kwargs: Any,
+) -> list[Candidate]:
+    """Plan each micro-batch size on a meta twin of `model`, smallest first, until one does not fit.
+
+    Nothing runs on the model's device and no weight is copied. Sizes after the first that does not
+    fit are listed unplanned: activations grow with the micro-batch, so they would not fit either.
+    Raises `BudgetError` if the smallest size does not fit. Arguments are `fit`'s.
+    """
+    budget = parse_budget(budget)
+    sizes = _check_sizes(global_batch, micro_batches)
+    dev = get_device(device if device is not None else _model_device(model, *_split(sample)))
     meta, twins = _meta_twin(model)
     meta_opt, why = _meta_optimizer(optimizer, twins)
-    if why:
-        notes.append(why)
+    if why and warns is not None:
+        warns.append(why)
     accumulate_s = _accumulate_time(model, dev)
     keep = {k: optimize_kwargs[k] for k in ("solver", "time_limit", "world_size", "sharding") if k in optimize_kwargs}
     out: list[Candidate] = []
@@ -269,17 +283,14 @@ def _plan_on_meta(model, budget, global_batch, sizes, sample, optimizer, dev, no
         out.append(c)
         inputs = _as_example_inputs(_batched(sample, m, device="meta"))
         try:
-            with warnings.catch_warnings():
-                # Meta kernels lack autograd registrations for some ops (nll_loss); tracing is unaffected.
-                warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
-                om = optimize(meta, budget, example_inputs=inputs, optimizer=meta_opt, device=dev, verify=False,
-                              **keep)
+            # capture traces meta models through the real decompositions (loss backward included)
+            om = optimize(meta, budget, example_inputs=inputs, optimizer=meta_opt, device=dev, verify=False,
+                          **keep)
         except BudgetError as e:
             if i == 0:
                 raise  # even the smallest micro-batch does not fit: the ledger says why
             c.smallest_budget = e.smallest_budget
             c.note = f"needs {format_bytes(e.smallest_budget)}" if e.smallest_budget else "fixed parts exceed budget"
-            # Activations grow with the micro-batch: nothing larger fits either.
             out += [Candidate(n, global_batch // n, fits=False, note="not planned: a smaller one did not fit")
                     for n in sizes[i + 1:]]
             break
@@ -290,3 +301,12 @@ def _plan_on_meta(model, budget, global_batch, sizes, sample, optimizer, dev, no
         c.step_time_s = plan.forward_time_s + plan.recompute_time_s
         c.recompute_time_s = plan.recompute_time_s
     return out
+
+
+def _check_sizes(global_batch: int, micro_batches: list[int] | None) -> list[int]:
+    if global_batch < 1:
+        raise ValueError(f"global_batch must be >= 1, got {global_batch}")
+    sizes = sorted(set(micro_batches or _divisors(global_batch)))
+    if bad := [m for m in sizes if m < 1 or global_batch % m]:
+        raise ValueError(f"micro-batches {bad} do not divide global_batch {global_batch}")
+    return sizes

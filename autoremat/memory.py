@@ -102,6 +102,12 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     # by the recomputed values it needs that are not there yet: just-in-time recomputation.
     backward: list[str] = []
     emitted: set[str] = set()
+    # A multi-output op's outputs all exist from the moment it runs until its last getitem: emit
+    # the recomputed getitems right after it, so the unused parts die at once (and we know when).
+    getitems: dict[str, list[str]] = {}
+    for n in recomputed:
+        if nodes[n].tuple_parent:
+            getitems.setdefault(nodes[n].tuple_parent, []).append(n)
 
     def emit_recomputed(name: str) -> None:
         todo, seen = [name], set()
@@ -111,6 +117,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
                 continue
             seen.add(n)
             todo.extend(nodes[n].inputs)
+            todo.extend(getitems.get(n, ()))
         for n in sorted(seen, key=order.__getitem__):
             emitted.add(n)
             backward.append(n)

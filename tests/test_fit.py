@@ -138,17 +138,36 @@ def test_meta_planning_counts_the_real_optimizer_and_leaves_the_model_alone():
         torch.testing.assert_close(v, before[k])
 
 
+class NetWithLoss(Net):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return F.cross_entropy(super().forward(x), y)
+
+
+def test_meta_plan_equals_the_real_plan_with_cross_entropy_inside():
+    """On meta, nll_loss's Python kernel once dropped the whole backward from the traced graph."""
+    torch.manual_seed(0)
+    model = NetWithLoss()
+    x, y = _data(4)
+    cfg = fit(model, 10**12, 4, (x[0], y[0]), micro_batches=[4], verify=False)
+    meta = cfg.candidates[0]
+    assert meta.predicted_peak == cfg.plan.predicted_peak
+    assert meta.step_time_s == pytest.approx(cfg.plan.forward_time_s + cfg.plan.recompute_time_s)
+    assert not cfg.notes  # a note would say the meta and real plans differ
+
+
 def test_batchnorm_warns_when_accumulating():
     torch.manual_seed(0)
     model, (x, y) = models.convnet(batch=GLOBAL, size=8, channels=8, blocks=1)
     sample = (x[0], y[0])  # a tuple of positional arguments; y[0] is a 0-d label
     roomy = fit(model, 10**12, GLOBAL, sample, verify=False)
     assert roomy.accumulation_steps == 1 and not roomy.warnings
-    budget = next(c for c in roomy.candidates if c.micro_batch == GLOBAL // 2).no_recompute_peak + 2048
+    # CPU convolutions have kernel scratch that only the real trace measures: size the budget there.
+    two = autoremat.optimize(model, 10**12, example_inputs=(x[:2], y[:2]), verify=False)
+    budget = two.plan.predicted_peak + 2048
     with pytest.warns(UserWarning, match="BatchNorm") as record:
         cfg = fit(model, budget, GLOBAL, sample, verify=False)
-    assert cfg.accumulation_steps > 1
-    msg = str(record[0].message)
+    assert 1 < cfg.accumulation_steps and cfg.plan.predicted_peak <= budget
+    msg = next(str(r.message) for r in record if "BatchNorm" in str(r.message))
     assert "stem.1" in msg and "blocks.0.1" in msg and "GroupNorm" in msg and "SyncBatchNorm" in msg
     assert "BatchNorm" in cfg.report()
 
