@@ -64,6 +64,18 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     order = {name: i for i, name in enumerate(nodes)}
     # A tuple (multi-output op) is not a tensor: its getitems are what gets saved.
     saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
+    # Hand over storages, not views: a saved view (a detach, a transpose) is replaced by its base,
+    # and the backward re-derives the view for free. The autograd runtime keeps a saved view's
+    # base alive past the view's last use (measured: a ReLU output held to the end of its
+    # backward), so saving the base is both cheaper to model and what actually frees memory.
+    for v in list(saved):
+        root = nodes[v].storage
+        if root and root != v:
+            saved.discard(v)
+            if nodes[root].kind == "forward" and not nodes[v].recompute_ban:
+                saved.add(root)
+            elif nodes[v].recompute_ban:
+                saved.add(v)
 
     recomputed: set[str] = set()
     needed_bw: set[str] = set()
@@ -196,7 +208,9 @@ def _run(
         if p.storage:
             heap.add(p.storage, p.nbytes if p.storage == name else 0)
             alive.add(name)
-        during = heap.live + _round(p.transient_bytes, heap.granularity)
+        # A multi-output op's outputs are counted by its getitems, one step later; while it runs
+        # they exist together with its scratch.
+        during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(p.tuple_out_bytes, heap.granularity)
         for a in set(p.inputs):
             if last_use.get(a) == i:
                 release(a)

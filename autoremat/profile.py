@@ -52,6 +52,7 @@ class NodeProfile:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     is_tuple: bool = False  # a multi-output op; its getitem users own the storages
+    tuple_out_bytes: int = 0  # for a multi-output op: its used outputs, which exist while it runs
     tuple_parent: str = ""  # for getitem nodes: the multi-output node
 
 
@@ -233,6 +234,10 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
                 prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
         n.meta["autoremat"] = prof
         nodes[n.name] = prof
+
+    for prof in nodes.values():
+        if prof.tuple_parent and prof.storage == prof.name:
+            nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes
 
     return GraphProfile(
         nodes=nodes,

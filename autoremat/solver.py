@@ -189,11 +189,25 @@ class _Model:
         # Graph i's saved values stay alive through the forward of later graphs and their
         # backward (which runs first): add them to those rows.
         for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
+            # Consecutive steps share one expression until a value starts or ends: only the
+            # largest static part among them can bind, so keep one row per expression.
+            best: dict[int, tuple[int, pulp.LpAffineExpression]] = {}
+            for static, expr in fw_rows + bw_rows:
+                if id(expr) not in best or static > best[id(expr)][0]:
+                    best[id(expr)] = (static, expr)
             before = pulp.lpSum(saved_total[:gi])
-            for static, expr in fw_rows:
-                self.rows.append((static, expr + before))
-            for static, expr in bw_rows:
-                self.rows.append((static, expr + before))
+            self.rows += [(static, expr + before) for static, expr in best.values()]
+        # One capacity variable carries the budget, so the model is built once and re-solved with
+        # other budgets (or minimised, for the smallest peak) by changing its bounds.
+        self.cap = pulp.LpVariable("cap", lowBound=0)
+        self.floor = 0  # rows without decision variables: the least any plan can peak at
+        for static, expr in self.rows:
+            if isinstance(expr, pulp.LpAffineExpression) and not expr.keys():
+                self.floor = max(self.floor, static + expr.constant)
+            else:
+                self.prob += expr + static <= self.cap
+        self.total_bytes = max(1, sum(_size(g, v, 1) for g in graphs for v in g.nodes))
+        self.total_time = max(1e-12, sum(p.time_s for g in graphs for p in g.nodes.values()))
 
     def _variables(self, gi: int, g: GraphProfile, life: _Lifetimes):
         s: dict[str, pulp.LpVariable] = {}
@@ -263,23 +277,16 @@ class _Model:
         return fw_rows, bw_rows
 
     def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False):
-        prob = self.prob.copy()
-        total_bytes = max(1, sum(_size(g, v, 1) for g in self.graphs for v in g.nodes))
-        total_time = max(1e-12, sum(p.time_s for g in self.graphs for p in g.nodes.values()))
+        prob = self.prob
         if min_peak:
-            peak = pulp.LpVariable("peak", lowBound=0)
-            for static, expr in self.rows:
-                prob += expr + static <= peak
-            prob.setObjective(peak + 1e-3 * total_bytes / total_time * self.time_expr)
+            self.cap.lowBound, self.cap.upBound = 0, None
+            prob.setObjective(self.cap + 1e-3 * self.total_bytes / self.total_time * self.time_expr)
         else:
-            for static, expr in self.rows:
-                if isinstance(expr, pulp.LpAffineExpression) and not expr.keys():
-                    if static + expr.constant > budget:
-                        return "infeasible", None, None
-                    continue
-                prob += expr + static <= budget
+            if self.floor > budget:
+                return "infeasible", None, None
+            self.cap.lowBound = self.cap.upBound = budget
             # Recompute time first; bytes only break ties (keeps peaks monotonic in the budget).
-            prob.setObjective(self.time_expr / total_time + 1e-4 * self.bytes_expr / total_bytes)
+            prob.setObjective(self.time_expr / self.total_time + 1e-4 * self.bytes_expr / self.total_bytes)
         with _quiet_stdout():
             prob.solve(solver)
         if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -443,7 +450,7 @@ def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, 
     return found
 
 
-def _solve_model(model: _Model, graphs, budget, backend, granularity, max_rounds, deadline) -> Decision | None:
+def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_rounds, deadline) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
     If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
@@ -453,6 +460,10 @@ def _solve_model(model: _Model, graphs, budget, backend, granularity, max_rounds
     target, best, learned = budget, None, False
     model.last_status = "infeasible"
     for rounds in range(1, max_rounds + 1):
+        remaining = deadline - time.perf_counter()
+        if remaining < 0.5:
+            break
+        backend = _pick_solver(solver, remaining, gap)  # each MIP gets what is left of the time
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             status, saved, _ = model.solve(target, backend)
@@ -515,14 +526,12 @@ def solve(
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, budget, granularity, t0 + time_limit / 3)
-    # Each MIP gets a share of the time: the calibration rounds solve it several times.
-    backend = _pick_solver(solver, max(2.0, time_limit / 6), gap)
     models = []
     for drag in (False, True):
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline - 1.0:
             break
         models.append(_Model(graphs, granularity, drag))
-        d = _solve_model(models[-1], graphs, budget, backend, granularity, max_rounds, deadline)
+        d = _solve_model(models[-1], graphs, budget, solver, gap, granularity, max_rounds, deadline)
         if d is not None:
             found.append(d)
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
