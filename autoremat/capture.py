@@ -119,10 +119,14 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager") -> Callabl
                             decompositions=DECOMPOSITIONS)
     if compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
+        from torch._inductor.decomposition import select_decomp_table
 
+        # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
         return aot_autograd(
-            fw_compiler=compile_fx_inner, bw_compiler=compile_fx_inner, partition_fn=partition_fn,
-            decompositions=DECOMPOSITIONS,
+            fw_compiler=compile_fx_inner,
+            bw_compiler=functools.partial(compile_fx_inner, is_backward=True),
+            partition_fn=partition_fn,
+            decompositions={**select_decomp_table(), **DECOMPOSITIONS},
         )
     raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
 
