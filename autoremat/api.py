@@ -248,8 +248,6 @@ def optimize(
     ledger = ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
                               device_granularity=dev.alloc_granularity)
     opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
-    if "gap" not in inspect.signature(Planner).parameters:  # TRANSITIONAL: until backend.Planner takes gap
-        opts.pop("gap")
     store = PlanCache.open(cache) if plan is None else None
     fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
               "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",

@@ -74,6 +74,7 @@ class Planner:
         plan: Plan | None = None,
         solver: str = "auto",
         time_limit: float = 10.0,
+        gap: float = 1e-4,
         calibrate: bool = True,
     ) -> None:
         self.calibrate = calibrate
@@ -84,6 +85,7 @@ class Planner:
         self.plan = plan
         self.solver = solver
         self.time_limit = time_limit
+        self.gap = gap
         self.profiles: list[GraphProfile] = []
         self.plans: list[Plan] = []  # one per graph planned on its own
 
@@ -100,7 +102,8 @@ class Planner:
             saved = self._saved_from_plan(gp, cg.index)
             return split(cg, make_schedule(gp, saved))
         ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity)
-        decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit)
+        decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
+                                gap=self.gap)
         plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
         self.plans.append(plan)
         log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
@@ -129,6 +132,7 @@ def plan_graphs(
     *,
     solver: str = "auto",
     time_limit: float = 10.0,
+    gap: float = 1e-4,
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
     if budget is None:  # no budget: the device's memory, or no limit at all on a CPU
@@ -140,7 +144,7 @@ def plan_graphs(
                                      time_limit=time_limit)
             raise Infeasible(smallest, "the fixed parts alone exceed the budget")
         return solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
-                     time_limit=time_limit)
+                     time_limit=time_limit, gap=gap)
     except Infeasible as e:
         raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
 
@@ -152,6 +156,7 @@ def backend(
     device: DeviceSpec | str | None = None,
     solver: str = "auto",
     time_limit: float = 10.0,
+    gap: float = 1e-4,
     compiler: str = "eager",
 ) -> Callable:
     """A `torch.compile` backend that plans every graph under `budget` (see the module docstring).
@@ -159,7 +164,7 @@ def backend(
     The budget pays for the graph's parameters, their gradients and `optimizer` state too. With graph
     breaks each graph is planned as it arrives; `autoremat.optimize` plans them jointly.
     """
-    planner = Planner(budget, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit)
+    planner = Planner(budget, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit, gap=gap)
     compile_fn = aot_backend(planner, compiler=compiler)
 
     def autoremat_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:

@@ -72,19 +72,27 @@ def _graph_device(gm: fx.GraphModule) -> str:
 
 
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
-    """Dropout as a random bool mask and two multiplies, so that the output can be recomputed.
+    """Dropout as a random bool mask and two pointwise ops, so that the output can be recomputed.
 
     The mask is the only random value (1 byte per element, always saved); the output becomes a
-    pure function of the input and the mask. On CPU this draws exactly what the fused kernel
-    draws (bernoulli_ into a bool tensor, then input * mask * scale: checked bit for bit), so
-    gradients stay equal to eager's. CUDA's fused kernel draws differently: left alone there.
+    pure function of the input and the mask. On CPU this reproduces eager's dropout draw for draw:
+    eager fills a noise tensor laid out like the input (`bernoulli_`, in memory order), divides it
+    by 1 - p and multiplies; we draw the mask in the input's memory order, then do the same two
+    ops (checked bit for bit, transposed inputs too). CUDA's fused kernel draws differently: left
+    alone there, so dropout outputs are saved rather than recomputed on GPUs.
     """
     if x.device.type not in ("cpu", "meta") or train is False or p == 0 or x.numel() == 0:
         return NotImplemented
     if p >= 1:
         return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
-    mask = torch.ops.aten.bernoulli.p(torch.empty_like(x, dtype=torch.bool), 1 - p)  # functional bernoulli_
-    return torch.mul(torch.mul(x, mask), 1.0 / (1 - p)), mask
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost in memory first
+    if not x.permute(order).is_contiguous():
+        return NotImplemented  # overlapping or gapped layout: keep the fused op (saved, not recomputed)
+    drawn = torch.ops.aten.bernoulli.p(torch.empty([x.shape[d] for d in order], dtype=torch.bool, device=x.device),
+                                       1 - p)
+    mask = drawn.permute([order.index(d) for d in range(x.dim())])
+    noise = torch.div(mask.to(x.dtype), 1 - p)
+    return torch.mul(x, noise), mask
 
 
 DECOMPOSITIONS = {torch.ops.aten.native_dropout.default: _native_dropout}

@@ -57,6 +57,7 @@ class Ledger:
     optimizer_state: int
     master_weights: int = 0
     inputs: int = 0
+    gathered: int = 0  # FSDP/ZeRO-3: one block's unsharded parameters (+ the prefetched next) and gradients
     activations: int = 0  # filled by the planner: peak activation + temporary bytes
     budget: int | None = None
     world_size: int = 1
@@ -66,7 +67,7 @@ class Ledger:
     @property
     def fixed(self) -> int:
         states = self.gradients + self.optimizer_state + self.master_weights
-        return self.parameters + states + self.inputs
+        return self.parameters + states + self.inputs + self.gathered
 
     @property
     def total(self) -> int:
@@ -93,6 +94,8 @@ class Ledger:
         ]
         if self.master_weights:
             rows.append(("master weights", self.master_weights))
+        if self.gathered:
+            rows.append(("gathered block (fsdp)", self.gathered))
         rows += [
             ("inputs", self.inputs),
             ("activations + temporaries", self.activations),
@@ -364,7 +367,45 @@ def ledger_for_model(
         sharding=mode,
         notes=notes,
     )
-    return _shard(ledger)
+    ledger = _shard(ledger)
+    if mode in ("zero3", "fsdp") and world_size > 1:
+        ledger.gathered = _gathered_working_set(model, param_dtype, g, notes)
+    return ledger
+
+
+def _shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP gathers one at a time: fully_shard units if applied, else repeated blocks."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    except ImportError:
+        units = []
+    if units:
+        return units
+    blocks = [m for name, m in model.named_modules() if name.split(".")[-1].isdigit()]
+    return blocks or [model]
+
+
+def _gathered_working_set(model: torch.nn.Module, param_dtype, g: int, notes: list[str]) -> int:
+    """Bytes FSDP holds unsharded at once: the largest unit's parameters, twice (the one computing
+    and the next one prefetched, FSDP2's default of one), plus its gradients before reduce-scatter."""
+    units = _shard_units(model)
+    inner = {id(m) for u in units for m in u.modules() if m is not u and m in units}
+    largest_params = largest_grads = 0
+    for u in units:
+        own = [p for m in u.modules() if m is u or id(m) not in inner for p in m.parameters(recurse=False)]
+        nbytes = sum(_round_up(_global_numel(p) * (param_dtype or p.dtype).itemsize, g) for p in own)
+        grads = sum(_round_up(_global_numel(p) * (param_dtype or p.dtype).itemsize, g) for p in own if p.requires_grad)
+        largest_params, largest_grads = max(largest_params, nbytes), max(largest_grads, grads)
+    notes.append(f"fsdp: {len(units)} unit(s); the largest is gathered with one prefetched "
+                 f"({format_bytes(2 * largest_params)} parameters, {format_bytes(largest_grads)} gradients)")
+    return 2 * largest_params + largest_grads
+
+
+def _global_numel(p: torch.Tensor) -> int:
+    full = getattr(p, "full_tensor", None)  # a DTensor shard: count the whole parameter
+    return math.prod(p.shape) if full is None else math.prod(p.size())
 
 
 def ledger_for_count(

@@ -156,8 +156,25 @@ def build_plan(
         baseline_peak=baseline.peak,
         baseline_timeline=_compress(baseline),
         versions={"torch": torch.__version__, "autoremat": _version()},
-        notes=list(decision.notes) + [n for g in profiles for n in g.notes],
+        notes=list(decision.notes) + [n for g in profiles for n in g.notes] + _solver_notes(decision)
+        + _unsupported_notes(profiles),
     )
+
+
+def _solver_notes(decision: Decision) -> list[str]:
+    if decision.status == "time_limit":
+        return ["the ILP solver stopped at its time limit: the best plan found so far is used (it fits, but "
+                "may recompute more than the optimum); raise time_limit for a better one"]
+    return []
+
+
+def _unsupported_notes(profiles: list[GraphProfile]) -> list[str]:
+    """Ops autoremat cannot recompute (custom, non-ATen): always saved. Say which, so nobody wonders."""
+    ops = sorted({p.target for g in profiles for p in g.nodes.values()
+                  if p.recompute_ban.startswith(("custom op", "unsupported op"))})
+    if not ops:
+        return []
+    return [f"{len(ops)} custom or unsupported op(s) are always saved, never recomputed: {', '.join(ops)}"]
 
 
 def _top_module(path: str) -> str:

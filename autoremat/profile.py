@@ -238,6 +238,10 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
     for prof in nodes.values():
         if prof.tuple_parent and prof.storage == prof.name:
             nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes
+        elif prof.tuple_parent and prof.storage and not nodes[prof.tuple_parent].storage:
+            # A multi-output view op (split, chunk, unbind): the tuple itself keeps the viewed
+            # storage alive until its last getitem, so it holds a reference too.
+            nodes[prof.tuple_parent].storage = prof.storage
 
     return GraphProfile(
         nodes=nodes,

@@ -38,6 +38,7 @@ MODEL = dict(n_layer=2, d=64, seq=16, batch=4)
 # Between the smallest budget that fits this model (~2.16 MB unsharded with AdamW) and the
 # save-everything peak (~2.4 MB): the planner has to recompute something.
 BUDGET = "2.3MB"
+FSDP_BUDGET = "2.45MB"  # the fsdp ledger also pays for one gathered block and its prefetched neighbour
 BUCKET_MB = 0.1  # DDP gradient buckets of 100 KiB: the 400 KB model spans several
 
 
@@ -200,7 +201,7 @@ def fsdp2_scenario(rank: int, world: int, mode: str, steps: int = 2) -> dict:
         be = autoremat.backend(budget=BUDGET, optimizer="adamw")
         fm = torch.compile(m, backend=be)
     else:
-        fm = om = autoremat.optimize(m, BUDGET, (_batch(x, rank, 0),), optimizer="adamw", world_size=world,
+        fm = om = autoremat.optimize(m, FSDP_BUDGET, (_batch(x, rank, 0),), optimizer="adamw", world_size=world,
                                      sharding="fsdp")
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     diffs = []
@@ -382,14 +383,18 @@ def test_ledger_for_model_matches_ledger_for_count():
     for s in ("none", "zero1", "zero2", "fsdp"):
         a = ledger_for_model(model, "adamw", world_size=4, sharding=s)
         b = ledger_for_count(ELEMS, param_dtype="bf16", optimizer="adamw", world_size=4, sharding=s)
-        assert a.fixed == b.fixed, s
+        assert a.fixed - a.gathered == b.fixed, s
+    # fsdp also holds the largest unit unsharded (here the whole model: no repeated blocks), once
+    # computing and once prefetched, plus its unsharded bf16 gradients before reduce-scatter.
+    fsdp = ledger_for_model(model, "adamw", world_size=4, sharding="fsdp")
+    assert fsdp.gathered == 2 * (ELEMS * 2) + ELEMS * 2
 
 
 def test_optimize_puts_the_per_rank_ledger_in_the_plan():
     torch.manual_seed(0)
     model, (x,) = transformer_stack(dropout=0.0, **MODEL)
     want = ledger_for_model(model, "adamw", inputs=((x,), {}), world_size=2, sharding="fsdp")
-    om = autoremat.optimize(model, BUDGET, (x,), optimizer="adamw", world_size=2, sharding="fsdp")
+    om = autoremat.optimize(model, FSDP_BUDGET, (x,), optimizer="adamw", world_size=2, sharding="fsdp")
     got = om.plan.ledger
     for key in ("parameters", "gradients", "optimizer_state", "master_weights", "inputs"):
         assert got[key] == getattr(want, key), key
@@ -407,5 +412,6 @@ def test_sharding_makes_a_tight_budget_fit():
     budget = replicated.fixed  # nothing left for activations unless something is sharded
     with pytest.raises(autoremat.BudgetError):
         autoremat.optimize(model, budget, (x,), optimizer="adamw")
-    om = autoremat.optimize(model, budget, (x,), optimizer="adamw", world_size=2, sharding="fsdp")
+    # 8 ranks: each holds an eighth of the states, plus one gathered block and its prefetched neighbour
+    om = autoremat.optimize(model, budget, (x,), optimizer="adamw", world_size=8, sharding="fsdp")
     assert om.plan.predicted_peak <= budget

@@ -1,0 +1,146 @@
+"""The on-disk plan cache: a second optimize skips the solver; nothing read from disk is trusted."""
+
+import importlib
+import json
+
+import pytest
+import torch
+
+import autoremat
+from autoremat.cache import PlanCache
+from examples import models
+
+
+def _model():
+    torch.manual_seed(0)
+    return models.transformer_stack(n_layer=1, d=16, seq=8, batch=2)
+
+
+def _no_solver(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the solver ran although the plan was cached")
+
+    # autoremat.backend is also the name of a function in the package: reach the module itself.
+    monkeypatch.setattr(importlib.import_module("autoremat.backend"), "solve", refuse)
+
+
+def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
+    model, ex = _model()
+    first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path)
+    assert first.plan.solver["path"] != "cache"
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    _no_solver(monkeypatch)
+    second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path)
+    assert second.plan.solver["path"] == "cache"
+    assert second.plan.solver["solved_by"] == first.plan.solver["path"]
+    assert second.plan.graphs[0].saved == first.plan.graphs[0].saved
+    assert second.plan.activation_peak == first.plan.activation_peak
+    torch.manual_seed(1)  # dropout: same draws in both
+    ref = torch.autograd.grad(model(*ex), list(model.parameters()))
+    torch.manual_seed(1)
+    got = torch.autograd.grad(second(*ex), list(model.parameters()))
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_key_covers_budget_and_options(tmp_path):
+    model, ex = _model()
+    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False)
+    other = autoremat.optimize(model, budget="2GB", example_inputs=ex, cache=tmp_path, verify=False)
+    assert other.plan.solver["path"] != "cache"
+    sgd = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, optimizer="sgd")
+    assert sgd.plan.solver["path"] != "cache"
+    assert len(list(tmp_path.glob("*.json"))) == 3
+
+
+def test_env_var_sets_the_default_location(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOREMAT_CACHE_DIR", str(tmp_path / "c"))
+    model, ex = _model()
+    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=True, verify=False)
+    assert len(list((tmp_path / "c").glob("*.json"))) == 1
+    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=False, verify=False)
+    assert len(list((tmp_path / "c").glob("*.json"))) == 1
+
+
+def _entry(tmp_path):
+    (path,) = tmp_path.glob("*.json")
+    return path
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "wrong_key", "other_schema", "bad_names", "too_big",
+                                    "other_torch"])
+def test_damaged_entries_are_ignored_and_rewritten(tmp_path, damage):
+    model, ex = _model()
+    good = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False).plan
+    path = _entry(tmp_path)
+    entry = json.loads(path.read_text())
+    plan = entry["plan"]
+    if damage == "garbage":
+        path.write_bytes(b"\x00garbage{")
+    elif damage == "empty":
+        path.write_text("")
+    else:
+        if damage == "wrong_key":
+            entry["key"] = "0" * 32
+        elif damage == "other_schema":
+            plan["schema"] = 999
+        elif damage == "bad_names":
+            plan["graphs"][0]["saved"] = ["no_such_node"]
+        elif damage == "too_big":  # claims to fit, but saves everything: the simulator says it does not
+            plan["graphs"][0]["saved"] = [n for g in good.graphs for n in g.saved + g.recomputed]
+        elif damage == "other_torch":
+            plan["versions"]["torch"] = "0.0.1"
+        path.write_text(json.dumps(entry))
+    if damage == "too_big":  # make the lie matter: a budget the all-saved plan cannot meet
+        return _too_big(tmp_path, model, ex, good)
+    again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False)
+    assert again.plan.solver["path"] != "cache"
+    assert again.plan.graphs[0].saved == good.graphs[0].saved
+    fresh = json.loads(_entry(tmp_path).read_text())  # rewritten with a good plan
+    assert fresh["plan"]["graphs"][0]["saved"] == good.graphs[0].saved
+    assert autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
+                              verify=False).plan.solver["path"] == "cache"
+
+
+def _too_big(tmp_path, model, ex, good):
+    ledger = autoremat.plan.Ledger.from_dict(good.ledger)
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, verify=False)
+    budget = (err.value.smallest_budget + ledger.fixed + good.baseline_peak) // 2  # forces recomputation
+    tight = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False).plan
+    assert tight.graphs[0].recomputed
+    path = max(tmp_path.glob("*.json"), key=lambda p: p.stat().st_mtime)
+    entry = json.loads(path.read_text())
+    entry["plan"]["graphs"][0]["saved"] = sorted(set(tight.graphs[0].saved) | set(tight.graphs[0].recomputed))
+    entry["plan"]["graphs"][0]["recomputed"] = []
+    path.write_text(json.dumps(entry))
+    again = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False)
+    assert again.plan.solver["path"] != "cache"  # re-simulated: it would overshoot, so not trusted
+    assert again.plan.graphs[0].saved == tight.graphs[0].saved
+
+
+def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
+    class DataDependent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            if h.sum() > 0:  # a graph break
+                h = h * 2
+            return torch.tanh(self.b(h)).sum()
+
+    torch.manual_seed(0)
+    model, x = DataDependent(), torch.randn(8, 16)
+    first = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path)
+    _no_solver(monkeypatch)
+    second = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path)
+    assert second.num_graphs == 2 and second.plan.solver["path"] == "cache"
+    assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
+
+
+def test_cache_argument_is_checked():
+    with pytest.raises(TypeError, match="cache must be"):
+        PlanCache.open(3)
+    assert PlanCache.open(False) is None

@@ -1,0 +1,161 @@
+"""Solver limits: each path that can produce a plan (optimal ILP, time limit, greedy, smallest peak)
+is forced and reported in plan.solver; options reach the solver; plans are deterministic."""
+
+import importlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoremat
+from autoremat import solver
+from autoremat.capture import capture
+from autoremat.plan import Ledger, build_plan
+from autoremat.profile import profile_graph
+from examples import models
+
+backend_module = importlib.import_module("autoremat.backend")  # autoremat.backend is also a function
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """A 4-block transformer traced on the meta device, with its save-all and smallest peaks."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=4, d=16, seq=8, batch=2)
+    (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
+    gp = profile_graph(cg, "cpu")
+    _, base, _ = solver.evaluate([gp], solver.save_all([gp]))
+    smallest = solver.smallest_peak([gp])
+    return gp, base.peak, smallest.peak
+
+
+def _mid(stack):
+    gp, hi, lo = stack
+    return gp, (hi + lo) // 2
+
+
+def test_optimal_path(stack):
+    gp, budget = _mid(stack)
+    d = solver.solve([gp], budget)
+    assert d.status == "optimal" and d.path.split("/")[0] in ("ilp", "ilp+calibrated"), d.path
+    assert d.peak <= budget
+
+
+def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
+    """What a solver returns when it stops at its limit with an incumbent: reported, and used."""
+    gp, budget = _mid(stack)
+    real = solver._Model.solve
+
+    def stopped_early(self, *args, **kwargs):
+        status, saved, predicted = real(self, *args, **kwargs)
+        return ("time_limit" if saved is not None else status), saved, predicted
+
+    monkeypatch.setattr(solver._Model, "solve", stopped_early)
+    d = solver.solve([gp], budget)
+    assert d.status == "time_limit" and d.path.startswith("ilp") and d.peak <= budget
+    plan = build_plan([gp], d, Ledger(0, 0, 0), budget, "cpu")
+    assert plan.solver["status"] == "time_limit"
+    assert any("time limit" in n for n in plan.notes), plan.notes
+    assert "time_limit" in plan.summary()
+
+
+def _no_checkpointing(graphs):
+    raise ValueError("no repeated blocks")  # what checkpoint_blocks says when it cannot run
+
+
+def test_greedy_path_when_the_ilp_finds_nothing(stack, monkeypatch):
+    gp, hi, lo = stack
+    monkeypatch.setattr(solver._Model, "solve", lambda self, *a, **k: ("infeasible", None, None))
+    monkeypatch.setattr(solver, "checkpoint_blocks", _no_checkpointing)
+    budget = hi - 1  # greedy reaches this by recomputing one cheap value
+    d = solver.solve([gp], budget)
+    assert d.peak <= budget and not d.path.startswith("ilp") and d.status != "optimal", (d.status, d.path)
+    # Greedy, unless a cheaper heuristic tried before it (solver.py grows these) already fits.
+    assert d.path == "greedy" or d.status == "heuristic", (d.status, d.path)
+
+
+def test_smallest_peak_path_when_greedy_does_not_fit_either(stack, monkeypatch):
+    """The budgeted ILPs find nothing, but the min-peak ILP does: its plan is used if it fits."""
+    gp, hi, lo = stack
+    real = solver._Model.solve
+
+    def only_min_peak(self, budget, backend, min_peak=False):
+        return real(self, budget, backend, min_peak=True) if min_peak else ("infeasible", None, None)
+
+    monkeypatch.setattr(solver._Model, "solve", only_min_peak)
+    greedy_peak = solver.evaluate([gp], solver.greedy([gp], 0))[1].peak
+    blocks_peak = solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak
+    floor = min(greedy_peak, blocks_peak)
+    assert lo < floor, (lo, floor)  # a budget between: only the min-peak plan fits
+    d = solver.solve([gp], (lo + floor) // 2)
+    assert d.path.startswith("ilp-min-peak"), d.path
+    assert any("smallest-peak plan" in n for n in d.notes)
+    with pytest.raises(solver.Infeasible):
+        solver.solve([gp], lo - 1)
+
+
+def test_gap_and_time_limit_reach_the_solver(monkeypatch):
+    seen = {}
+    real = backend_module.solve
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "solve", spy)
+    torch.manual_seed(0)
+    model, ex = models.mlp(batch=256, width=32, depth=3)
+    base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False).plan
+    budget = Ledger.from_dict(base.ledger).fixed + (base.baseline_peak * 9) // 10
+    autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, gap=0.05, time_limit=7.0)
+    assert seen["gap"] == 0.05 and seen["time_limit"] == 7.0
+
+
+@pytest.mark.slow
+def test_a_real_tiny_time_limit_still_gives_a_plan_that_fits_and_says_how():
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=8, d=32, seq=16, batch=2)
+    (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
+    gp = profile_graph(cg, "cpu")
+    hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
+    lo = solver.smallest_peak([gp]).peak
+    d = solver.solve([gp], (hi + lo) // 2, solver="cbc", time_limit=0.05)
+    assert d.peak <= (hi + lo) // 2
+    # Which path depends on the machine's speed; each is named.
+    assert d.status in ("optimal", "time_limit", "greedy") or "smallest-peak" in " ".join(d.notes), d
+
+
+DETERMINISM = textwrap.dedent("""
+    import json, sys, torch
+    torch.set_num_threads(1)
+    sys.path.insert(0, {root!r})
+    import autoremat
+    from examples import models
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
+    om = autoremat.optimize(model, budget={budget}, example_inputs=ex, verify=False)
+    print(json.dumps([[g.saved, g.recomputed] for g in om.plan.graphs]))
+""")
+
+
+def test_same_model_and_budget_give_the_same_plan_in_fresh_processes():
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
+    base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False).plan
+    fixed = Ledger.from_dict(base.ledger).fixed
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget=fixed + 1, example_inputs=ex, verify=False)
+    budget = (err.value.smallest_budget + fixed + base.baseline_peak) // 2
+    root = str(Path(__file__).resolve().parents[1])
+    script = DETERMINISM.format(root=root, budget=budget)
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    plans = [json.loads(r.stdout.strip().splitlines()[-1]) for r in runs]
+    assert plans[0] == plans[1]
+    assert plans[0][0][1], "the budget should force some recomputation"
