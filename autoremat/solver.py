@@ -114,6 +114,34 @@ def _lifetimes(g: GraphProfile, drag: bool = False) -> _Lifetimes:
     return _Lifetimes(fw_pos, bw_pos, fn, start, ln, last_fw, needed, follows)
 
 
+def _block_twins(g: GraphProfile, life: _Lifetimes) -> dict[str, str]:
+    """Map each node of a repeated block to the same node of the first identical block.
+
+    Two blocks are identical when their forward nodes, in order, have the same ops, shapes,
+    dtypes, recompute bans and wiring (inputs named by position inside the block). Sharing their
+    decisions shrinks the ILP by the number of repeats: the transformer-stack case.
+    """
+    blocks: dict[str, list[str]] = {}
+    for v in life.fw_pos:
+        key = _block(g.nodes[v].module)
+        if key:
+            blocks.setdefault(key, []).append(v)
+    first: dict[tuple, list[str]] = {}
+    twins: dict[str, str] = {}
+    for members in blocks.values():
+        where = {v: i for i, v in enumerate(members)}
+        sig = tuple(
+            (g.nodes[v].target, g.nodes[v].shape, g.nodes[v].dtype, bool(g.nodes[v].recompute_ban),
+             g.nodes[v].is_tuple, tuple(where.get(u, -1) for u in g.nodes[v].inputs))
+            for v in members
+        )
+        if sig in first:
+            twins.update(zip(members, first[sig]))
+        else:
+            first[sig] = members
+    return twins
+
+
 def _block(module: str) -> str:
     """The repeated block a module path belongs to: "transformer.h.3.attn.c_attn" -> "transformer.h.3"."""
     parts = module.split(".")
@@ -159,8 +187,9 @@ def _pick_solver(name: str, time_limit: float, gap: float) -> pulp.LpSolver:
 class _Model:
     """The ILP for a list of graphs that run one after another in one step."""
 
-    def __init__(self, graphs: list[GraphProfile], granularity: int, drag: bool) -> None:
+    def __init__(self, graphs: list[GraphProfile], granularity: int, drag: bool, tie: bool = False) -> None:
         self.drag = drag
+        self.tie = tie
         with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
             warnings.simplefilter("ignore", DeprecationWarning)
             self._build(graphs, granularity)
@@ -213,8 +242,11 @@ class _Model:
         s: dict[str, pulp.LpVariable] = {}
         r: dict[str, pulp.LpVariable] = {}
         nodes = g.nodes
+        twin = _block_twins(g, life) if self.tie else {}
         for v in life.fw_pos:
             p = nodes[v]
+            if v in twin:  # an identical block decides for it: its variables come below
+                continue
             r[v] = pulp.LpVariable(f"r{gi}_{v}", cat="Binary")
             if p.recompute_ban:
                 r[v].upBound = 0
@@ -224,6 +256,10 @@ class _Model:
             if p.storage != v and _size_root(g, v):
                 s[v].upBound = 0  # saving a view would hold its base: recompute the view instead
             self.prob += s[v] + r[v] <= 1
+        for v, t in twin.items():  # share the first identical block's decisions
+            r[v] = r[t]
+            if t in s:
+                s[v] = s[t]
         for v in life.fw_pos:
             p = nodes[v]
             if v in life.needed:
@@ -483,7 +519,8 @@ def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_ro
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= budget:
             if best is None or cost < best.recompute_time_s:
-                path = ("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.drag else "")
+                path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.drag else "")
+                        + ("/shared-blocks" if model.tie else ""))
                 best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
                                 solver=type(backend).__name__)
             slack = budget - tl.peak
@@ -527,10 +564,11 @@ def solve(
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, budget, granularity, t0 + time_limit / 3)
     models = []
-    for drag in (False, True):
+    # Identical blocks sharing decisions first (small, fast); then the full models while time lasts.
+    for tie, drag in ((True, False), (True, True), (False, False), (False, True)):
         if time.perf_counter() > deadline - 1.0:
             break
-        models.append(_Model(graphs, granularity, drag))
+        models.append(_Model(graphs, granularity, drag, tie))
         d = _solve_model(models[-1], graphs, budget, solver, gap, granularity, max_rounds, deadline)
         if d is not None:
             found.append(d)
@@ -559,7 +597,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
 
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy.
     """
-    models = models or [_Model(graphs, granularity, drag) for drag in (False, True)]
+    models = models or [_Model(graphs, granularity, drag, tie=True) for drag in (False, True)]
     backend = _pick_solver(solver, max(2.0, time_limit / 4), 1e-3)
     options = []
     status = "infeasible"
