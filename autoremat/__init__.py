@@ -1,7 +1,7 @@
 """autoremat: fit a model's training step into a byte budget by choosing what to recompute.
 
 Pipeline, each stage importing only earlier ones:
-capture -> profile -> memory -> solver -> passes -> plan -> api / backend / cli
+capture -> profile -> memory (+ ledger) -> heuristics -> solver -> passes -> plan -> api / fit / backend / cli
 """
 
 from autoremat.api import RematModule, optimize

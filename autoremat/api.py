@@ -27,10 +27,10 @@ from autoremat.backend import PlanMismatch, Planner, plan_graphs
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.capture import CapturedGraph, aot_backend, compile_fresh
 from autoremat.devices import DeviceSpec, get_device
+from autoremat.heuristics import evaluate
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.profile import fingerprint
-from autoremat.solver import evaluate
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")

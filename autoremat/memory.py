@@ -14,9 +14,12 @@ are not simulated here; they come from the ledger.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from autoremat.profile import GraphProfile
+
+INF = math.inf
 
 
 class PlanError(ValueError):
@@ -243,3 +246,70 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
             if p.kind == "backward" and p.storage:
                 heap.drop(p.storage)
     return tl
+
+
+@dataclass
+class Lifetimes:
+    fw_pos: dict[str, int]  # forward-side nodes in joint order
+    bw_pos: dict[str, int]  # backward nodes in joint order
+    fn: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
+    start: dict[str, float]  # earliest position a recomputed v can be computed at (recomputed users drag it)
+    ln: dict[str, float]  # last backward position at which v is read (upper bound)
+    last_fw: dict[str, int]  # last forward position at which v is read
+    needed: set[str]  # forward-side values a backward node reads directly
+    follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
+
+
+def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
+    nodes = g.nodes
+    fw = [n for n, p in nodes.items() if p.kind == "forward"]
+    bw = [n for n, p in nodes.items() if p.kind == "backward"]
+    fw_pos = {n: i for i, n in enumerate(fw)}
+    bw_pos = {n: i for i, n in enumerate(bw)}
+    users: dict[str, list[str]] = {n: [] for n in nodes}
+    for n, p in nodes.items():
+        for i in p.inputs:
+            users[i].append(n)
+    direct_first: dict[str, float] = {}
+    direct_last: dict[str, float] = {}
+    last_fw: dict[str, int] = {}
+    needed: set[str] = set()
+    grad_set = set(g.grad_outputs)
+    for v in fw:
+        bpos = [bw_pos[u] for u in users[v] if u in bw_pos]
+        if v in grad_set:
+            bpos.append(len(bw))
+        direct_first[v] = min(bpos, default=INF)
+        direct_last[v] = max(bpos, default=-INF)
+        if bpos:
+            needed.add(v)
+        last_fw[v] = max([fw_pos[u] for u in users[v] if u in fw_pos] + [fw_pos[v]])
+
+    def is_alias(w: str) -> bool:
+        return bool(nodes[w].storage) and nodes[w].storage != w
+
+    follows: dict[str, set[str]] = {}
+    fn: dict[str, float] = {}
+    start: dict[str, float] = {}
+    ln: dict[str, float] = {}
+    for v in reversed(fw):  # users come later in joint order, so they are done already
+        fw_users = [w for w in users[v] if w in fw_pos]
+        pt = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
+        fn[v] = min([direct_first[v], *(fn[w] for w in pt)])
+        # A recomputed user drags v to its own start; we allow that inside one repeated block (a
+        # checkpoint-like segment) and account for it, and forbid it across blocks.
+        same = {w for w in fw_users if drag and block_of(nodes[w].module) == block_of(nodes[v].module)}
+        follows[v] = pt | same
+        start[v] = min([fn[v], *(start[w] for w in follows[v])])
+        later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
+        ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
+    return Lifetimes(fw_pos, bw_pos, fn, start, ln, last_fw, needed, follows)
+
+
+def block_of(module: str) -> str:
+    """The repeated block a module path belongs to: "transformer.h.3.attn.c_attn" -> "transformer.h.3"."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from autoremat.heuristics import Decision, evaluate, save_all
 from autoremat.ledger import Ledger
 from autoremat.memory import Timeline
 from autoremat.profile import GraphProfile
-from autoremat.solver import Decision, evaluate, save_all
 from autoremat.units import format_bytes
 
 SCHEMA_VERSION = 1

@@ -15,106 +15,28 @@ recomputed consumer w needed before u (FN(w) < FN(u)) drags u forward in time. I
 block (e.g. "transformer.h.3", the natural checkpoint segment) we allow the drag and allocate u from
 the earliest time a chain of recomputed consumers could need it (START); across blocks we forbid the
 pair (r_u + r_w <= 1), since a drag there would keep whole layers alive. START is a lower and LN an
-upper bound of the real lifetime, so the rows are conservative. The solution is then replayed by the exact simulator; if it overshoots, the budget is tightened and the ILP solved
-again, and if nothing fits a greedy plan that the simulator accepts is used.
+upper bound of the real lifetime, so the rows are conservative. Each solution is replayed by the
+exact simulator and the ILP's budget calibrated against it (tightened on overshoot, loosened on
+slack). The plans of heuristics.py (per-block modes, checkpointing, greedy) compete with it, and are
+the answer when the ILP runs out of time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import pulp
 
-from autoremat.memory import Schedule, Timeline, _Heap, _run, make_schedule, simulate
+from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
+from autoremat.memory import INF, Lifetimes, _Heap, _run, block_of, lifetimes
 from autoremat.profile import GraphProfile
 
-INF = math.inf
 
-
-@dataclass
-class Decision:
-    saved: list[set[str]]  # per graph
-    schedules: list[Schedule]
-    timeline: Timeline
-    recompute_time_s: float
-    status: str  # "optimal" | "time_limit" | "greedy" | "save_all"
-    path: str  # which route produced it: "ilp", "ilp+tighten", "greedy"
-    solve_time_s: float = 0.0
-    rounds: int = 0
-    solver: str = ""
-    notes: list[str] = field(default_factory=list)
-    granularity: int = 1
-
-    @property
-    def peak(self) -> int:
-        return self.timeline.peak
-
-
-@dataclass
-class _Lifetimes:
-    fw_pos: dict[str, int]  # forward-side nodes in joint order
-    bw_pos: dict[str, int]  # backward nodes in joint order
-    fn: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
-    start: dict[str, float]  # earliest position a recomputed v can be computed at (recomputed users drag it)
-    ln: dict[str, float]  # last backward position at which v is read (upper bound)
-    last_fw: dict[str, int]  # last forward position at which v is read
-    needed: set[str]  # forward-side values a backward node reads directly
-    follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
-
-
-def _lifetimes(g: GraphProfile, drag: bool = False) -> _Lifetimes:
-    nodes = g.nodes
-    fw = [n for n, p in nodes.items() if p.kind == "forward"]
-    bw = [n for n, p in nodes.items() if p.kind == "backward"]
-    fw_pos = {n: i for i, n in enumerate(fw)}
-    bw_pos = {n: i for i, n in enumerate(bw)}
-    users: dict[str, list[str]] = {n: [] for n in nodes}
-    for n, p in nodes.items():
-        for i in p.inputs:
-            users[i].append(n)
-    direct_first: dict[str, float] = {}
-    direct_last: dict[str, float] = {}
-    last_fw: dict[str, int] = {}
-    needed: set[str] = set()
-    grad_set = set(g.grad_outputs)
-    for v in fw:
-        bpos = [bw_pos[u] for u in users[v] if u in bw_pos]
-        if v in grad_set:
-            bpos.append(len(bw))
-        direct_first[v] = min(bpos, default=INF)
-        direct_last[v] = max(bpos, default=-INF)
-        if bpos:
-            needed.add(v)
-        last_fw[v] = max([fw_pos[u] for u in users[v] if u in fw_pos] + [fw_pos[v]])
-
-    def is_alias(w: str) -> bool:
-        return bool(nodes[w].storage) and nodes[w].storage != w
-
-    follows: dict[str, set[str]] = {}
-    fn: dict[str, float] = {}
-    start: dict[str, float] = {}
-    ln: dict[str, float] = {}
-    for v in reversed(fw):  # users come later in joint order, so they are done already
-        fw_users = [w for w in users[v] if w in fw_pos]
-        pt = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
-        fn[v] = min([direct_first[v], *(fn[w] for w in pt)])
-        # A recomputed user drags v to its own start; we allow that inside one repeated block (a
-        # checkpoint-like segment) and account for it, and forbid it across blocks.
-        same = {w for w in fw_users if drag and _block(nodes[w].module) == _block(nodes[v].module)}
-        follows[v] = pt | same
-        start[v] = min([fn[v], *(start[w] for w in follows[v])])
-        later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
-        ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
-    return _Lifetimes(fw_pos, bw_pos, fn, start, ln, last_fw, needed, follows)
-
-
-def _block_twins(g: GraphProfile, life: _Lifetimes) -> dict[str, str]:
+def _block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
     """Map each node of a repeated block to the same node of the first identical block.
 
     Two blocks are identical when their forward nodes, in order, have the same ops, shapes,
@@ -123,7 +45,7 @@ def _block_twins(g: GraphProfile, life: _Lifetimes) -> dict[str, str]:
     """
     blocks: dict[str, list[str]] = {}
     for v in life.fw_pos:
-        key = _block(g.nodes[v].module)
+        key = block_of(g.nodes[v].module)
         if key:
             blocks.setdefault(key, []).append(v)
     first: dict[tuple, list[str]] = {}
@@ -140,15 +62,6 @@ def _block_twins(g: GraphProfile, life: _Lifetimes) -> dict[str, str]:
         else:
             first[sig] = members
     return twins
-
-
-def _block(module: str) -> str:
-    """The repeated block a module path belongs to: "transformer.h.3.attn.c_attn" -> "transformer.h.3"."""
-    parts = module.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
 
 
 def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int]]:
@@ -205,7 +118,7 @@ class _Model:
         saved_total = []
         per_graph_rows = []
         for gi, g in enumerate(graphs):
-            life = _lifetimes(g, self.drag)
+            life = lifetimes(g, self.drag)
             fw_static, bw_static = _static_profile(g, granularity)
             s, r = self._variables(gi, g, life)
             self.s.append(s)
@@ -238,7 +151,7 @@ class _Model:
         self.total_bytes = max(1, sum(_size(g, v, 1) for g in graphs for v in g.nodes))
         self.total_time = max(1e-12, sum(p.time_s for g in graphs for p in g.nodes.values()))
 
-    def _variables(self, gi: int, g: GraphProfile, life: _Lifetimes):
+    def _variables(self, gi: int, g: GraphProfile, life: Lifetimes):
         s: dict[str, pulp.LpVariable] = {}
         r: dict[str, pulp.LpVariable] = {}
         nodes = g.nodes
@@ -355,135 +268,6 @@ def _quiet_stdout():
 def _size_root(g: GraphProfile, v: str) -> int:
     root = g.nodes[v].storage
     return g.nodes[root].nbytes if root in g.nodes else 0
-
-
-def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1):
-    schedules = [make_schedule(g, s) for g, s in zip(graphs, saved)]
-    timeline = simulate(list(zip(graphs, schedules)), granularity)
-    cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
-    return schedules, timeline, cost
-
-
-def save_all(graphs: list[GraphProfile]) -> list[set[str]]:
-    """No recomputation: save every forward value the backward reads."""
-    return [set(_lifetimes(g).needed) - {v for v in g.nodes if g.nodes[v].is_tuple} for g in graphs]
-
-
-def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300) -> list[set[str]]:
-    """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.
-
-    Starts from saving everything and turns saved values into recomputed ones, one at a time,
-    largest bytes per second of recompute first, keeping a change only if the simulated peak does
-    not grow. Stops as soon as the peak fits.
-    """
-    saved = save_all(graphs)
-    _, tl, _ = evaluate(graphs, saved, granularity)
-    peak = tl.peak
-    candidates = []
-    for gi, g in enumerate(graphs):
-        for v in saved[gi]:
-            p = g.nodes[v]
-            if not p.recompute_ban and p.nbytes:
-                candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
-    for tries, (_, gi, v) in enumerate(sorted(candidates, reverse=True)):
-        if peak <= budget or tries >= max_tries:
-            break
-        trial = [set(s) for s in saved]
-        trial[gi].discard(v)
-        # Recomputing v needs its inputs: keep them saved (locality) unless they are free.
-        trial[gi].update(u for u in graphs[gi].nodes[v].inputs if graphs[gi].nodes[u].kind == "forward"
-                         and not graphs[gi].nodes[u].is_tuple)
-        try:
-            _, tl, _ = evaluate(graphs, trial, granularity)
-        except ValueError:
-            continue
-        if tl.peak <= peak:
-            saved, peak = trial, tl.peak
-    return saved
-
-
-def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:
-    """Save only what crosses a repeated block (and what may not be recomputed): checkpointing."""
-    plans = []
-    for g in graphs:
-        life = _lifetimes(g)
-        saved = set()
-        for v in life.fw_pos:
-            p = g.nodes[v]
-            if p.is_tuple:
-                continue
-            crosses = any(
-                _block(g.nodes[w].module) != _block(p.module) for w in g.nodes if v in g.nodes[w].inputs
-                and g.nodes[w].kind == "forward"
-            )
-            parent_banned = bool(p.tuple_parent) and bool(g.nodes[p.tuple_parent].recompute_ban)
-            if p.recompute_ban or parent_banned or crosses or v in g.fw_outputs:
-                saved.add(v)
-        plans.append(saved)
-    return plans
-
-
-def _crossing(g: GraphProfile) -> set[str]:
-    """Forward values read by a forward node of another repeated block (block boundaries)."""
-    out = set()
-    for p in g.nodes.values():
-        if p.kind != "forward":
-            continue
-        for v in p.inputs:
-            q = g.nodes[v]
-            if q.kind == "forward" and not q.is_tuple and _block(q.module) != _block(p.module):
-                out.add(v)
-    return out
-
-
-def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, deadline: float) -> list[Decision]:
-    """Plans that give each repeated block one of three modes, searched exhaustively over a family.
-
-    Modes: save everything the backward reads; recompute only what is cheap (save matmul-class outputs,
-    as selective checkpointing does); recompute the whole block (checkpointing). Earlier blocks hold
-    their activations longest, so the family is: the first k blocks checkpointed, the next j
-    selectively, the rest saved. Each candidate is simulated exactly; those that fit are returned.
-    """
-    modes = []
-    for g in graphs:
-        everything = save_all([g])[0]
-        crossing = _crossing(g)
-        keep = {v for v, p in g.nodes.items() if p.kind == "forward" and not p.is_tuple and (
-            p.recompute_ban or v in g.fw_outputs or v in crossing
-            or (p.tuple_parent and g.nodes[p.tuple_parent].recompute_ban))}
-        heavy = {v for v, p in g.nodes.items() if p.kind == "forward" and not p.is_tuple
-                 and (p.flops > 4 * max(1, p.nbytes) or (p.tuple_parent and g.nodes[p.tuple_parent].flops
-                                                          > 4 * max(1, p.nbytes)))}
-        blocks: dict[str, set[str]] = {}
-        for v in _lifetimes(g).fw_pos:
-            blocks.setdefault(_block(g.nodes[v].module), set()).add(v)
-        order = [b for b in blocks if b]  # first appearance in forward order
-        base = {v for v in everything if not _block(g.nodes[v].module)} | (keep & blocks.get("", set()))
-        per = {b: {"save": (everything | keep) & nodes, "selective": (keep | (heavy & everything)) & nodes,
-                   "checkpoint": keep & nodes} for b, nodes in blocks.items() if b}
-        modes.append((base, order, per))
-    n = max((len(order) for _, order, _ in modes), default=0)
-    if n == 0:
-        return []
-    found = []
-    for k in range(n + 1):
-        for j in range(n - k + 1):
-            if time.perf_counter() > deadline:
-                return found
-            saved = []
-            for base, order, per in modes:
-                plan = set(base)
-                for i, b in enumerate(order):
-                    plan |= per[b]["checkpoint" if i < k else "selective" if i < k + j else "save"]
-                saved.append(plan)
-            try:
-                schedules, tl, cost = evaluate(graphs, saved, granularity)
-            except ValueError:
-                continue
-            if tl.peak <= budget:
-                found.append(Decision(saved, schedules, tl, cost, "heuristic",
-                                      f"block-modes(checkpoint {k}, selective {j})"))
-    return found
 
 
 def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_rounds, deadline) -> Decision | None:

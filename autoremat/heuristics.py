@@ -1,0 +1,163 @@
+"""Plans found without an ILP, and the plan arithmetic the solver shares with them.
+
+`evaluate` replays a plan in the exact simulator. `save_all` recomputes nothing. `checkpoint_blocks`
+saves only what crosses a repeated block (checkpointing), `block_mode_plans` searches a family of
+per-block modes (save / selective / checkpoint), and `greedy` turns saved values into recomputed ones
+while the simulated peak shrinks. The ILP (solver.py) starts from these and must beat them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from autoremat.memory import Schedule, Timeline, block_of, lifetimes, make_schedule, simulate
+from autoremat.profile import GraphProfile
+
+
+@dataclass
+class Decision:
+    saved: list[set[str]]  # per graph
+    schedules: list[Schedule]
+    timeline: Timeline
+    recompute_time_s: float
+    status: str  # "optimal" | "time_limit" | "greedy" | "save_all"
+    path: str  # which route produced it: "ilp", "ilp+tighten", "greedy"
+    solve_time_s: float = 0.0
+    rounds: int = 0
+    solver: str = ""
+    notes: list[str] = field(default_factory=list)
+    granularity: int = 1
+
+    @property
+    def peak(self) -> int:
+        return self.timeline.peak
+
+
+def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1):
+    schedules = [make_schedule(g, s) for g, s in zip(graphs, saved)]
+    timeline = simulate(list(zip(graphs, schedules)), granularity)
+    cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
+    return schedules, timeline, cost
+
+
+def save_all(graphs: list[GraphProfile]) -> list[set[str]]:
+    """No recomputation: save every forward value the backward reads."""
+    return [set(lifetimes(g).needed) - {v for v in g.nodes if g.nodes[v].is_tuple} for g in graphs]
+
+
+def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300) -> list[set[str]]:
+    """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.
+
+    Starts from saving everything and turns saved values into recomputed ones, one at a time,
+    largest bytes per second of recompute first, keeping a change only if the simulated peak does
+    not grow. Stops as soon as the peak fits.
+    """
+    saved = save_all(graphs)
+    _, tl, _ = evaluate(graphs, saved, granularity)
+    peak = tl.peak
+    candidates = []
+    for gi, g in enumerate(graphs):
+        for v in saved[gi]:
+            p = g.nodes[v]
+            if not p.recompute_ban and p.nbytes:
+                candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
+    for tries, (_, gi, v) in enumerate(sorted(candidates, reverse=True)):
+        if peak <= budget or tries >= max_tries:
+            break
+        trial = [set(s) for s in saved]
+        trial[gi].discard(v)
+        # Recomputing v needs its inputs: keep them saved (locality) unless they are free.
+        trial[gi].update(u for u in graphs[gi].nodes[v].inputs if graphs[gi].nodes[u].kind == "forward"
+                         and not graphs[gi].nodes[u].is_tuple)
+        try:
+            _, tl, _ = evaluate(graphs, trial, granularity)
+        except ValueError:
+            continue
+        if tl.peak <= peak:
+            saved, peak = trial, tl.peak
+    return saved
+
+
+def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:
+    """Save only what crosses a repeated block (and what may not be recomputed): checkpointing."""
+    plans = []
+    for g in graphs:
+        life = lifetimes(g)
+        saved = set()
+        for v in life.fw_pos:
+            p = g.nodes[v]
+            if p.is_tuple:
+                continue
+            crosses = any(
+                block_of(g.nodes[w].module) != block_of(p.module) for w in g.nodes if v in g.nodes[w].inputs
+                and g.nodes[w].kind == "forward"
+            )
+            parent_banned = bool(p.tuple_parent) and bool(g.nodes[p.tuple_parent].recompute_ban)
+            if p.recompute_ban or parent_banned or crosses or v in g.fw_outputs:
+                saved.add(v)
+        plans.append(saved)
+    return plans
+
+
+def _crossing(g: GraphProfile) -> set[str]:
+    """Forward values read by a forward node of another repeated block (block boundaries)."""
+    out = set()
+    for p in g.nodes.values():
+        if p.kind != "forward":
+            continue
+        for v in p.inputs:
+            q = g.nodes[v]
+            if q.kind == "forward" and not q.is_tuple and block_of(q.module) != block_of(p.module):
+                out.add(v)
+    return out
+
+
+def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, deadline: float) -> list[Decision]:
+    """Plans that give each repeated block one of three modes, searched exhaustively over a family.
+
+    Modes: save everything the backward reads; recompute only what is cheap (save matmul-class outputs,
+    as selective checkpointing does); recompute the whole block (checkpointing). Earlier blocks hold
+    their activations longest, so the family is: the first k blocks checkpointed, the next j
+    selectively, the rest saved. Each candidate is simulated exactly; those that fit are returned.
+    """
+    modes = []
+    for g in graphs:
+        everything = save_all([g])[0]
+        crossing = _crossing(g)
+        keep = {v for v, p in g.nodes.items() if p.kind == "forward" and not p.is_tuple and (
+            p.recompute_ban or v in g.fw_outputs or v in crossing
+            or (p.tuple_parent and g.nodes[p.tuple_parent].recompute_ban))}
+        heavy = {v for v, p in g.nodes.items() if p.kind == "forward" and not p.is_tuple
+                 and (p.flops > 4 * max(1, p.nbytes) or (p.tuple_parent and g.nodes[p.tuple_parent].flops
+                                                          > 4 * max(1, p.nbytes)))}
+        blocks: dict[str, set[str]] = {}
+        for v in lifetimes(g).fw_pos:
+            blocks.setdefault(block_of(g.nodes[v].module), set()).add(v)
+        order = [b for b in blocks if b]  # first appearance in forward order
+        base = {v for v in everything if not block_of(g.nodes[v].module)} | (keep & blocks.get("", set()))
+        per = {b: {"save": (everything | keep) & nodes, "selective": (keep | (heavy & everything)) & nodes,
+                   "checkpoint": keep & nodes} for b, nodes in blocks.items() if b}
+        modes.append((base, order, per))
+    n = max((len(order) for _, order, _ in modes), default=0)
+    if n == 0:
+        return []
+    found = []
+    for k in range(n + 1):
+        for j in range(n - k + 1):
+            if time.perf_counter() > deadline:
+                return found
+            saved = []
+            for base, order, per in modes:
+                plan = set(base)
+                for i, b in enumerate(order):
+                    plan |= per[b]["checkpoint" if i < k else "selective" if i < k + j else "save"]
+                saved.append(plan)
+            try:
+                schedules, tl, cost = evaluate(graphs, saved, granularity)
+            except ValueError:
+                continue
+            if tl.peak <= budget:
+                found.append(Decision(saved, schedules, tl, cost, "heuristic",
+                                      f"block-modes(checkpoint {k}, selective {j})"))
+    return found
