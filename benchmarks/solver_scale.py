@@ -6,7 +6,9 @@ meta device (no memory, no kernels run), planned at a budget in the middle of th
 
 Per depth it prints the joint graph's nodes, the ILP's variables and constraints (the local model;
 the block-drag model is about the same size), the time of `solver.solve` and its objective (the
-predicted recompute time). Identical blocks are NOT shared: every block is its own set of variables.
+predicted recompute time). With --full-limit S it also solves the full ILP alone (every node its own
+variables, no shared blocks, no heuristics) for up to S seconds and prints its objective beside the
+default solve's, for depths where that ILP still finishes.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from autoremat.profile import profile_graph  # noqa: E402
 from examples.models import TransformerStack  # noqa: E402
 
 
-def measure(depth: int, d: int, seq: int, batch: int, time_limit: float) -> dict:
+def measure(depth: int, d: int, seq: int, batch: int, time_limit: float, full_limit: float) -> dict:
     model = TransformerStack(n_layer=depth, d=d, n_head=4, dropout=0.1).to("meta")
     t0 = time.perf_counter()
     (cg,) = capture(model, (torch.empty(batch, seq, d, device="meta"),))
@@ -46,7 +48,13 @@ def measure(depth: int, d: int, seq: int, batch: int, time_limit: float) -> dict
     t0 = time.perf_counter()
     dec = solver.solve([gp], budget, time_limit=time_limit)
     solve_s = time.perf_counter() - t0
-    return {"depth": depth, "nodes": len(gp.nodes), "variables": variables, "constraints": constraints,
+    full_ms, full_s = None, None
+    if full_limit > 0:
+        t0 = time.perf_counter()
+        full = solver._solve_model(ilp, [gp], budget, "auto", 1e-4, 1, 5, time.perf_counter() + full_limit)
+        full_s = time.perf_counter() - t0
+        full_ms = full.recompute_time_s * 1e3 if full is not None else None
+    return {"full_ms": full_ms, "full_s": full_s, "depth": depth, "nodes": len(gp.nodes), "variables": variables, "constraints": constraints,
             "trace_s": trace_s, "floor_s": floor_s, "solve_s": solve_s, "objective_ms": dec.recompute_time_s * 1e3,
             "status": dec.status, "path": dec.path, "budget": budget, "peak": dec.peak, "lo": lo, "hi": hi}
 
@@ -58,18 +66,22 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--time-limit", type=float, default=10.0)  # the library's default
+    ap.add_argument("--full-limit", type=float, default=0.0, help="also solve the full ILP alone for up to this long")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "solver_scale_cpu.md"))
     args = ap.parse_args()
     torch.set_num_threads(1)
     header = ("| depth | nodes | variables | constraints | trace s | floor s | solve s | objective ms | status | path "
-              "| activation peak / budget |")
-    rows = [header, "|" + "---|" * 11]
+              "| activation peak / budget | full ILP alone: ms (s) | objective / full ILP's |")
+    rows = [header, "|" + "---|" * 13]
     print(header)
     for depth in args.depths:
-        r = measure(depth, args.width, args.seq, args.batch, args.time_limit)
+        r = measure(depth, args.width, args.seq, args.batch, args.time_limit, args.full_limit)
+        full = "-" if r["full_s"] is None else (
+            f"none in {r['full_s']:.0f} s" if r["full_ms"] is None else f"{r['full_ms']:.3f} ({r['full_s']:.1f} s)")
+        ratio = f"{r['objective_ms'] / r['full_ms']:.3f}" if r["full_ms"] else "-"
         row = (f"| {r['depth']} | {r['nodes']} | {r['variables']} | {r['constraints']} | {r['trace_s']:.1f} | "
                f"{r['floor_s']:.1f} | {r['solve_s']:.1f} | {r['objective_ms']:.3f} | {r['status']} | {r['path']} | "
-               f"{r['peak'] / 2**20:.1f} / {r['budget'] / 2**20:.1f} MiB |")
+               f"{r['peak'] / 2**20:.1f} / {r['budget'] / 2**20:.1f} MiB | {full} | {ratio} |")
         rows.append(row)
         print(row, flush=True)
     note = (f"\nTransformerStack(d={args.width}, 4 heads, dropout 0.1), batch {args.batch}, seq {args.seq}, traced on "
