@@ -345,13 +345,13 @@ def solve(
                         solve_time_s=time.perf_counter() - t0, granularity=granularity)
     # Building a model and handing it to the MIP solver cost time of their own (about a fifth of a
     # solve on a GPT-2-small graph): stop starting new work early enough to end near the limit.
-    deadline = t0 + 0.8 * time_limit
+    deadline = t0 + 0.85 * time_limit
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
     # and the answer when the ILP runs out of time on a large graph.
-    found = block_mode_plans(graphs, budget, granularity, t0 + time_limit / 4)
+    found = block_mode_plans(graphs, budget, granularity, t0 + time_limit / 8)
     models = []
-    # Identical blocks sharing decisions first (small, fast); then the full models while time lasts.
-    for tie, drag in ((True, False), (True, True), (False, False), (False, True)):
+    # Identical blocks sharing decisions first (small, fast), then the full model, then the block-drag ones.
+    for tie, drag in ((True, False), (False, False), (False, True), (True, True)):
         if time.perf_counter() > deadline - 1.0:
             break
         models.append(_Model(graphs, granularity, drag, tie))
