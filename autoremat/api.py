@@ -53,13 +53,20 @@ class RematModule(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.model(*args, **kwargs)  # no backward, nothing to plan: run eagerly
-        try:
+        with _own_errors():
             return self._compiled(*args, **kwargs)  # a new input shape traces and plans here
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, (BudgetError, PlanMismatch)):
-                raise inner from None
-            raise
+
+
+@contextlib.contextmanager
+def _own_errors():
+    """Our errors (BudgetError, PlanMismatch) raised inside a backend reach the user unwrapped."""
+    try:
+        yield
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, (BudgetError, PlanMismatch)):
+            raise inner from None
+        raise
 
 
 class _StaleCache(PlanMismatch):
@@ -318,7 +325,6 @@ def _check_cached(planner: _Planner, budget: int, ledger: Ledger, dev: DeviceSpe
     return plan
 
 
-
 class _Restore:
     """Leave no trace of a planning step: buffers (BatchNorm stats), gradients and RNG as they were."""
 
@@ -350,8 +356,6 @@ def _loss(out: Any) -> torch.Tensor:
     if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
         return out["loss"]
     return sum(t.float().sum() for t in leaves)
-
-
 
 
 def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where):
@@ -395,15 +399,8 @@ def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args,
 
 def _compile_and_trace(model, planner: Planner, compiler: str, args: tuple, kwargs: dict) -> Any:
     compiled = compile_fresh(model, aot_backend(planner, compiler=compiler))
-    try:
-        with _Restore(model), torch.enable_grad(), _inputs_must_fit(model, args, kwargs):
-            out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
-    except torch._dynamo.exc.BackendCompilerFailed as e:
-        # Our own errors (BudgetError, PlanMismatch) reach the user as themselves, not wrapped.
-        inner = getattr(e, "inner_exception", None)
-        if isinstance(inner, (BudgetError, PlanMismatch)):
-            raise inner from None
-        raise
+    with _own_errors(), _Restore(model), torch.enable_grad(), _inputs_must_fit(model, args, kwargs):
+        out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     del out
     _reshard(model)
     return compiled
@@ -418,8 +415,6 @@ def _reshard(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
 
 
 def _replan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts):

@@ -158,7 +158,10 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
         graphs.append(CapturedGraph(kept, cg.num_fwd_outputs, cg.static_input_indices, cg.index, cg.device))
         return default_split(cg)
 
-    compiled = torch.compile(model, backend=aot_backend(record), dynamic=False)
+    backend = aot_backend(record)
+    # A module goes through compile_fresh: its own dynamo cache, and meta models traced like real ones.
+    compiled = compile_fresh(model, backend) if isinstance(model, torch.nn.Module) else torch.compile(
+        model, backend=backend, dynamic=False)
     with torch.enable_grad():
         compiled(*example_inputs, **(example_kwargs or {}))
     return graphs

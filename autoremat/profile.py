@@ -69,9 +69,6 @@ class GraphProfile:
     def forward_side(self) -> list[str]:
         return [n for n, p in self.nodes.items() if p.kind == "forward"]
 
-    def backward_side(self) -> list[str]:
-        return [n for n, p in self.nodes.items() if p.kind == "backward"]
-
     def to_dict(self) -> dict:
         return asdict(self)
 
