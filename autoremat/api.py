@@ -214,7 +214,7 @@ def optimize(
     plan: Plan | None = None,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 1e-4,
+    gap: float = 0.01,
     compiler: str = "eager",
     verify: bool = True,
     world_size: int = 1,

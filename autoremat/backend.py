@@ -74,7 +74,7 @@ class Planner:
         plan: Plan | None = None,
         solver: str = "auto",
         time_limit: float = 10.0,
-        gap: float = 1e-4,
+        gap: float = 0.01,
         calibrate: bool = True,
     ) -> None:
         self.calibrate = calibrate
@@ -132,7 +132,7 @@ def plan_graphs(
     *,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 1e-4,
+    gap: float = 0.01,
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
     if budget is None:  # no budget: the device's memory, or no limit at all on a CPU
@@ -156,7 +156,7 @@ def backend(
     device: DeviceSpec | str | None = None,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 1e-4,
+    gap: float = 0.01,
     compiler: str = "eager",
 ) -> Callable:
     """A `torch.compile` backend that plans every graph under `budget` (see the module docstring).

@@ -61,6 +61,32 @@ def _round(n: int, granularity: int) -> int:
     return -(-n // granularity) * granularity if granularity > 1 else n
 
 
+def forward_slots(g: GraphProfile) -> tuple[list[str], dict[str, int]]:
+    """The core forward (what the forward outputs need, in joint order) and a slot for every
+    forward-side node: its index in the core, or, for a node only the backward reads (a detach, a
+    transposed weight, a mask cast), the index of the core step after which all its inputs exist.
+
+    The joint graph places those backward-only nodes late, among the backward ops; computed there
+    in the forward they would keep their inputs alive to its end. Run as soon as their inputs
+    exist they cost nothing extra, so the forward runs them there (`make_schedule`).
+    """
+    nodes = g.nodes
+    core: set[str] = set()
+    stack = list(g.fw_outputs)
+    while stack:
+        name = stack.pop()
+        if name in core or nodes[name].kind != "forward":
+            continue
+        core.add(name)
+        stack.extend(nodes[name].inputs)
+    order = [n for n, p in nodes.items() if p.kind == "forward" and n in core]
+    slot = {n: i for i, n in enumerate(order)}
+    for n, p in nodes.items():  # joint order is topological
+        if p.kind == "forward" and n not in slot:
+            slot[n] = max((slot[i] for i in p.inputs if i in slot), default=-1)
+    return order, slot
+
+
 def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     """Execution order of the forward and backward graphs for one graph's saved set."""
     nodes = g.nodes
@@ -111,7 +137,9 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
             continue
         in_fw.add(name)
         stack.extend(nodes[name].inputs)
-    forward = sorted(in_fw, key=order.__getitem__)
+    core, slot = forward_slots(g)
+    in_core = set(core)
+    forward = sorted(in_fw, key=lambda n: (slot[n], n not in in_core, order[n]))
 
     # Backward graph: backward nodes in joint order (the autograd engine's order), each preceded
     # by the recomputed values it needs that are not there yet: just-in-time recomputation.

@@ -1,8 +1,8 @@
 """Graph passes that carry out a plan: split the joint graph into forward and backward modules.
 
 The forward returns the user's outputs followed by the saved values; the backward takes the saved
-values and the tangents and recomputes the rest just before first use. The node order of the
-backward is exactly `Schedule.backward`, the order the memory model simulated.
+values and the tangents and recomputes the rest just before first use. The node orders are
+exactly `Schedule.forward` and `Schedule.backward`, the order the memory model simulated.
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
         kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
-    _check_same_nodes(fw, schedule.forward, "forward")
-    return fw, reorder(bw, schedule.backward)
+    return reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
 
 
 def _check_same_nodes(gm: fx.GraphModule, order: list[str], what: str) -> None:
@@ -50,9 +49,9 @@ def _check_same_nodes(gm: fx.GraphModule, order: list[str], what: str) -> None:
         )
 
 
-def reorder(gm: fx.GraphModule, order: list[str]) -> fx.GraphModule:
+def reorder(gm: fx.GraphModule, order: list[str], what: str) -> fx.GraphModule:
     """Rebuild `gm` with its call_function nodes in `order` (placeholders first, output last)."""
-    _check_same_nodes(gm, order, "backward")
+    _check_same_nodes(gm, order, what)
     old = {n.name: n for n in gm.graph.nodes}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -67,7 +66,7 @@ def reorder(gm: fx.GraphModule, order: list[str]) -> fx.GraphModule:
     # In the backward a view can land on a tensor whose real strides differ from the traced ones
     # (a kernel's output layout on the device need not match its fake-tensor rule); reshape is a
     # view whenever one is possible and a copy otherwise, so it never fails where view would.
-    for n in graph.nodes:
+    for n in graph.nodes if what == "backward" else ():
         if n.target is torch.ops.aten.view.default:
             n.target = torch.ops.aten.reshape.default
     graph.lint()

@@ -3,10 +3,11 @@
 Variables, per forward-side node v of each graph: s_v (saved for the backward) and r_v (recomputed
 in the backward), both binary. The objective is the predicted time of all recomputation.
 
-Memory is written as running sums (design note: shared/notes/design-memory-ilp.md), so every
-variable sits in O(1) rows and the model stays sparse:
-- forward step t: the static live bytes of the forward with nothing saved, plus the saved values
-  that would already have died by t;
+Memory is written as running sums (design note: shared/notes/design-memory-ilp.md): one continuous
+variable per point where the set of live values changes, tied to the previous one by an equality,
+so every decision variable sits in O(1) rows and the model stays sparse:
+- forward step t: the static live bytes of the core forward (what the outputs need) with nothing
+  saved, plus the saved values that would already have died by t;
 - backward step t: the static live bytes of the backward's own values, plus each saved value until
   its last backward use LN(v), plus each recomputed value from its first need FN(v) to LN(v).
 
@@ -32,24 +33,23 @@ import warnings
 import pulp
 
 from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
-from autoremat.memory import INF, Lifetimes, _Heap, _run, block_of, lifetimes
+from autoremat.memory import INF, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
 from autoremat.profile import GraphProfile
 
 
-def _block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
-    """Map each node of a repeated block to the same node of the first identical block.
+def _block_groups(g: GraphProfile, life: Lifetimes) -> list[list[list[str]]]:
+    """Repeated blocks grouped by identity: each group lists its blocks, each block its forward nodes.
 
     Two blocks are identical when their forward nodes, in order, have the same ops, shapes,
-    dtypes, recompute bans and wiring (inputs named by position inside the block). Sharing their
-    decisions shrinks the ILP by the number of repeats: the transformer-stack case.
+    dtypes, recompute bans and wiring (inputs named by position inside the block), so node i of
+    one block plays the part of node i of every other block in its group.
     """
     blocks: dict[str, list[str]] = {}
     for v in life.fw_pos:
         key = block_of(g.nodes[v].module)
         if key:
             blocks.setdefault(key, []).append(v)
-    first: dict[tuple, list[str]] = {}
-    twins: dict[str, str] = {}
+    groups: dict[tuple, list[list[str]]] = {}
     for members in blocks.values():
         where = {v: i for i, v in enumerate(members)}
         sig = tuple(
@@ -57,27 +57,30 @@ def _block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
              g.nodes[v].is_tuple, tuple(where.get(u, -1) for u in g.nodes[v].inputs))
             for v in members
         )
-        if sig in first:
-            twins.update(zip(members, first[sig]))
-        else:
-            first[sig] = members
-    return twins
+        groups.setdefault(sig, []).append(members)
+    return [blocks for blocks in groups.values() if len(blocks) > 1]
 
 
-def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int]]:
-    """Live bytes at each forward and backward step when nothing is saved or recomputed."""
+def _block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
+    """Map each node of a repeated block to the same node of the first identical block."""
+    return {v: t for group in _block_groups(g, life) for members in group[1:] for v, t in zip(members, group[0])}
+
+
+def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int], list[str], dict[str, int]]:
+    """Live bytes at each forward and backward step when nothing is saved or recomputed, the core
+    forward that runs then, and each forward-side node's slot in it (memory.forward_slots)."""
     heap = _Heap(granularity)
     steps: list = []
-    fw = [n for n, p in g.nodes.items() if p.kind == "forward"]
+    core, slot = forward_slots(g)
     bw = [n for n, p in g.nodes.items() if p.kind == "backward"]
-    _run(g, fw, heap, set(g.fw_outputs), [], "forward", steps)
+    _run(g, core, heap, set(g.fw_outputs), [], "forward", steps)
     fw_during = [s.during for s in steps]
     tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
     for t in tangents:
         heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
     steps = []
     _run(g, bw, heap, set(g.grad_outputs) | set(g.fw_outputs), tangents, "backward", steps)
-    return fw_during, [s.during for s in steps]
+    return fw_during, [s.during for s in steps], core, slot
 
 
 def _size(g: GraphProfile, v: str, granularity: int) -> int:
@@ -110,6 +113,7 @@ class _Model:
     def _build(self, graphs: list[GraphProfile], granularity: int) -> None:
         self.graphs = graphs
         self.prob = pulp.LpProblem("autoremat", pulp.LpMinimize)
+        self._chained = 0
         self.s: list[dict[str, pulp.LpVariable]] = []
         self.r: list[dict[str, pulp.LpVariable]] = []
         self.rows: list[tuple[int, pulp.LpAffineExpression]] = []  # (static bytes, variable bytes)
@@ -119,15 +123,15 @@ class _Model:
         per_graph_rows = []
         for gi, g in enumerate(graphs):
             life = lifetimes(g, self.drag)
-            fw_static, bw_static = _static_profile(g, granularity)
+            fw_static, bw_static, core, slot = _static_profile(g, granularity)
             s, r = self._variables(gi, g, life)
             self.s.append(s)
             self.r.append(r)
             size = {v: _size(g, v, granularity) for v in life.fw_pos}
             saved_bytes = pulp.lpSum(size[v] * s[v] for v in s if size[v])
-            saved_total.append(saved_bytes)
+            saved_total.append(self._running(pulp.LpAffineExpression(), saved_bytes))
             self.bytes_expr += saved_bytes
-            per_graph_rows.append(self._memory_rows(gi, g, life, s, r, size, fw_static, bw_static))
+            per_graph_rows.append(self._memory_rows(g, life, s, r, size, fw_static, bw_static, core, slot))
         # Graph i's saved values stay alive through the forward of later graphs and their
         # backward (which runs first): add them to those rows.
         for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
@@ -188,17 +192,29 @@ class _Model:
             self.time_expr += p.time_s * r[v]
         return s, r
 
-    def _memory_rows(self, gi, g, life, s, r, size, fw_static, bw_static):
+    def _memory_rows(self, g, life, s, r, size, fw_static, bw_static, fw_core, slot):
         fw_rows, bw_rows = [], []
         # Forward: a saved value keeps living after its last forward use.
+        # The static profile frees a storage after the last core step that reads any alias of it, so
+        # a saved value is counted from then on (from its own last use, it would count twice while a
+        # view lives). A value outside the core is counted from the slot it is computed in.
+        last_read = dict(slot)
+        for u in fw_core:
+            for w in g.nodes[u].inputs:
+                if w in last_read:
+                    last_read[w] = max(last_read[w], slot[u])
+        core_end: dict[str, int] = {}
+        for w in life.fw_pos:
+            root = g.nodes[w].storage
+            core_end[root] = max(core_end.get(root, -1), last_read[w])
         dies_at: dict[int, list[str]] = {}
         for v in s:
             if size[v]:
-                dies_at.setdefault(life.last_fw[v], []).append(v)
+                dies_at.setdefault(core_end[v], []).append(v)
         acc = pulp.LpAffineExpression()
         for t, static in enumerate(fw_static):
             if t - 1 in dies_at:
-                acc = acc + pulp.lpSum(size[v] * s[v] for v in dies_at[t - 1])
+                acc = self._running(acc, pulp.lpSum(size[v] * s[v] for v in dies_at[t - 1]))
             fw_rows.append((static, acc))
         # Backward: saved values until LN; recomputed values from FN to LN.
         starts: dict[int, list[str]] = {}
@@ -216,14 +232,27 @@ class _Model:
             ends.setdefault(ln_i, []).append(v)
             if fn != INF:
                 starts.setdefault(max(0, min(int(fn), len(bw_static) - 1)), []).append(v)
-        acc = held
+        acc = self._running(pulp.LpAffineExpression(), held)
         for t, static in enumerate(bw_static):
             if t in starts:
-                acc = acc + pulp.lpSum(size[v] * r[v] for v in starts[t])
+                acc = self._running(acc, pulp.lpSum(size[v] * r[v] for v in starts[t]))
             bw_rows.append((static, acc))
             if t in ends:
-                acc = acc - pulp.lpSum(size[v] * ((s[v] if v in s else 0) + r[v]) for v in ends[t])
+                acc = self._running(acc, -pulp.lpSum(size[v] * ((s[v] if v in s else 0) + r[v]) for v in ends[t]))
         return fw_rows, bw_rows
+
+    def _running(self, acc: pulp.LpAffineExpression, delta: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
+        """acc + delta, as one new continuous variable tied to the previous one by an equality.
+
+        Written out, every row would repeat all the values alive at its step (millions of nonzeros
+        on a deep stack); chained, each decision variable appears in O(1) rows.
+        """
+        if not delta.keys():
+            return acc + delta.constant if delta.constant else acc
+        m = pulp.LpVariable(f"m{self._chained}")
+        self._chained += 1
+        self.prob += m == acc + delta
+        return pulp.LpAffineExpression(m)
 
     def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False):
         prob = self.prob
@@ -325,7 +354,7 @@ def solve(
     granularity: int = 1,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 1e-4,
+    gap: float = 0.01,
     max_rounds: int = 5,
 ) -> Decision:
     """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
@@ -350,8 +379,10 @@ def solve(
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, budget, granularity, t0 + time_limit / 8)
     models = []
-    # Identical blocks sharing decisions first (small, fast), then the full model, then the block-drag ones.
-    for tie, drag in ((True, False), (False, False), (False, True), (True, True)):
+    # The full model first (with chained running sums it solves a 48-block stack in seconds), then
+    # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
+    # a huge graph), then the block-drag ones.
+    for tie, drag in ((False, False), (True, False), (False, True), (True, True)):
         if time.perf_counter() > deadline - 1.0:
             break
         models.append(_Model(graphs, granularity, drag, tie))
