@@ -12,17 +12,19 @@ together (they share the budget) and the model is compiled once more with the jo
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from autoremat import mixed
 from autoremat.backend import PlanMismatch, Planner, plan_graphs
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.capture import CapturedGraph, aot_backend, compile_fresh
@@ -30,6 +32,7 @@ from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import evaluate
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
+from autoremat.precision import FP32_KEPT
 from autoremat.profile import fingerprint
 from autoremat.units import parse_budget
 
@@ -83,8 +86,10 @@ class _Planner(Planner):
     that plan instead of solving again.
     """
 
-    def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
+                 pre_pass: Callable | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.lookup = lookup
         self.cached: Plan | None = None
         self.strict = True
@@ -212,6 +217,9 @@ def optimize(
     optimizer: Any = "adamw",
     device: DeviceSpec | str | None = None,
     plan: Plan | None = None,
+    precision: str = "fp32",
+    tolerance: float | None = None,
+    fp32_ops: Sequence[str] = FP32_KEPT,
     solver: str = "auto",
     time_limit: float = 10.0,
     gap: float = 0.01,
@@ -233,6 +241,14 @@ def optimize(
     device: a name from `autoremat.devices.known_devices()` for the roofline; by default the
         model's device.
     plan: a Plan (e.g. `Plan.load("plan.json")`) to re-apply instead of solving.
+    precision: "fp32" (default), "bf16" or "fp16" (every matmul-class call in that dtype; fp16 only
+        where the example batch shows it is safe), or "auto": the ILP picks fp32 / bf16 / fp16 per
+        call together with save/recompute. Parameters stay fp32; gradients arrive in fp32. A plan
+        with fp16 calls has `plan.needs_grad_scaler`: use `torch.amp.GradScaler`.
+    tolerance: for "auto", the most summed per-call relative error (measured on the example batch)
+        the plan may spend; default: what autocast's choice (every matmul in bf16) is measured at.
+    fp32_ops: the calls kept in fp32 whatever their inputs (default `precision.FP32_KEPT`: norms,
+        softmax, exp/log/pow, reductions, losses); a call left out of the list becomes castable.
     solver, time_limit, gap: the ILP solver ("auto", "cbc", "highs"), its time limit in seconds per
         solve and its relative optimality gap. At the time limit the best plan found so far is used
         (plan.solver["status"] == "time_limit"); with none, a greedy or smallest-peak plan.
@@ -251,6 +267,8 @@ def optimize(
     args, kwargs = _split_inputs(example_inputs)
     _check_signature(model, args, kwargs)
     where = _model_device(model, args, kwargs)
+    _check_precision(precision, tolerance, fp32_ops, where)
+    fp32_ops = tuple(fp32_ops)
     dev = get_device(device if device is not None else where)
     ledger = ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
                               device_granularity=dev.alloc_granularity)
@@ -258,12 +276,32 @@ def optimize(
     store = PlanCache.open(cache) if plan is None else None
     fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
               "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
-              "compiler": compiler, **opts}
+              "compiler": compiler, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
+              **opts}
+    build = functools.partial(_build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
+                              kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops)
+    if plan is not None:
+        dtypes = plan.precision.get("dtypes") or []
+        applier = _Planner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
+                           pre_pass=mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes
+                           else None, **opts)
+        compiled = _compile_and_trace(model, applier, compiler, args, kwargs)
+        plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
+        applier.strict = False
+        return RematModule(model, compiled, plan, applier)
+    if precision == "fp32":
+        plan, compiled, planner = build(budget_bytes, [], store, fields)
+    else:
+        plan, compiled, planner = _plan_precision(model, build, precision, tolerance, budget_bytes, ledger, dev,
+                                                  opts, args, kwargs, where, fp32_ops, store, fields)
+    planner.strict = False
+    return RematModule(model, compiled, plan, planner)
 
-    def make(lookup: Callable | None = None, applying: Plan | None = None) -> _Planner:
-        return _Planner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=applying, lookup=lookup,
-                        **opts)
 
+def _build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
+           opts, compiler, args, kwargs, verify, where, fp32_ops) -> tuple[Plan, Any, _Planner]:
+    """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it."""
+    pre = mixed.pre_pass(dtypes, fp32_ops) if any(dtypes) else None
     key: list[str] = []
     lookup = None
     if store is not None:
@@ -271,7 +309,10 @@ def optimize(
             key.append(store.key(fp, fields))
             return store.load(key[-1])
 
-    planner = make(lookup, plan)
+    def make(lookup: Callable | None = None) -> _Planner:
+        return _Planner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, **opts)
+
+    planner = make(lookup)
     try:
         compiled = _compile_and_trace(model, planner, compiler, args, kwargs)
     except _StaleCache as e:
@@ -280,32 +321,146 @@ def optimize(
         planner = make()
         compiled = _compile_and_trace(model, planner, compiler, args, kwargs)
     if planner.cached is not None:
-        hit = _check_cached(planner, budget_bytes, ledger, dev)
+        hit = _check_cached(planner, budget, ledger, dev)
         if hit is not None:
             hit.notes.append(f"plan loaded from the cache ({store.path(key[-1])}); re-simulated, not solved")
-            planner.strict = False
-            return RematModule(model, compiled, hit, planner)
+            return hit, compiled, planner
         log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(key[-1]))
         store.discard(key[-1])
         planner = make()
         compiled = _compile_and_trace(model, planner, compiler, args, kwargs)
-    if plan is None:
-        plan = planner.combined_plan
-        if len(planner.profiles) > 1:
-            plan, compiled, planner = _replan_jointly(model, planner, budget_bytes, ledger, dev, compiler, args,
-                                                      kwargs, opts)
-        if verify and where.type != "meta":
-            plan, compiled, planner = _verify(model, compiled, plan, planner, budget_bytes, ledger, dev, compiler,
-                                              args, kwargs, opts, where)
-        elif where.type == "meta":
-            plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
-        plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
-        if store is not None and key:
-            store.store(key[0], plan, fields)
+    plan = planner.combined_plan
+    if len(planner.profiles) > 1:
+        plan, compiled, planner = _replan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
+    if verify and where.type != "meta":
+        plan, compiled, planner = _verify(model, compiled, plan, planner, budget, ledger, dev, compiler,
+                                          args, kwargs, opts, where)
+    elif where.type == "meta":
+        plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
+    plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
+    if dtypes:
+        plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
+        plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
+    if store is not None and key:
+        store.store(key[0], plan, fields)
+    return plan, compiled, planner
+
+
+def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:
+    if precision not in mixed.MODES:
+        raise ValueError(f"precision must be one of {', '.join(mixed.MODES)}, got {precision!r}")
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not math.isfinite(tolerance) or tolerance < 0):
+        raise ValueError(f"tolerance must be a finite number >= 0 (a summed relative error), got {tolerance!r}")
+    if isinstance(fp32_ops, str) or not all(isinstance(o, str) for o in fp32_ops):
+        raise TypeError(f"fp32_ops must be a list of call names such as {list(FP32_KEPT[:3])}, got {fp32_ops!r}")
+    if precision in ("auto", "fp16") and where.type == "meta":
+        raise ValueError(f"precision={precision!r} measures value ranges and errors on the example batch, which "
+                         "meta tensors do not have: give real example inputs, or use precision='bf16' on meta")
+
+
+def _plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, args, kwargs, where, fp32_ops,
+                    store, fields):
+    """precision="bf16" | "fp16" | "auto": choose dtypes, then plan the step traced with them.
+
+    "auto" first plans in fp32 (the fallback, and the memory the mixed plan must not exceed), then
+    solves the joint dtype ILP on the fp32 graphs, traces with its dtypes and plans exactly. The
+    result is checked on the example batch against fp32 and against torch.autocast; while its loss
+    or gradient error is above autocast's, the tolerance is cut and the dtypes chosen again.
+    """
+    with _Restore(model), torch.enable_grad():
+        an = mixed.analyse(model, args, kwargs, dev, fp32_ops, measure=where.type != "meta")
+    info: dict[str, Any] = {"mode": mode}
+    if mode in ("bf16", "fp16"):
+        dtypes, unsafe = mixed.fixed_dtypes(an, mode)
+        plan, compiled, planner = build(budget, dtypes, store, fields)
+        if unsafe:
+            plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
+                              f"kept in fp32: {', '.join(unsafe[:8])}")
+            info["kept_fp32_unsafe"] = unsafe
     else:
-        plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
-    planner.strict = False
-    return RematModule(model, compiled, plan, planner)
+        tol = an.default_tolerance() if tolerance is None else float(tolerance)
+        info["tolerance"] = tol
+        try:
+            fp32 = build(budget, [], None, fields)
+        except BudgetError:
+            fp32 = None
+        cap = budget - ledger.fixed - SLACK
+        if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
+            cap = min(cap, fp32[0].activation_peak)
+        result, why = None, "the joint ILP found no dtypes within the budget"
+        for attempt in range(3):
+            dtypes = mixed.auto_dtypes(an, cap, tol, dev, **opts)
+            if dtypes is not None and not any(dtypes):
+                why = "the joint ILP chose fp32 for every call (16-bit is not faster here and not needed to fit)"
+                break
+            if dtypes is None:
+                break
+            try:
+                result = build(min(budget, ledger.fixed + cap + SLACK), dtypes, store, fields)
+            except BudgetError:
+                result, why = None, "the ILP's dtypes did not fit once traced"
+                cap = int(cap * 0.95)  # the mixed graphs need more than the fp32-traced rows saw
+                continue
+            errors = _precision_errors(model, result[1], args, kwargs, where)
+            result[0].precision.update(errors)
+            if (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"]
+                    and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"]):
+                break
+            why = f"after {attempt + 1} tries the mixed plan's error was still above autocast's"
+            result, tol = None, tol / 4
+        if result is None and fp32 is not None:
+            result = fp32
+            result[0].notes.append(f"precision='auto' kept every call in fp32: {why}")
+        elif result is None:  # fp32 does not fit: autocast's choice, every castable call in bf16
+            result = build(budget, mixed.fixed_dtypes(an, "bf16")[0], store, fields)  # BudgetError if not
+            result[0].precision.update(_precision_errors(model, result[1], args, kwargs, where))
+            result[0].notes.append("precision='auto': fp32 does not fit and the joint ILP's dtypes did not fit or "
+                                   "were less accurate than autocast; every castable call runs in bf16")
+        plan, compiled, planner = result
+        info["dtypes_chosen_by"] = "ilp (joint with save/recompute)" if plan.precision.get("dtypes") else "fp32"
+    stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
+    picked = plan.precision.get("dtypes") or []
+    info["error_estimate"] = mixed.error_estimate(an, picked) if an.stats and any(an.stats) else None
+    info["calls"] = stats
+    plan.precision = {**info, **plan.precision}
+    if where.type != "meta" and "loss_rel_err" not in plan.precision and picked:
+        plan.precision.update(_precision_errors(model, compiled, args, kwargs, where))
+    plan.budget = budget
+    return plan, compiled, planner
+
+
+def _precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
+    """Relative error of the loss and of all gradients versus fp32 eager, for the compiled step and
+    for torch.autocast(bf16) on the same batch (same random stream, state restored after each)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def run(fn, autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        with _Restore(model):
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            for p in params:
+                p.grad = None
+            amp = torch.autocast(where.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with torch.enable_grad(), amp:
+                loss = _loss(fn(*args, **kwargs))
+            loss.backward()
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
+                               for p in params])
+            return loss.detach().double(), grads
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        den = b.norm().item()
+        return (a - b).norm().item() / den if den else float((a - b).norm().item())
+
+    ref_loss, ref_grads = run(model)
+    ac_loss, ac_grads = run(model, autocast=True)
+    loss, grads = run(compiled)
+    return {"loss_rel_err": rel(loss, ref_loss), "grad_rel_err": rel(grads, ref_grads),
+            "autocast_loss_rel_err": rel(ac_loss, ref_loss), "autocast_grad_rel_err": rel(ac_grads, ref_grads)}
 
 
 def _check_cached(planner: _Planner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
@@ -393,12 +548,12 @@ def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args,
     decision = plan_graphs(profiles, budget, reserve, dev, **opts)
     new = build_plan(profiles, decision, ledger, budget, dev.name)
     new.notes += plan.notes + [f"re-planned with {gap} B reserved for scratch the memory model missed"]
-    applier = _Planner(budget, device=dev, ledger=ledger, plan=new, **opts)
+    applier = _Planner(budget, device=dev, ledger=ledger, plan=new, pre_pass=planner.pre_pass, **opts)
     return new, _compile_and_trace(model, applier, compiler, args, kwargs), applier
 
 
 def _compile_and_trace(model, planner: Planner, compiler: str, args: tuple, kwargs: dict) -> Any:
-    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler))
+    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=getattr(planner, "pre_pass", None)))
     with _own_errors(), _Restore(model), torch.enable_grad(), _inputs_must_fit(model, args, kwargs):
         out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     del out
@@ -424,6 +579,6 @@ def _replan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args,
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
     plan.notes.append(f"the model has graph breaks: {len(profiles)} graphs were planned jointly")
     log.warning("autoremat: %d graphs (graph breaks); planned jointly under one budget", len(profiles))
-    applier = _Planner(budget, device=dev, ledger=ledger, plan=plan, **opts)
+    applier = _Planner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass, **opts)
     compiled = _compile_and_trace(model, applier, compiler, args, kwargs)
     return plan, compiled, applier

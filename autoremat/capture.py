@@ -42,6 +42,7 @@ class CapturedGraph:
 
 
 PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModule]]
+PrePass = Callable[[int, fx.GraphModule, list], None]  # (graph index, dynamo graph, example inputs)
 
 
 def boxed_eager(gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -98,10 +99,12 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
 DECOMPOSITIONS = {torch.ops.aten.native_dropout.default: _native_dropout}
 
 
-def aot_backend(on_joint: PartitionCallback, compiler: str = "eager") -> Callable:
+def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
+    `pre_pass(index, gm, example_inputs)` sees (and may rewrite) each dynamo graph before
+    AOTAutograd traces it: the precision stage casts there.
     """
     counter = itertools.count()
 
@@ -123,20 +126,30 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager") -> Callabl
         return on_joint(cg)
 
     if compiler == "eager":
-        return aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
-                            decompositions=DECOMPOSITIONS)
-    if compiler == "inductor":
+        inner = aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
+                             decompositions=DECOMPOSITIONS)
+    elif compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
 
         # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
-        return aot_autograd(
+        inner = aot_autograd(
             fw_compiler=compile_fx_inner,
             bw_compiler=functools.partial(compile_fx_inner, is_backward=True),
             partition_fn=partition_fn,
             decompositions={**select_decomp_table(), **DECOMPOSITIONS},
         )
-    raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+    else:
+        raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+    if pre_pass is None:
+        return inner
+    graphs = itertools.count()
+
+    def backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        pre_pass(next(graphs), gm, example_inputs)
+        return inner(gm, example_inputs)
+
+    return backend
 
 
 def default_split(cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -149,7 +162,8 @@ def default_split(cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
     )
 
 
-def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None = None) -> list[CapturedGraph]:
+def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None = None,
+            pre_pass: PrePass | None = None) -> list[CapturedGraph]:
     """Trace one forward call of `model` and return its joint graphs, in execution order."""
     graphs: list[CapturedGraph] = []
 
@@ -158,7 +172,7 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
         graphs.append(CapturedGraph(kept, cg.num_fwd_outputs, cg.static_input_indices, cg.index, cg.device))
         return default_split(cg)
 
-    backend = aot_backend(record)
+    backend = aot_backend(record, pre_pass=pre_pass)
     # A module goes through compile_fresh: its own dynamo cache, and meta models traced like real ones.
     compiled = compile_fresh(model, backend) if isinstance(model, torch.nn.Module) else torch.compile(
         model, backend=backend, dynamic=False)

@@ -303,8 +303,15 @@ def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
     last_fw: dict[str, int] = {}
     needed: set[str] = set()
     grad_set = set(g.grad_outputs)
+    # A backward view of a forward value keeps its storage alive until the view's last use.
+    alias_last: dict[str, int] = {}
+    for w in bw:
+        root = nodes[w].storage
+        if root and root != w and root in fw_pos:
+            last = max([bw_pos[u] for u in users[w] if u in bw_pos] + [bw_pos[w]])
+            alias_last[root] = max(alias_last.get(root, -1), last)
     for v in fw:
-        bpos = [bw_pos[u] for u in users[v] if u in bw_pos]
+        bpos = [bw_pos[u] for u in users[v] if u in bw_pos] + ([alias_last[v]] if v in alias_last else [])
         if v in grad_set:
             bpos.append(len(bw))
         direct_first[v] = min(bpos, default=INF)

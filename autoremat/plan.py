@@ -48,6 +48,9 @@ class Plan:
     solver: dict
     device: str
     needs_grad_scaler: bool = False
+    # precision: mode, dtypes (per graph: dynamo call -> "bf16"/"fp16"), tolerance, measured errors
+    # versus fp32 (and what torch.autocast gives on the same batch), per-call measurements
+    precision: dict = field(default_factory=dict)
     timeline: list[list] = field(default_factory=list)  # [graph, phase, node, live bytes during]
     baseline_peak: int = 0  # activation peak with no recomputation (save everything)
     baseline_timeline: list[list] = field(default_factory=list)
@@ -110,8 +113,26 @@ class Plan:
         for mod in sorted(merged):
             c = merged[mod]
             lines.append(f"{mod or '(top level)':<40} {c['saved']:>6} {c['recomputed']:>10}")
+        lines += self._precision_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _precision_lines(self) -> list[str]:
+        p = self.precision
+        if not p:
+            return []
+        picked = [d for pick in p.get("dtypes", []) for d in pick.values()]
+        calls = len(p.get("calls", {})) or len(picked)
+        line = (f"precision {p.get('mode')}: {picked.count('bf16')} call(s) bf16, {picked.count('fp16')} fp16, "
+                f"{calls - len(picked)} fp32 of {calls} castable")
+        if self.needs_grad_scaler:
+            line += "; fp16 present: use torch.amp.GradScaler"
+        lines = ["", line]
+        if "loss_rel_err" in p:
+            lines.append(f"error vs fp32 on the example batch: loss {p['loss_rel_err']:.2e}, gradients "
+                         f"{p['grad_rel_err']:.2e} (torch.autocast bf16: {p['autocast_loss_rel_err']:.2e}, "
+                         f"{p['autocast_grad_rel_err']:.2e})")
+        return lines
 
 
 def build_plan(

@@ -34,6 +34,7 @@ import pulp
 
 from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
 from autoremat.memory import INF, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
+from autoremat.precision import DtypeChoices
 from autoremat.profile import GraphProfile
 
 
@@ -103,9 +104,12 @@ def _pick_solver(name: str, time_limit: float, gap: float) -> pulp.LpSolver:
 class _Model:
     """The ILP for a list of graphs that run one after another in one step."""
 
-    def __init__(self, graphs: list[GraphProfile], granularity: int, drag: bool, tie: bool = False) -> None:
+    def __init__(self, graphs: list[GraphProfile], granularity: int, drag: bool, tie: bool = False,
+                 choices: list[DtypeChoices | None] | None = None, tolerance: float | None = None) -> None:
         self.drag = drag
         self.tie = tie
+        self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
+        self.tolerance = tolerance
         with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
             warnings.simplefilter("ignore", DeprecationWarning)
             self._build(graphs, granularity)
@@ -119,6 +123,9 @@ class _Model:
         self.rows: list[tuple[int, pulp.LpAffineExpression]] = []  # (static bytes, variable bytes)
         self.time_expr = pulp.LpAffineExpression()
         self.bytes_expr = pulp.LpAffineExpression()
+        self.err_expr = pulp.LpAffineExpression()
+        self.fp16_expr = pulp.LpAffineExpression()  # fp16 calls: each needs loss scaling; prefer bf16
+        self.low: list[dict[str, tuple]] = []  # per graph: castable call -> (bf16 var, fp16 var)
         saved_total = []
         per_graph_rows = []
         for gi, g in enumerate(graphs):
@@ -128,10 +135,17 @@ class _Model:
             self.s.append(s)
             self.r.append(r)
             size = {v: _size(g, v, granularity) for v in life.fw_pos}
-            saved_bytes = pulp.lpSum(size[v] * s[v] for v in s if size[v])
+            # Bytes a value holds when saved (sb) and when recomputed (rb): its size, less half of
+            # it for every value the chosen dtypes make 16-bit.
+            sb = {v: size[v] * s[v] for v in s if size[v]}
+            rb = {v: size[v] * r[v] for v in r if size[v]}
+            choice = self.choices[gi] if self.choices and not self.tie else None
+            self.low.append(self._dtype_terms(gi, g, choice, size, s, r, sb, rb) if choice else {})
+            saved_bytes = pulp.lpSum(sb.values())
             saved_total.append(self._running(pulp.LpAffineExpression(), saved_bytes))
             self.bytes_expr += saved_bytes
-            per_graph_rows.append(self._memory_rows(g, life, s, r, size, fw_static, bw_static, core, slot))
+            per_graph_rows.append(self._memory_rows(life, sb, rb, fw_static, bw_static, core, slot, g))
+        self.steps = per_graph_rows  # per graph: (forward rows, backward rows), one per step
         # Graph i's saved values stay alive through the forward of later graphs and their
         # backward (which runs first): add them to those rows.
         for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
@@ -192,7 +206,60 @@ class _Model:
             self.time_expr += p.time_s * r[v]
         return s, r
 
-    def _memory_rows(self, g, life, s, r, size, fw_static, bw_static, fw_core, slot):
+    def _dtype_terms(self, gi, g, choice: DtypeChoices, size, s, r, sb, rb) -> dict[str, tuple]:
+        """Binary b_c / f_c per castable call (bf16 / fp16); a value is 16-bit when all its owners
+        are. Bytes saved: s_v * low_v, linearised as sigma_v <= s_v, sigma_v <= low_v (and rho_v for
+        r_v): the rows only ever gain from a larger sigma, so upper bounds make it the product."""
+        low: dict[str, tuple] = {}
+        for c, opts in sorted(choice.options.items()):
+            b = pulp.LpVariable(f"b{gi}_{c}", cat="Binary") if "bf16" in opts else None
+            f = pulp.LpVariable(f"f{gi}_{c}", cat="Binary") if "fp16" in opts else None
+            is_low = (b if b is not None else 0) + (f if f is not None else 0)
+            if b is not None and f is not None:
+                self.prob += is_low <= 1
+            low[c] = (b, f, is_low)
+            self.err_expr += opts.get("bf16", 0.0) * (b if b is not None else 0)
+            self.err_expr += opts.get("fp16", 0.0) * (f if f is not None else 0)
+            self.time_expr += choice.cast_time.get(c, 0.0) * is_low
+            if f is not None:
+                self.fp16_expr += f
+        both: dict[frozenset, pulp.LpAffineExpression] = {}
+        for v, own in sorted(choice.owners.items()):
+            if not own <= low.keys():
+                continue
+            if own not in both:
+                if len(own) == 1:
+                    both[own] = low[next(iter(own))][2]
+                else:
+                    pi = pulp.LpVariable(f"pi{gi}_{len(both)}", lowBound=0, upBound=1)
+                    for c in sorted(own):
+                        self.prob += pi <= low[c][2]
+                    both[own] = pi
+            pi = both[own]
+            self.time_expr -= choice.speedup.get(v, 0.0) * pi
+            half = size.get(v, 0) // 2
+            for var, out, tag in ((s.get(v), sb, "sg"), (r.get(v), rb, "rh")):
+                if half and var is not None and v in out:
+                    prod = pulp.LpVariable(f"{tag}{gi}_{v}", lowBound=0, upBound=1)
+                    self.prob += prod <= var
+                    self.prob += prod <= pi
+                    out[v] = out[v] - half * prod
+        return low
+
+    def chosen_dtypes(self) -> list[dict[str, str]]:
+        """Per graph, the castable calls the current solution runs in bf16 or fp16."""
+        out = []
+        for low in self.low:
+            pick = {}
+            for c, (b, f, _) in low.items():
+                if b is not None and (b.value() or 0) > 0.5:
+                    pick[c] = "bf16"
+                elif f is not None and (f.value() or 0) > 0.5:
+                    pick[c] = "fp16"
+            out.append(pick)
+        return out
+
+    def _memory_rows(self, life, sb, rb, fw_static, bw_static, fw_core, slot, g):
         fw_rows, bw_rows = [], []
         # Forward: a saved value keeps living after its last forward use.
         # The static profile frees a storage after the last core step that reads any alias of it, so
@@ -208,37 +275,37 @@ class _Model:
             root = g.nodes[w].storage
             core_end[root] = max(core_end.get(root, -1), last_read[w])
         dies_at: dict[int, list[str]] = {}
-        for v in s:
-            if size[v]:
-                dies_at.setdefault(core_end[v], []).append(v)
+        for v in sb:
+            dies_at.setdefault(core_end[v], []).append(v)
         acc = pulp.LpAffineExpression()
         for t, static in enumerate(fw_static):
             if t - 1 in dies_at:
-                acc = self._running(acc, pulp.lpSum(size[v] * s[v] for v in dies_at[t - 1]))
+                acc = self._running(acc, pulp.lpSum(sb[v] for v in dies_at[t - 1]))
             fw_rows.append((static, acc))
         # Backward: saved values until LN; recomputed values from FN to LN.
         starts: dict[int, list[str]] = {}
         ends: dict[int, list[str]] = {}
         held = pulp.LpAffineExpression()
         for v in life.fw_pos:
-            if not size[v]:
-                continue
+            if v not in rb:
+                continue  # owns no bytes
             ln, fn = life.ln[v], life.start[v]
             if ln == -INF:
                 continue  # never read in the backward: a save only costs forward memory
             ln_i = min(int(ln), len(bw_static) - 1)
-            if v in s:
-                held += size[v] * s[v]
+            held += sb.get(v, 0)
             ends.setdefault(ln_i, []).append(v)
             if fn != INF:
                 starts.setdefault(max(0, min(int(fn), len(bw_static) - 1)), []).append(v)
+            else:
+                rb.pop(v)  # never recomputed on its own: nothing to add, nothing to take away
         acc = self._running(pulp.LpAffineExpression(), held)
         for t, static in enumerate(bw_static):
             if t in starts:
-                acc = self._running(acc, pulp.lpSum(size[v] * r[v] for v in starts[t]))
+                acc = self._running(acc, pulp.lpSum(rb[v] for v in starts[t]))
             bw_rows.append((static, acc))
             if t in ends:
-                acc = self._running(acc, -pulp.lpSum(size[v] * ((s[v] if v in s else 0) + r[v]) for v in ends[t]))
+                acc = self._running(acc, -pulp.lpSum(sb.get(v, 0) + rb.get(v, 0) for v in ends[t]))
         return fw_rows, bw_rows
 
     def _running(self, acc: pulp.LpAffineExpression, delta: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
@@ -264,7 +331,10 @@ class _Model:
                 return "infeasible", None, None
             self.cap.lowBound = self.cap.upBound = budget
             # Recompute time first; bytes only break ties (keeps peaks monotonic in the budget).
-            prob.setObjective(self.time_expr / self.total_time + 1e-4 * self.bytes_expr / self.total_bytes)
+            prob.setObjective(self.time_expr / self.total_time + 1e-4 * self.bytes_expr / self.total_bytes
+                              + 1e-3 * self.fp16_expr)
+        if self.tolerance is not None and self.err_expr.keys():
+            prob.constraints["tolerance"] = self.err_expr <= self.tolerance
         with _quiet_stdout():
             prob.solve(solver)
         if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
@@ -306,7 +376,7 @@ def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_ro
     were pessimistic: ask for the slack back and keep the cheapest plan that fits. If the ILP finds
     nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once.
     """
-    target, best, learned = budget, None, False
+    target, best, learned, overshoots = budget, None, False, 0
     model.last_status = "infeasible"
     for rounds in range(1, max_rounds + 1):
         remaining = deadline - time.perf_counter()
@@ -330,12 +400,15 @@ def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_ro
                 target = budget + offset
                 continue
         schedules, tl, cost = evaluate(graphs, saved, granularity)
+        if os.environ.get("AR_DEBUG"):
+            print("round", rounds, "target", target, status, "sim", tl.peak, "budget", budget, "cost", cost)
         if tl.peak <= budget:
             if best is None or cost < best.recompute_time_s:
                 path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.drag else "")
                         + ("/shared-blocks" if model.tie else ""))
                 best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
                                 solver=type(backend).__name__)
+            overshoots = 0
             slack = budget - tl.peak
             if cost == 0 or slack <= 0.01 * budget or time.perf_counter() > deadline:
                 break
@@ -343,7 +416,10 @@ def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_ro
         else:
             if time.perf_counter() > deadline:
                 break
-            target -= tl.peak - budget  # the ILP was optimistic by this much: ask for less
+            # The ILP was optimistic by this much: ask for less, and for more each time in a row it
+            # still overshoots (a plan near the limit tends to move by less than the step asked).
+            overshoots += 1
+            target -= (tl.peak - budget) * 2 ** (overshoots - 1)
     return best
 
 
@@ -443,3 +519,32 @@ class Infeasible(Exception):
         super().__init__(f"no plan fits (solver status {status}); smallest peak found {smallest.peak} B")
         self.smallest = smallest
         self.status = status
+
+
+def choose_dtypes(
+    graphs: list[GraphProfile],
+    choices: list[DtypeChoices | None],
+    budget: int,
+    tolerance: float | None,
+    *,
+    granularity: int = 1,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+    gap: float = 0.01,
+) -> list[dict[str, str]] | None:
+    """Compute dtypes and save/recompute chosen together, on fp32-traced graphs: the first stage of
+    precision="auto". Returns, per graph, the calls to run in bf16/fp16, or None if nothing fits.
+
+    The memory rows see each value at 2 or 4 bytes per element as its owners decide; the objective
+    is the recomputation time plus the dtype-dependent time of the step (faster 16-bit kernels,
+    the casts they need); the measured errors of the chosen calls sum to at most `tolerance`. The
+    caller traces the graphs again with these dtypes and solves save/recompute exactly on them
+    (the second stage), since the rows here only approximate a mixed graph.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        model = _Model(graphs, granularity, drag=False, choices=choices, tolerance=tolerance)
+        status, saved, _ = model.solve(budget, _pick_solver(solver, time_limit, gap))
+    if saved is None:
+        return None
+    return model.chosen_dtypes()

@@ -1,0 +1,296 @@
+"""Per-op compute dtypes: which ops may run in bf16/fp16, how safe that is, and the graph rewrite.
+
+This stage works on the graph dynamo hands to a backend (torch-level calls such as `linear`,
+`matmul`, `softmax`), before AOTAutograd traces the training step. That is where a dtype is a
+property of one call: cast the inputs of a matmul to bf16 and AOTAutograd derives a backward in
+bf16 that casts the gradients back, so parameters stay fp32 master copies and their gradients
+reach the optimizer in fp32.
+
+- `castable(gm)`: the calls whose dtype the planner chooses. Matmul-class calls (linear, matmul,
+  bmm, baddbmm, addmm, conv, scaled-dot-product attention), like autocast's lower-precision list.
+  Calls autocast keeps in fp32 (`FP32_KEPT`: normalisations, softmax, exp/log/pow, reductions,
+  losses) stay fp32 unless the user removes them from the list.
+- `measure(gm, inputs)`: runs the fp32 graph once on the example batch and, per castable call, the
+  largest magnitude it reads or writes, the share of its outputs that fp16 flushes to zero, and its
+  relative error when it runs in bf16 or fp16 instead (inputs rounded, same op, compared in fp32).
+- `apply_dtypes(gm, dtypes)`: casts the inputs of the chosen calls, lets the low dtype flow through
+  the ops that follow (type promotion decides, as in eager), and casts back to fp32 in front of
+  every `FP32_KEPT` call.
+
+    >>> import torch, torch.nn as nn
+    >>> from autoremat.precision import castable, measure
+    >>> seen = {}
+    >>> def backend(gm, inputs):
+    ...     seen.update(measure(gm, inputs, castable(gm)))
+    ...     return gm
+    >>> _ = torch.compile(nn.Linear(8, 8), backend=backend)(torch.randn(4, 8))
+    >>> sorted(seen), seen["linear"].fp16_safe
+    (['linear'], True)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_MAX = 65504.0
+FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller becomes zero
+FP16_SAFETY = 8.0  # fp16 is forbidden once a value comes within this factor of FP16_MAX
+FP16_UNDERFLOW_SHARE = 1e-3  # ... or when more than this share of nonzero outputs flush to zero
+
+_MATMULS = {
+    torch._C._nn.linear, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
+    torch.baddbmm, torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
+    F.scaled_dot_product_attention,
+}
+_MATMUL_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
+# What autocast runs in fp32 (its CUDA fp32 list, by function name), plus the losses and reductions.
+FP32_KEPT = (
+    "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "softmax", "log_softmax",
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits",
+    "kl_div", "exp", "log", "log1p", "expm1", "pow", "rsqrt", "sum", "mean", "norm", "cumsum", "cumprod",
+    "prod", "var", "std", "logsumexp",
+)
+
+
+def call_name(node: fx.Node) -> str:
+    """The function or method name of a call node ('linear', 'softmax', ...), '' for other nodes."""
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target)).lstrip("_")
+    return ""
+
+
+def _is_matmul(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _MATMULS) or (
+        node.op == "call_method" and node.target in _MATMUL_METHODS)
+
+
+def _value(node) -> object:
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def _is_float(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def castable(gm: fx.GraphModule, fp32_ops: Iterable[str] = FP32_KEPT) -> list[str]:
+    """Names of the calls whose compute dtype is a decision: matmul-class calls, and any call of
+    the fp32 list the user removed from `fp32_ops`. Only calls that read a floating tensor count."""
+    kept = set(fp32_ops)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op not in ("call_function", "call_method") or not _is_float(_value(n)):
+            continue
+        if _is_matmul(n) or (call_name(n) in FP32_KEPT and call_name(n) not in kept):
+            out.append(n.name)
+    return out
+
+
+@dataclass
+class OpStats:
+    """What one castable call did on the example batch."""
+
+    max_abs: float  # over its floating inputs and its output
+    underflow: float  # share of its nonzero outputs smaller than fp16's smallest subnormal
+    err_bf16: float  # relative error (Frobenius) of the output when run in bf16
+    err_fp16: float
+    numel: int  # output elements
+
+    @property
+    def fp16_safe(self) -> bool:
+        return self.max_abs * FP16_SAFETY < FP16_MAX and self.underflow <= FP16_UNDERFLOW_SHARE
+
+    def to_dict(self) -> dict:
+        return {"max_abs": self.max_abs, "underflow": self.underflow, "err_bf16": self.err_bf16,
+                "err_fp16": self.err_fp16, "fp16_safe": self.fp16_safe}
+
+
+def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    exact = exact.double()
+    den = exact.norm().item()
+    diff = (approx.double() - exact).norm().item()
+    if not (diff == diff):  # NaN: the low dtype overflowed
+        return float("inf")
+    return diff / den if den > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+class _Recorder(fx.Interpreter):
+    """Run the graph in fp32; at each castable call, also run it on rounded inputs."""
+
+    def __init__(self, gm: fx.GraphModule, names: set[str]) -> None:
+        super().__init__(gm)
+        self.names = names
+        self.stats: dict[str, OpStats] = {}
+
+    def run_node(self, n: fx.Node):
+        out = super().run_node(n)
+        if n.name in self.names and isinstance(out, torch.Tensor) and out.is_floating_point():
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_float(a)]
+            max_abs = max([out.detach().abs().max().item() if out.numel() else 0.0]
+                          + [a.detach().abs().max().item() for a in flat if a.numel()])
+            nonzero = out.detach() != 0
+            tiny = (out.detach().abs() < FP16_TINY) & nonzero
+            share = tiny.sum().item() / max(1, nonzero.sum().item())
+            errs = {}
+            for key, dtype in LOW.items():
+                low_args, low_kwargs = torch.utils._pytree.tree_map(
+                    lambda a, d=dtype: a.detach().to(d) if _is_float(a) else a, (args, kwargs))
+                with torch.random.fork_rng(devices=[out.device] if out.device.type == "cuda" else []):
+                    low = getattr(self, n.op)(n.target, low_args, low_kwargs)
+                errs[key] = _rel_err(low.float(), out.detach())
+            self.stats[n.name] = OpStats(max_abs, share, errs["bf16"], errs["fp16"], out.numel())
+        return out
+
+
+def measure(gm: fx.GraphModule, inputs: list, names: Iterable[str]) -> dict[str, OpStats]:
+    """Run `gm` once in fp32 on `inputs` and return `OpStats` for each call in `names`.
+
+    Inputs are cloned first (the graph may update BatchNorm statistics in place) and the RNG state
+    is restored afterwards, so the measurement leaves the model and the random stream as they were.
+    """
+    names = set(names)
+    if not names:
+        return {}
+    args = [a.detach().clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter)
+            else a for a in inputs]
+    cuda = [a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "cuda"][:1]
+    rec = _Recorder(gm, names)
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        rec.run(*args)
+    return rec.stats
+
+
+def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[str] = FP32_KEPT) -> int:
+    """Rewrite `gm` so that each call named in `dtypes` computes in that dtype ("bf16"/"fp16").
+
+    Its floating inputs are cast, its output stays in the low dtype, later calls follow type
+    promotion, and every input of an `fp32_ops` call (or of a matmul left in fp32) that may be low
+    is cast back to fp32 first.
+    Returns the number of casts inserted.
+    """
+    low = {name: LOW[d] for name, d in dtypes.items() if d in LOW}
+    if not low:
+        return 0
+    kept = set(fp32_ops)
+    graph = gm.graph
+    maybe_low: set[fx.Node] = set()
+    casts = 0
+
+    def cast(node: fx.Node, arg, dtype: torch.dtype):
+        nonlocal casts
+        if not isinstance(arg, fx.Node) or not (_is_float(_value(arg)) or arg in maybe_low):
+            return arg
+        with graph.inserting_before(node):
+            casts += 1
+            return graph.call_method("to", (arg, dtype))
+
+    def recast(node: fx.Node, dtype: torch.dtype, only_low: bool) -> None:
+        def one(a):
+            return cast(node, a, dtype) if not only_low or a in maybe_low else a
+
+        node.args = fx.node.map_arg(node.args, one)
+        node.kwargs = fx.node.map_arg(node.kwargs, one)
+
+    for node in list(graph.nodes):
+        if node.op not in ("call_function", "call_method"):
+            continue
+        if node.name in low:
+            recast(node, low[node.name], only_low=False)
+            maybe_low.add(node)
+        elif call_name(node) in kept or _is_matmul(node):
+            # fp32 calls; matmuls do not promote mixed dtypes, so a fp32 one gets fp32 inputs too
+            recast(node, torch.float32, only_low=True)
+        elif any(a in maybe_low for a in node.all_input_nodes):
+            maybe_low.add(node)  # may be low: type promotion decides at run time
+    graph.lint()
+    gm.recompile()
+    return casts
+
+
+@dataclass
+class DtypeChoices:
+    """What the ILP may choose for one joint graph (traced in fp32) and what each choice changes.
+
+    options: castable call -> {low dtype: its measured relative error}; only safe dtypes appear.
+    owners: forward node of the joint graph -> the castable calls that must all be low for it to be
+        low (its bytes halve); a value read only by castable calls is owned by them (they read a
+        low copy of it instead).
+    speedup: forward node -> (fp32 time - low time) of it and its backward, in seconds.
+    cast_time: castable call -> time of the casts it needs (weights cast again in the backward).
+    """
+
+    options: dict[str, dict[str, float]]
+    owners: dict[str, frozenset[str]]
+    speedup: dict[str, float]
+    cast_time: dict[str, float]
+
+
+_MATMUL_ATEN = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm", "aten.convolution")
+
+
+def origin(node: fx.Node) -> str:
+    """The dynamo graph call an aten node of the joint graph was traced from ('' if unknown)."""
+    src = node.meta.get("from_node")
+    return src[0].name if src else ""
+
+
+def dtype_choices(joint: fx.GraphModule, profile, options: dict[str, dict[str, float]], kept: set[str],
+                  device) -> DtypeChoices:
+    """Map the per-call `options` onto the fp32 joint graph `joint` (profiled as `profile`).
+
+    `kept` names the dynamo calls that stay fp32 whatever their inputs are (FP32_KEPT calls).
+    """
+    nodes = profile.nodes
+    owners: dict[str, frozenset[str]] = {}
+    by_name = {n.name: n for n in joint.graph.nodes}
+    speedup: dict[str, float] = {}
+    cast_bytes: dict[str, dict[str, tuple[int, bool]]] = {c: {} for c in options}
+    for name, p in nodes.items():
+        if p.kind != "forward":
+            continue
+        n = by_name[name]
+        src = origin(n)
+        if src in options:
+            owners[name] = frozenset([src])
+            for i in p.inputs:
+                q = nodes[i]
+                if origin(by_name[i]) != src and q.nbytes and q.dtype.startswith("float"):
+                    cast_bytes[src][i] = (q.nbytes, q.kind in ("param", "input"))
+        elif src in kept:
+            continue
+        elif p.tuple_parent:
+            if p.tuple_parent in owners:
+                owners[name] = owners[p.tuple_parent]
+        elif p.dtype.startswith("float"):
+            floats = [i for i in p.inputs if nodes[i].dtype.startswith("float") and nodes[i].shape not in ((), None)]
+            if floats and all(i in owners for i in floats):
+                owners[name] = frozenset().union(*(owners[i] for i in floats))
+    # A value only castable calls read is read through a low copy: it is as good as low.
+    users: dict[str, list[str]] = {}
+    for name, p in nodes.items():
+        if p.kind == "forward":
+            for i in p.inputs:
+                users.setdefault(i, []).append(name)
+    for name, p in nodes.items():
+        if p.kind == "forward" and name not in owners and p.dtype.startswith("float") and users.get(name):
+            srcs = {origin(by_name[u]) for u in users[name]}
+            if srcs <= set(options):
+                owners[name] = frozenset(srcs)
+    for name in owners:
+        p = nodes[name]
+        if p.time_s and p.storage == name:
+            matmul = p.target.startswith(_MATMUL_ATEN)
+            low = device.op_time(p.flops, p.bytes_moved / 2, dtype="bf16", matmul=matmul)
+            speedup[name] = (p.time_s - low) * (3 if matmul else 2)  # forward + backward (two matmuls)
+    cast_time = {c: sum(device.op_time(0.0, 1.5 * b) * (2 if weight else 1) for b, weight in ins.values())
+                 for c, ins in cast_bytes.items()}
+    return DtypeChoices(options, owners, speedup, cast_time)
