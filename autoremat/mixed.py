@@ -19,6 +19,7 @@ import torch.fx as fx
 from autoremat import precision as P
 from autoremat.capture import capture
 from autoremat.devices import DeviceSpec
+from autoremat.dtypes import dtype_choices
 from autoremat.profile import GraphProfile, profile_graph
 from autoremat.solver import choose_dtypes
 
@@ -89,7 +90,7 @@ def options(an: Analysis) -> list[dict[str, dict[str, float]]]:
 def auto_dtypes(an: Analysis, activation_budget: int, tolerance: float, device: DeviceSpec,
                 **solver_opts) -> list[dict[str, str]] | None:
     """The joint ILP's dtypes under `activation_budget` bytes and `tolerance`; None if none fits."""
-    choices = [P.dtype_choices(joint, prof, opts, kept, device)
+    choices = [dtype_choices(joint, prof, opts, kept, device)
                for joint, prof, opts, kept in zip(an.joints, an.profiles, options(an), an.kept)]
     return choose_dtypes(an.profiles, choices, activation_budget, tolerance,
                          granularity=device.alloc_granularity, **solver_opts)

@@ -32,9 +32,9 @@ import warnings
 
 import pulp
 
+from autoremat.dtypes import DtypeChoices
 from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
 from autoremat.memory import INF, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
-from autoremat.precision import DtypeChoices
 from autoremat.profile import GraphProfile
 
 

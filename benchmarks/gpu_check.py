@@ -2,7 +2,8 @@
 
 For eager, checkpoint-every-block (HF gradient checkpointing, non-reentrant) and autoremat at a
 few absolute budgets (the smallest feasible one, the midpoint, the no-recompute total, and the
-checkpoint row's measured peak), it measures one training step (forward + backward, no optimizer,
+checkpoint row's measured peak), then autocast(bf16) + checkpoint-every-block and autoremat
+precision="auto" at that row's measured peak, it measures one training step (forward + backward, no optimizer,
 gradients already allocated by a warm-up step):
   - torch.cuda.max_memory_allocated (absolute, only this row's model, grads and inputs on the device),
     against the budget and against autoremat's predicted peak,
@@ -165,17 +166,28 @@ def main() -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model, {}
 
-    def ar(budget):
+    def ckpt_autocast(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+        def fn(**kw):
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                return model(**kw)
+        return fn, {}
+
+    def ar(budget, precision="fp32"):
         def build(model):
             torch._dynamo.reset()
             t = time.perf_counter()
             om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None,
-                                    time_limit=a.time_limit)
+                                    time_limit=a.time_limit, precision=precision)
             p = om.plan
+            picked = [d for pick in p.precision.get("dtypes", []) for d in pick.values()]
             return om, dict(budget=int(budget), predicted_peak=p.predicted_peak, baseline_peak=p.baseline_peak,
                             fixed=p.predicted_peak - p.activation_peak, predicted_overhead=p.overhead,
                             solver_status=p.solver.get("status"), num_graphs=om.num_graphs,
-                            plan_s=time.perf_counter() - t)
+                            plan_s=time.perf_counter() - t, bf16_calls=picked.count("bf16"),
+                            fp16_calls=picked.count("fp16"),
+                            precision={k: v for k, v in p.precision.items() if k != "calls"})
         return build
 
     run_row("eager", "-", eager)
@@ -204,6 +216,12 @@ def main() -> None:
             run_row("autoremat", "no-recompute total", ar(no_recompute), no_recompute)
         if ck.get("status") == "ok":
             run_row("autoremat", "@ checkpoint's peak", ar(ck["measured_peak"]), ck["measured_peak"])
+
+    # mixed precision (issue 3): autocast(bf16) + checkpoint every block vs precision="auto" at its peak
+    ca = run_row("autocast bf16 + checkpoint", "every block", ckpt_autocast)
+    if ca.get("status") == "ok":
+        run_row("autoremat", "precision=auto @ autocast+ckpt's peak", ar(ca["measured_peak"], "auto"),
+                ca["measured_peak"])
 
     # table
     by = {r["method"]: r for r in rows if r.get("status") == "ok" and r["method"] in ("eager", "checkpoint")}
