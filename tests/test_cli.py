@@ -61,6 +61,7 @@ def runs(work: Path) -> dict[str, Result]:
         "ledger": ["ledger", "--params", "7B", "--param-dtype", "fp16", "--optimizer", "adamw"],
         "infeasible": ["plan", *SMALL, "--budget", "1KB"],
         "bad_budget_debug": ["plan", *SMALL, "--budget", "12XB", "--debug"],
+        "bf16": ["plan", *SMALL, "--budget", "100MB", "--precision", "bf16", "--json", "plan_bf16.json"],
     }
     procs = {name: start(args, work) for name, args in commands.items()}
     return {name: finish(p) for name, p in procs.items()}
@@ -138,3 +139,18 @@ def test_ledger_7b_fp16_adamw(runs):
     rows = dict(re.findall(r"^(parameters|gradients|optimizer state|master weights)\s+([\d.]+) GB", r.out, re.M))
     assert {k: float(v) for k, v in rows.items()} == {
         "parameters": 14.0, "gradients": 14.0, "optimizer state": 56.0, "master weights": 28.0}
+
+
+def test_plan_in_bf16_on_meta(runs, work):
+    r = runs["bf16"]
+    assert r.rc == 0, r.err
+    assert re.search(r"precision bf16: (\d+) call\(s\) bf16, 0 fp16, 0 fp32 of \1 castable", r.out), r.out
+    plan = Plan.load(work / "plan_bf16.json")
+    assert plan.precision["dtypes"] and set(plan.precision["dtypes"][0].values()) == {"bf16"}
+    assert not plan.needs_grad_scaler
+
+
+def test_precision_auto_is_not_offered_on_meta(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "x.py:f", "--budget", "1GB", "--precision", "auto"])
+    assert "invalid choice" in capsys.readouterr().err
