@@ -522,7 +522,8 @@ def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args,
     from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
 
     def step() -> None:
-        _loss(compiled(*args, **kwargs)).backward()
+        out = compiled(*args, **kwargs)  # held through the backward, as a training loop holds it
+        _loss(out).backward()
 
     traced = len(planner.profiles)
     with _Restore(model):
