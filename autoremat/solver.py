@@ -34,7 +34,7 @@ import pulp
 
 from autoremat.dtypes import DtypeChoices
 from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
-from autoremat.memory import INF, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
+from autoremat.memory import INF, TANGENTS_HELD, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
 from autoremat.profile import GraphProfile
 
 
@@ -80,7 +80,8 @@ def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[
     for t in tangents:
         heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
     steps = []
-    _run(g, bw, heap, set(g.grad_outputs) | set(g.fw_outputs), tangents, "backward", steps)
+    held = set(g.grad_outputs) | set(g.fw_outputs) | (set(tangents) if TANGENTS_HELD else set())
+    _run(g, bw, heap, held, tangents, "backward", steps)
     return fw_during, [s.during for s in steps], core, slot
 
 
