@@ -88,9 +88,12 @@ def main() -> None:
             f"the meta device; budget = middle of [smallest peak found, save-all peak]; solver time limit "
             f"{args.time_limit:.0f} s; torch {torch.__version__}, {os.cpu_count()} CPUs, 1 thread. 'floor s' is "
             f"`smallest_peak` (what BudgetError needs), 'solve s' is `solver.solve` (per-block mode search, then "
-            f"the ILP models while the time lasts: identical blocks sharing decisions first, then the full ones; "
-            f"path '/shared-blocks' means the shared model's plan won). 'variables' and 'constraints' count the "
-            f"full (unshared) model.\n")
+            f"the ILP models while the time lasts: the full model first, then identical blocks sharing decisions, "
+            f"then the block-drag ones; path '/shared-blocks' means the shared model's plan won; default gap 1%). "
+            f"'variables' and 'constraints' count the full (unshared) model, chained running-sum variables "
+            f"included. 'full ILP alone' is that model solved on its own with gap 1e-4 and the given limit; "
+            f"its ratio is the default solve's objective over it.\n\nCommand: `python benchmarks/solver_scale.py "
+            f"{' '.join(sys.argv[1:])}`\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("# Solver scale (CPU)\n\n" + "\n".join(rows) + "\n" + note)
     print(note)
