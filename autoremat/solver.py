@@ -469,7 +469,7 @@ def solve(
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
     status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
     if best is None:
-        saved = greedy(graphs, budget, granularity)
+        saved = greedy(graphs, budget, granularity, deadline=t0 + time_limit)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= budget:
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
@@ -491,18 +491,21 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
 
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy.
     """
+    start = time.perf_counter()
     models = models or [_Model(graphs, granularity, drag, tie=True) for drag in (False, True)]
     backend = _pick_solver(solver, max(2.0, time_limit / 4), 1e-3)
     options = []
     status = "infeasible"
     for model in models:
+        if options and time.perf_counter() - start > time_limit / 2:
+            break  # one min-peak plan in hand; the rest of the time goes to the plans below
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             status, saved, _ = model.solve(None, backend, min_peak=True)
         if saved is not None:
             options.append((saved, "ilp-min-peak" + ("/block-drag" if model.drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
-    options.append((greedy(graphs, 0, granularity, max_tries=100), "greedy"))
+    options.append((greedy(graphs, 0, granularity, max_tries=100, deadline=start + time_limit), "greedy"))
     best = None
     for cand, path in options:
         try:
