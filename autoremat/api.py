@@ -414,9 +414,14 @@ def _plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, ar
             result[0].notes.append(f"precision='auto' kept every call in fp32: {why}")
         elif result is None:  # fp32 does not fit: autocast's choice, every castable call in bf16
             result = build(budget, mixed.fixed_dtypes(an, "bf16")[0], store, fields)  # BudgetError if not
-            result[0].precision.update(_precision_errors(model, result[1], args, kwargs, where))
+            errors = _precision_errors(model, result[1], args, kwargs, where)
+            result[0].precision.update(errors)
             result[0].notes.append("precision='auto': fp32 does not fit and the joint ILP's dtypes did not fit or "
                                    "were less accurate than autocast; every castable call runs in bf16")
+            if (errors["loss_rel_err"] > errors["autocast_loss_rel_err"]
+                    or errors["grad_rel_err"] > errors["autocast_grad_rel_err"]):
+                result[0].notes.append("this all-bf16 plan's error is above autocast's on the example batch "
+                                       "(see plan.precision); no plan within the budget was as accurate")
         plan, compiled, planner = result
         info["dtypes_chosen_by"] = "ilp (joint with save/recompute)" if plan.precision.get("dtypes") else "fp32"
     stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
