@@ -68,6 +68,19 @@ def _round(n: int, granularity: int) -> int:
     return -(-n // granularity) * granularity if granularity > 1 else n
 
 
+def forward_ancestors(g: GraphProfile, seeds) -> set[str]:
+    """The forward-side nodes among `seeds` and everything they read, transitively."""
+    found: set[str] = set()
+    stack = list(seeds)
+    while stack:
+        name = stack.pop()
+        if name in found or g.nodes[name].kind != "forward":
+            continue
+        found.add(name)
+        stack.extend(g.nodes[name].inputs)
+    return found
+
+
 def forward_slots(g: GraphProfile) -> tuple[list[str], dict[str, int]]:
     """The core forward (what the forward outputs need, in joint order) and a slot for every
     forward-side node: its index in the core, or, for a node only the backward reads (a detach, a
@@ -78,14 +91,7 @@ def forward_slots(g: GraphProfile) -> tuple[list[str], dict[str, int]]:
     exist they cost nothing extra, so the forward runs them there (`make_schedule`).
     """
     nodes = g.nodes
-    core: set[str] = set()
-    stack = list(g.fw_outputs)
-    while stack:
-        name = stack.pop()
-        if name in core or nodes[name].kind != "forward":
-            continue
-        core.add(name)
-        stack.extend(nodes[name].inputs)
+    core = forward_ancestors(g, g.fw_outputs)
     order = [n for n, p in nodes.items() if p.kind == "forward" and n in core]
     slot = {n: i for i, n in enumerate(order)}
     for n, p in nodes.items():  # joint order is topological
@@ -136,14 +142,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
         used_saved.update(i for i in nodes[name].inputs if i in saved)
 
     # Forward graph: whatever the forward outputs and the saved values need.
-    in_fw: set[str] = set()
-    stack = [*g.fw_outputs, *used_saved]
-    while stack:
-        name = stack.pop()
-        if name in in_fw or nodes[name].kind != "forward":
-            continue
-        in_fw.add(name)
-        stack.extend(nodes[name].inputs)
+    in_fw = forward_ancestors(g, [*g.fw_outputs, *used_saved])
     core, slot = forward_slots(g)
     in_core = set(core)
     forward = sorted(in_fw, key=lambda n: (slot[n], n not in in_core, order[n]))

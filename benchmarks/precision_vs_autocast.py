@@ -45,6 +45,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
 
+from paired import paired_times  # noqa: E402  # benchmarks/paired.py (this script's folder is on sys.path)
+
 import autoremat  # noqa: E402
 from autoremat.measure import live_tensor_bytes, measure_peak  # noqa: E402
 from examples.models import loss_of, transformer_stack  # noqa: E402
@@ -255,18 +257,7 @@ class Bench:
         for _ in range(2):
             self.ref_step()
             step()
-        rt, et = [], []
-        for _ in range(self.n):
-            sync(self.device)
-            a = time.perf_counter()
-            self.ref_step()
-            sync(self.device)
-            b = time.perf_counter()
-            step()
-            sync(self.device)
-            c = time.perf_counter()
-            et.append(b - a)
-            rt.append(c - b)
+        rt, et = paired_times(self.ref_step, step, self.n, lambda: sync(self.device))
         ratios = [r / e for r, e in zip(rt, et)]
         return {"measured_step_s": statistics.median(rt), "measured_ref_step_s": statistics.median(et),
                 "measured_time_vs_fp32": statistics.median(ratios), "step_samples_s": rt, "ref_samples_s": et}

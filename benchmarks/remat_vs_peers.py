@@ -44,6 +44,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
 
+from paired import paired_times  # noqa: E402  # benchmarks/paired.py (this script's folder is on sys.path)
+
 import autoremat  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
 from examples.models import gpt2, loss_of, transformer_stack  # noqa: E402
@@ -169,18 +171,7 @@ class Bench:
             row["measured_peak"] = m.peak_bytes
             row["measure_method"] = m.method
             # timing: each row step right after an eager step
-            rt, et = [], []
-            for _ in range(self.n):
-                sync(self.device)
-                a = time.perf_counter()
-                self.eager_step()
-                sync(self.device)
-                b = time.perf_counter()
-                step()
-                sync(self.device)
-                c = time.perf_counter()
-                et.append(b - a)
-                rt.append(c - b)
+            rt, et = paired_times(self.eager_step, step, self.n, lambda: sync(self.device))
             row["step_s"] = statistics.median(rt)
             row["eager_step_s"] = statistics.median(et)
             row["step_vs_eager"] = row["step_s"] / row["eager_step_s"]
