@@ -111,9 +111,11 @@ class _Model:
         self.tie = tie
         self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
         self.tolerance = tolerance
+        started = time.perf_counter()
         with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
             warnings.simplefilter("ignore", DeprecationWarning)
             self._build(graphs, granularity)
+        self.build_s = time.perf_counter() - started
 
     def _build(self, graphs: list[GraphProfile], granularity: int) -> None:
         self.graphs = graphs
@@ -383,7 +385,9 @@ def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_ro
         remaining = deadline - time.perf_counter()
         if remaining < 0.5:
             break
-        backend = _pick_solver(solver, 0.7 * remaining, gap)  # each MIP gets most of what is left
+        # Each MIP gets most of what is left, less the time PuLP takes to hand the model to the
+        # solver (outside the solver's own limit; about the model's build time).
+        backend = _pick_solver(solver, 0.7 * max(0.5, remaining - model.build_s), gap)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             status, saved, _ = model.solve(target, backend)
@@ -460,7 +464,7 @@ def solve(
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
     # a huge graph), then the block-drag ones.
     for tie, drag in ((False, False), (True, False), (False, True), (True, True)):
-        if time.perf_counter() > deadline - 1.0:
+        if time.perf_counter() > deadline - 1.0 - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(_Model(graphs, granularity, drag, tie))
         d = _solve_model(models[-1], graphs, budget, solver, gap, granularity, max_rounds, deadline)
