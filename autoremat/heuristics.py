@@ -86,15 +86,17 @@ def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:
     plans = []
     for g in graphs:
         life = lifetimes(g)
+        fw_users: dict[str, list[str]] = {}
+        for w, q in g.nodes.items():
+            if q.kind == "forward":
+                for u in q.inputs:
+                    fw_users.setdefault(u, []).append(w)
         saved = set()
         for v in life.fw_pos:
             p = g.nodes[v]
             if p.is_tuple:
                 continue
-            crosses = any(
-                block_of(g.nodes[w].module) != block_of(p.module) for w in g.nodes if v in g.nodes[w].inputs
-                and g.nodes[w].kind == "forward"
-            )
+            crosses = any(block_of(g.nodes[w].module) != block_of(p.module) for w in fw_users.get(v, ()))
             parent_banned = bool(p.tuple_parent) and bool(g.nodes[p.tuple_parent].recompute_ban)
             if p.recompute_ban or parent_banned or crosses or v in g.fw_outputs:
                 saved.add(v)
