@@ -289,7 +289,6 @@ class Lifetimes:
     fn: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
     start: dict[str, float]  # earliest position a recomputed v can be computed at (recomputed users drag it)
     ln: dict[str, float]  # last backward position at which v is read (upper bound)
-    last_fw: dict[str, int]  # last forward position at which v is read
     needed: set[str]  # forward-side values a backward node reads directly
     follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
 
@@ -306,7 +305,6 @@ def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
             users[i].append(n)
     direct_first: dict[str, float] = {}
     direct_last: dict[str, float] = {}
-    last_fw: dict[str, int] = {}
     needed: set[str] = set()
     grad_set = set(g.grad_outputs)
     # A backward view of a forward value keeps its storage alive until the view's last use.
@@ -324,7 +322,6 @@ def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
         direct_last[v] = max(bpos, default=-INF)
         if bpos:
             needed.add(v)
-        last_fw[v] = max([fw_pos[u] for u in users[v] if u in fw_pos] + [fw_pos[v]])
 
     def is_alias(w: str) -> bool:
         return bool(nodes[w].storage) and nodes[w].storage != w
@@ -344,7 +341,7 @@ def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
         start[v] = min([fn[v], *(start[w] for w in follows[v])])
         later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
         ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
-    return Lifetimes(fw_pos, bw_pos, fn, start, ln, last_fw, needed, follows)
+    return Lifetimes(fw_pos, bw_pos, fn, start, ln, needed, follows)
 
 
 def block_of(module: str) -> str:

@@ -148,7 +148,6 @@ class _Model:
             saved_total.append(self._running(pulp.LpAffineExpression(), saved_bytes))
             self.bytes_expr += saved_bytes
             per_graph_rows.append(self._memory_rows(life, sb, rb, fw_static, bw_static, core, slot, g))
-        self.steps = per_graph_rows  # per graph: (forward rows, backward rows), one per step
         # Graph i's saved values stay alive through the forward of later graphs and their
         # backward (which runs first): add them to those rows.
         for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
