@@ -193,11 +193,16 @@ def fit(
     device: a roofline name for the predictions (default: the model's device).
     micro_batches: the sizes to consider (default: every divisor of global_batch).
     verify, **optimize_kwargs: passed to the one real `optimize` call (solver, time_limit, compiler,
-        world_size, sharding).
+        world_size, sharding, precision "fp32" or "bf16").
 
     Raises `BudgetError` (with the ledger and the smallest budget) if micro-batch 1 does not fit.
     """
     budget_bytes = parse_budget(budget)
+    if optimize_kwargs.get("precision", "fp32") not in ("fp32", "bf16"):
+        # The candidates are planned on a meta twin, where ranges and errors cannot be measured.
+        raise ValueError(f"fit plans micro-batches on meta tensors, so it takes precision 'fp32' or 'bf16', got "
+                         f"{optimize_kwargs['precision']!r}; for 'auto' or 'fp16', call autoremat.optimize on "
+                         "the micro-batch fit chose")
     where = _model_device(model, *_split(sample))
     notes: list[str] = []
     warns: list[str] = []

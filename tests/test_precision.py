@@ -232,3 +232,11 @@ def test_fp32_ops_override_makes_softmax_castable(stack):
     assert not any("softmax" in c for c in default.plan.precision["dtypes"][0])
     assert any("softmax" in c for c in unlocked.plan.precision["dtypes"][0])
     assert unlocked.plan.precision["fp32_ops"] == kept
+
+
+def test_fit_says_which_precisions_it_takes(stack):
+    model, ex = stack
+    with pytest.raises(ValueError, match="precision 'fp32' or 'bf16'"):
+        autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="auto")
+    cfg = autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="bf16", optimizer=None)
+    assert set(cfg.plan.precision["dtypes"][0].values()) == {"bf16"}
