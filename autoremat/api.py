@@ -34,6 +34,7 @@ from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.precision import FP32_KEPT
 from autoremat.profile import fingerprint
+from autoremat.solver import DEFAULT_GAP
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
@@ -222,7 +223,7 @@ def optimize(
     fp32_ops: Sequence[str] = FP32_KEPT,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 0.01,
+    gap: float = DEFAULT_GAP,
     compiler: str = "eager",
     verify: bool = True,
     world_size: int = 1,
@@ -404,8 +405,7 @@ def _plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, ar
                 continue
             errors = _precision_errors(model, result[1], args, kwargs, where)
             result[0].precision.update(errors)
-            if (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"]
-                    and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"]):
+            if _as_accurate_as_autocast(errors):
                 break
             why = f"after {attempt + 1} tries the mixed plan's error was still above autocast's"
             result, tol = None, tol / 4
@@ -418,8 +418,7 @@ def _plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, ar
             result[0].precision.update(errors)
             result[0].notes.append("precision='auto': fp32 does not fit and the joint ILP's dtypes did not fit or "
                                    "were less accurate than autocast; every castable call runs in bf16")
-            if (errors["loss_rel_err"] > errors["autocast_loss_rel_err"]
-                    or errors["grad_rel_err"] > errors["autocast_grad_rel_err"]):
+            if not _as_accurate_as_autocast(errors):
                 result[0].notes.append("this all-bf16 plan's error is above autocast's on the example batch "
                                        "(see plan.precision); no plan within the budget was as accurate")
         plan, compiled, planner = result
@@ -433,6 +432,11 @@ def _plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, ar
         plan.precision.update(_precision_errors(model, compiled, args, kwargs, where))
     plan.budget = budget
     return plan, compiled, planner
+
+
+def _as_accurate_as_autocast(errors: dict[str, float]) -> bool:
+    return (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"]
+            and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"])
 
 
 def _precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
@@ -558,8 +562,8 @@ def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args,
     return new, _compile_and_trace(model, applier, compiler, args, kwargs), applier
 
 
-def _compile_and_trace(model, planner: Planner, compiler: str, args: tuple, kwargs: dict) -> Any:
-    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=getattr(planner, "pre_pass", None)))
+def _compile_and_trace(model, planner: _Planner, compiler: str, args: tuple, kwargs: dict) -> Any:
+    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass))
     with _own_errors(), _Restore(model), torch.enable_grad(), _inputs_must_fit(model, args, kwargs):
         out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     del out

@@ -23,7 +23,7 @@ from autoremat.memory import make_schedule
 from autoremat.passes import split
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan, merge_plans
 from autoremat.profile import GraphProfile, calibrate_scratch, profile_graph
-from autoremat.solver import Decision, Infeasible, smallest_peak, solve
+from autoremat.solver import DEFAULT_GAP, Decision, Infeasible, smallest_peak, solve
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
@@ -74,7 +74,7 @@ class Planner:
         plan: Plan | None = None,
         solver: str = "auto",
         time_limit: float = 10.0,
-        gap: float = 0.01,
+        gap: float = DEFAULT_GAP,
         calibrate: bool = True,
     ) -> None:
         self.calibrate = calibrate
@@ -132,7 +132,7 @@ def plan_graphs(
     *,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 0.01,
+    gap: float = DEFAULT_GAP,
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
     if budget is None:  # no budget: the device's memory, or no limit at all on a CPU
@@ -156,7 +156,7 @@ def backend(
     device: DeviceSpec | str | None = None,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 0.01,
+    gap: float = DEFAULT_GAP,
     compiler: str = "eager",
 ) -> Callable:
     """A `torch.compile` backend that plans every graph under `budget` (see the module docstring).

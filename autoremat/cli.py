@@ -275,7 +275,7 @@ def _optimize(model: Any, budget: int, inputs: Any, args: argparse.Namespace, de
     try:
         return autoremat.optimize(model, budget, inputs, optimizer=args.optimizer, device=device,
                                   solver=args.solver, time_limit=args.time_limit, world_size=args.world_size,
-                                  sharding=args.sharding, precision=getattr(args, "precision", "fp32"))
+                                  sharding=args.sharding, precision=args.precision)
     except ValueError as e:
         if "world_size" in str(e) or "sharding" in str(e):
             raise UsageError(str(e)) from e

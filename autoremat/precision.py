@@ -30,6 +30,7 @@ reach the optimizer in fp32.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -102,7 +103,6 @@ class OpStats:
     underflow: float  # share of its nonzero outputs smaller than fp16's smallest subnormal
     err_bf16: float  # relative error (Frobenius) of the output when run in bf16
     err_fp16: float
-    numel: int  # output elements
 
     @property
     def fp16_safe(self) -> bool:
@@ -117,7 +117,7 @@ def _rel_err(approx: torch.Tensor, exact: torch.Tensor) -> float:
     exact = exact.double()
     den = exact.norm().item()
     diff = (approx.double() - exact).norm().item()
-    if not (diff == diff):  # NaN: the low dtype overflowed
+    if math.isnan(diff):  # the low dtype overflowed
         return float("inf")
     return diff / den if den > 0 else (0.0 if diff == 0 else float("inf"))
 
@@ -147,7 +147,7 @@ class _Recorder(fx.Interpreter):
                 with torch.random.fork_rng(devices=[out.device] if out.device.type == "cuda" else []):
                     low = getattr(self, n.op)(n.target, low_args, low_kwargs)
                 errs[key] = _rel_err(low.float(), out.detach())
-            self.stats[n.name] = OpStats(max_abs, share, errs["bf16"], errs["fp16"], out.numel())
+            self.stats[n.name] = OpStats(max_abs, share, errs["bf16"], errs["fp16"])
         return out
 
 

@@ -37,20 +37,25 @@ from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, 
 from autoremat.memory import INF, TANGENTS_HELD, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
 from autoremat.profile import GraphProfile
 
+# Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
+# the same objective (benchmarks/solver_scale.py).
+DEFAULT_GAP = 0.01
 
-def _block_groups(g: GraphProfile, life: Lifetimes) -> list[list[list[str]]]:
-    """Repeated blocks grouped by identity: each group lists its blocks, each block its forward nodes.
+
+def _block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
+    """Map each node of a repeated block to the same node of the first identical block.
 
     Two blocks are identical when their forward nodes, in order, have the same ops, shapes,
-    dtypes, recompute bans and wiring (inputs named by position inside the block), so node i of
-    one block plays the part of node i of every other block in its group.
+    dtypes, recompute bans and wiring (inputs named by position inside the block). Sharing their
+    decisions shrinks the ILP by the number of repeats: the transformer-stack case.
     """
     blocks: dict[str, list[str]] = {}
     for v in life.fw_pos:
         key = block_of(g.nodes[v].module)
         if key:
             blocks.setdefault(key, []).append(v)
-    groups: dict[tuple, list[list[str]]] = {}
+    first: dict[tuple, list[str]] = {}
+    twins: dict[str, str] = {}
     for members in blocks.values():
         where = {v: i for i, v in enumerate(members)}
         sig = tuple(
@@ -58,13 +63,11 @@ def _block_groups(g: GraphProfile, life: Lifetimes) -> list[list[list[str]]]:
              g.nodes[v].is_tuple, tuple(where.get(u, -1) for u in g.nodes[v].inputs))
             for v in members
         )
-        groups.setdefault(sig, []).append(members)
-    return [blocks for blocks in groups.values() if len(blocks) > 1]
-
-
-def _block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
-    """Map each node of a repeated block to the same node of the first identical block."""
-    return {v: t for group in _block_groups(g, life) for members in group[1:] for v, t in zip(members, group[0])}
+        if sig in first:
+            twins.update(zip(members, first[sig]))
+        else:
+            first[sig] = members
+    return twins
 
 
 def _static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int], list[str], dict[str, int]]:
@@ -143,7 +146,7 @@ class _Model:
             sb = {v: size[v] * s[v] for v in s if size[v]}
             rb = {v: size[v] * r[v] for v in r if size[v]}
             choice = self.choices[gi] if self.choices and not self.tie else None
-            self.low.append(self._dtype_terms(gi, g, choice, size, s, r, sb, rb) if choice else {})
+            self.low.append(self._dtype_terms(gi, choice, size, s, r, sb, rb) if choice else {})
             saved_bytes = pulp.lpSum(sb.values())
             saved_total.append(self._running(pulp.LpAffineExpression(), saved_bytes))
             self.bytes_expr += saved_bytes
@@ -208,7 +211,7 @@ class _Model:
             self.time_expr += p.time_s * r[v]
         return s, r
 
-    def _dtype_terms(self, gi, g, choice: DtypeChoices, size, s, r, sb, rb) -> dict[str, tuple]:
+    def _dtype_terms(self, gi, choice: DtypeChoices, size, s, r, sb, rb) -> dict[str, tuple]:
         """Binary b_c / f_c per castable call (bf16 / fp16); a value is 16-bit when all its owners
         are. Bytes saved: s_v * low_v, linearised as sigma_v <= s_v, sigma_v <= low_v (and rho_v for
         r_v): the rows only ever gain from a larger sigma, so upper bounds make it the product."""
@@ -404,8 +407,6 @@ def _solve_model(model: _Model, graphs, budget, solver, gap, granularity, max_ro
                 target = budget + offset
                 continue
         schedules, tl, cost = evaluate(graphs, saved, granularity)
-        if os.environ.get("AR_DEBUG"):
-            print("round", rounds, "target", target, status, "sim", tl.peak, "budget", budget, "cost", cost)
         if tl.peak <= budget:
             if best is None or cost < best.recompute_time_s:
                 path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.drag else "")
@@ -434,7 +435,7 @@ def solve(
     granularity: int = 1,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 0.01,
+    gap: float = DEFAULT_GAP,
     max_rounds: int = 5,
 ) -> Decision:
     """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
@@ -537,7 +538,7 @@ def choose_dtypes(
     granularity: int = 1,
     solver: str = "auto",
     time_limit: float = 10.0,
-    gap: float = 0.01,
+    gap: float = DEFAULT_GAP,
 ) -> list[dict[str, str]] | None:
     """Compute dtypes and save/recompute chosen together, on fp32-traced graphs: the first stage of
     precision="auto". Returns, per graph, the calls to run in bf16/fp16, or None if nothing fits.
