@@ -106,11 +106,15 @@ def error_estimate(an: Analysis, dtypes: list[dict[str, str]]) -> float:
 
 
 def pre_pass(dtypes: list[dict[str, str]], fp32_ops: Iterable[str] = P.FP32_KEPT):
-    """A capture pre-pass that applies `dtypes[i]` to dynamo graph i."""
+    """A capture pre-pass that applies `dtypes[i]` to dynamo graph i.
+
+    A new input shape recompiles the step's graphs, in the same order, through the same backend: the
+    indices count on (n, n+1, ...), so graph k of every recompile gets `dtypes[k % n]`.
+    """
     fp32_ops = tuple(fp32_ops)
 
     def apply(index: int, gm: fx.GraphModule, inputs: list) -> None:
-        if index < len(dtypes):
-            P.apply_dtypes(gm, dtypes[index], fp32_ops)
+        if dtypes:
+            P.apply_dtypes(gm, dtypes[index % len(dtypes)], fp32_ops)
 
     return apply

@@ -240,3 +240,13 @@ def test_fit_says_which_precisions_it_takes(stack):
         autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="auto")
     cfg = autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="bf16", optimizer=None)
     assert set(cfg.plan.precision["dtypes"][0].values()) == {"bf16"}
+
+
+def test_a_new_input_shape_keeps_the_dtypes(stack):
+    model, ex = stack
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False)
+    x = ex[0]
+    models.loss_of(om(x[:1])).backward()  # another batch size: traced and planned once more
+    new = om._planner.profiles[-1]
+    assert len(om._planner.profiles) == 2
+    assert any(p.dtype == "bfloat16" for p in new.nodes.values()), "the recompiled graph lost its bf16 casts"
