@@ -19,6 +19,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import os
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition
+
+from autoremat.regions import LINKS, RegionLinks, compile_regions
 
 
 @dataclass
@@ -39,6 +42,7 @@ class CapturedGraph:
     static_input_indices: list[int]  # primals that live across steps: parameters and buffers
     index: int  # order of this graph within the step (several when the model has graph breaks)
     device: str  # device of the traced tensors ("cpu", "cuda", "meta")
+    links: RegionLinks | None = None  # for a region: how it connects to its neighbours (autoremat.regions)
 
 
 PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModule]]
@@ -73,13 +77,14 @@ def _graph_device(gm: fx.GraphModule) -> str:
 
 
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
-    """Dropout as a random bool mask and two pointwise ops, so that the output can be recomputed.
+    """Dropout as a random bool mask and a masked scale, so that the output can be recomputed.
 
     The mask is the only random value (1 byte per element, always saved); the output becomes a
     pure function of the input and the mask. On CPU this reproduces eager's dropout draw for draw:
     eager fills a noise tensor laid out like the input (`bernoulli_`, in memory order), divides it
-    by 1 - p and multiplies; we draw the mask in the input's memory order, then do the same two
-    ops (checked bit for bit, transposed inputs too). CUDA's fused kernel draws differently: left
+    by 1 - p and multiplies; we draw the mask in the input's memory order, then compute the same
+    products (checked bit for bit, transposed inputs too; where eager's x * 0 gives -0.0 or NaN for
+    a dropped element, this gives +0.0). CUDA's fused kernel draws differently: left
     alone there, so dropout outputs are saved rather than recomputed on GPUs.
     """
     if x.device.type not in ("cpu", "meta") or train is False or p == 0 or x.numel() == 0:
@@ -92,14 +97,82 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
     drawn = torch.ops.aten.bernoulli.p(torch.empty([x.shape[d] for d in order], dtype=torch.bool, device=x.device),
                                        1 - p)
     mask = drawn.permute([order.index(d) for d in range(x.dim())])
-    noise = torch.div(mask.to(x.dtype), 1 - p)
-    return torch.mul(x, noise), mask
+    # Eager multiplies by a noise tensor of 0 and 1 / (1 - p), the latter computed by the same div
+    # kernel as `scale` here: x * scale where kept is the same product, bit for bit. Selecting with
+    # the mask, rather than multiplying by a float copy of it, leaves the backward needing only the
+    # bool mask (where's gradient), never a float noise tensor (measured: a saved or recomputed
+    # float noise cost a full-size tensor at the attention backward's peak).
+    scale = torch.div(torch.ones((), dtype=x.dtype, device=x.device), 1 - p)
+    return torch.where(mask, torch.mul(x, scale), 0), mask
 
 
+def _batch_norm_format(t: torch.Tensor) -> torch.memory_format:
+    """The layout batch norm's kernels give their output: `input.suggest_memory_format()` (dense
+    channels-last stays channels-last, anything else becomes contiguous)."""
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _contiguous_format(t: torch.Tensor) -> torch.memory_format:
+    return torch.contiguous_format
+
+
+def _in_kernel_layout(op: torch._ops.OpOverload, inputs: list[int],
+                      kernel_format: Callable[[torch.Tensor], torch.memory_format]) -> Callable:
+    """`op` traced on inputs laid out as its kernel lays out its output, so that traced strides are real.
+
+    Some kernels choose their output's layout otherwise than their fake-tensor rule (on CPU, checked
+    in tests/test_capture.py): batch norm returns `empty_like(input, input.suggest_memory_format())`,
+    contiguous for a transposed (N, C, L) input, where the fake tensor keeps the transposed strides
+    (and in the backward grad_out's); layer norm's backward returns a contiguous grad_input where
+    the fake tensor follows a transposed grad_out. A view the graph takes of such an output fails at
+    run time, or, turned into a reshape, copies bytes the memory model never saw (issue 12: 14%
+    under-predicted). Copying `inputs` (positions; the first decides the layout) into that layout
+    first makes fake and real strides agree; the copy is an ordinary graph node that the memory
+    model counts, and the kernel would otherwise have made it or worked around it internally.
+    """
+    def decomposition(*args: Any, **kwargs: Any) -> Any:
+        fmt = kernel_format(args[inputs[0]])
+        if all(args[i].is_contiguous(memory_format=fmt) for i in inputs):
+            return NotImplemented  # already in the kernel's layout: trace the op itself
+        args = list(args)
+        for i in inputs:
+            args[i] = args[i].contiguous(memory_format=fmt)
+        return op(*args, **kwargs)
+
+    return decomposition
+
+
+def _dropout_backward_as_on_cpu(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> Any:
+    """native_dropout_backward as the CPU kernel computes it, `grad * mask * scale`
+    (aten/src/ATen/native/Dropout.cpp): its output keeps grad's layout, where the fake-tensor rule
+    returns a contiguous tensor. Traced as those two multiplications, the fake strides are the
+    real ones, and the kernel's grad-sized intermediate becomes a node the memory model sees."""
+    if grad.device.type not in ("cpu", "meta"):
+        return NotImplemented  # CUDA runs a fused kernel of its own
+    return torch.mul(torch.mul(grad, mask), scale)
+
+
+_aten = torch.ops.aten
+# The eager compiler runs these ops as traced; inductor lowers them itself and picks its own strides.
+LAYOUT_DECOMPOSITIONS = {
+    **{op: _in_kernel_layout(op, [0], _batch_norm_format)
+       for op in (_aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit_no_training.default,
+                  _aten._native_batch_norm_legit.no_stats)},
+    _aten.native_batch_norm_backward.default: _in_kernel_layout(_aten.native_batch_norm_backward.default, [1, 0],
+                                                                _batch_norm_format),
+    _aten.native_layer_norm_backward.default: _in_kernel_layout(_aten.native_layer_norm_backward.default, [1, 0],
+                                                                _contiguous_format),
+    _aten.native_dropout_backward.default: _dropout_backward_as_on_cpu,
+}
 DECOMPOSITIONS = {torch.ops.aten.native_dropout.default: _native_dropout}
 
 
-def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None) -> Callable:
+def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
+                regions: bool = False) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
@@ -107,6 +180,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     AOTAutograd traces it: the precision stage casts there.
     """
     counter = itertools.count()
+    compiling: dict[str, RegionLinks | None] = {"links": None}  # the region AOTAutograd is compiling now
 
     def partition_fn(
         joint: fx.GraphModule,
@@ -122,12 +196,13 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
             static_input_indices=list(static_lifetime_input_indices or []),
             index=next(counter),
             device=_graph_device(joint),
+            links=compiling["links"],
         )
         return on_joint(cg)
 
     if compiler == "eager":
         inner = aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
-                             decompositions=DECOMPOSITIONS)
+                             decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
     elif compiler == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
         from torch._inductor.decomposition import select_decomp_table
@@ -141,6 +216,17 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         )
     else:
         raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+    if regions:  # one graph per repeated block: gradients leave the backward block by block
+        aot = inner
+
+        def one_region(gm: fx.GraphModule, example_inputs: list) -> Callable:
+            compiling["links"] = gm.meta.get(LINKS)
+            try:
+                return aot(gm, example_inputs)
+            finally:
+                compiling["links"] = None
+
+        inner = functools.partial(compile_regions, compile_one=one_region)
     if pre_pass is None:
         return inner
     graphs = itertools.count()
@@ -233,9 +319,26 @@ def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:
     fresh.__kwdefaults__ = fn.__kwdefaults__
     fresh.__dict__.update(fn.__dict__)
     bound = types.MethodType(fresh, model)
+    if fn.__code__.co_filename.startswith(_TORCH_DIR):
+        # Dynamo does not trace a torch-internal forward (nn.Sequential's) as a frame of its own: it
+        # wraps it in one `inner` function that every such compile shares, so their recompiles add
+        # up against torch._dynamo.config.recompile_limit until the next one runs eagerly, unplanned.
+        # A frame of our own, with a code object of its own, keeps each compile's count apart.
+        bound = _own_frame(bound)
     if any(p.is_meta for p in model.parameters()):
         return _on_meta(_compile_fresh_bound(model, bound, backend))
     return _compile_fresh_bound(model, bound, backend)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _own_frame(fn: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    call.__code__ = call.__code__.replace()  # equal, but a distinct object: a separate dynamo cache
+    return call
 
 
 def _on_meta(compiled: Callable) -> Callable:

@@ -50,22 +50,24 @@ def _check_same_nodes(gm: fx.GraphModule, order: list[str], what: str) -> None:
 
 
 def reorder(gm: fx.GraphModule, order: list[str], what: str) -> fx.GraphModule:
-    """Rebuild `gm` with its call_function nodes in `order` (placeholders first, output last)."""
+    """Rebuild `gm` with its call_function nodes in `order` (placeholders and constants first, output last)."""
     _check_same_nodes(gm, order, what)
     old = {n.name: n for n in gm.graph.nodes}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
+    for n in gm.graph.nodes:  # inputs, and lifted tensor constants: there before any op runs
+        if n.op in ("placeholder", "get_attr"):
             env[n] = graph.node_copy(n, env.__getitem__)
     for name in order:
         env[old[name]] = graph.node_copy(old[name], env.__getitem__)
     for n in gm.graph.nodes:
         if n.op == "output":
             graph.node_copy(n, env.__getitem__)
-    # In the backward a view can land on a tensor whose real strides differ from the traced ones
-    # (a kernel's output layout on the device need not match its fake-tensor rule); reshape is a
-    # view whenever one is possible and a copy otherwise, so it never fails where view would.
+    # A view fails on a tensor whose real strides differ from the traced ones (a kernel whose
+    # output layout does not match its fake-tensor rule). Batch norm's did; capture now traces it on
+    # inputs in its kernel's layout, and calibration names any other such op in the plan's notes.
+    # In the backward, reshape stays as the safety net: a view whenever one is possible, a copy
+    # otherwise, so it never fails where view would.
     for n in graph.nodes if what == "backward" else ():
         if n.target is torch.ops.aten.view.default:
             n.target = torch.ops.aten.reshape.default

@@ -38,7 +38,7 @@ _VIEW_COST = 0.0
 @dataclass
 class NodeProfile:
     name: str
-    kind: str  # "param" | "input" | "tangent" | "forward" | "backward"
+    kind: str  # "param" | "input" | "tangent" | "constant" | "forward" | "backward"
     target: str
     inputs: tuple[str, ...]  # names of the graph nodes this node reads
     storage: str  # name of the node whose allocation holds this value ("" for non-tensors)
@@ -65,6 +65,11 @@ class GraphProfile:
     fingerprint: str = ""
     device: str = "cpu"
     notes: list[str] = field(default_factory=list)
+    # A region (autoremat.regions): its inputs that an earlier region returned, as primal name ->
+    # (that region's index, its output number); its outputs by number; those the user sees.
+    sources: dict[str, tuple[int, int]] = field(default_factory=dict)
+    user_outputs: list[str | None] = field(default_factory=list)
+    exported: list[str] = field(default_factory=list)
 
     def forward_side(self) -> list[str]:
         return [n for n, p in self.nodes.items() if p.kind == "forward"]
@@ -182,6 +187,11 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         val = n.meta.get("val")
         if n.op == "placeholder":
             kind = "tangent" if n.name.startswith("tangents") else ("param" if n.name in static else "input")
+        elif n.op == "get_attr":
+            # A lifted tensor constant (`_tensor_constant0`): an attribute of the graph module, held
+            # from compilation on. Like a parameter it is never computed, always there, and not part
+            # of the step's activations (the forward and backward modules share the one tensor).
+            kind = "constant"
         else:
             kind = "backward" if n in backward else "forward"
         prof = NodeProfile(
@@ -247,7 +257,35 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         index=cg.index,
         fingerprint=fingerprint(gm),
         device=dev.name,
+        notes=_constant_notes(gm),
+        **_region_links(cg, primals, outs[: cg.num_fwd_outputs]),
     )
+
+
+def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list) -> dict:
+    """A region's links (capture.CapturedGraph.links) in this graph's names. AOTAutograd keeps the
+    region's inputs in order as its primals and returns its outputs last, after any mutated
+    buffers; if the counts disagree (an output aliasing an input is returned outside the graph),
+    the region is treated like a graph of its own."""
+    links = cg.links
+    if links is None or len(primals) != len(links.sources) or len(fw_outs) < links.outputs:
+        return {}
+    user = [o.name if isinstance(o, fx.Node) else None for o in fw_outs[len(fw_outs) - links.outputs:]]
+    sources = {p.name: (cg.index - links.position + src[0], src[1])
+               for p, src in zip(primals, links.sources) if src is not None}
+    return {"sources": sources, "user_outputs": user, "exported": [user[i] for i in links.exported if user[i]]}
+
+
+def _constant_notes(gm: fx.GraphModule) -> list[str]:
+    """Lifted tensor constants are not activations, and the ledger counts only the model's own tensors."""
+    constants = {StorageWeakRef(n.meta["val"].untyped_storage()): (n.target, _nbytes(n.meta["val"]))
+                 for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)}
+    held = sum(nbytes for _, nbytes in constants.values())
+    if not held:
+        return []
+    names = ", ".join(sorted(name for name, _ in constants.values()))
+    return [f"{len(constants)} lifted tensor constant(s) ({names}) hold {held} B for as long as the compiled step "
+            "lives, outside the activations and the ledger"]
 
 
 def _mutated_primals(out_node: fx.Node, primals: list[fx.Node], static: set[str], grad_outputs_all: list) -> set[str]:
@@ -295,37 +333,61 @@ def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.
     """Measure each op's temporary memory once on real tensors of the traced shapes.
 
     Some kernels allocate beyond their outputs (a CPU convolution's column buffer, a GELU
-    backward on an expanded gradient); the memory model needs that to predict the true peak. Each
-    distinct (op, shapes, arguments) runs once under the profiler; the scratch is its allocation
-    peak minus the bytes of its outputs. Returns how many ops were measured. Graphs traced on the
-    meta device have no real memory and are skipped.
+    backward on an expanded gradient, SDPA's per-thread blocks); the memory model needs that to
+    predict the true peak. Each distinct (op, shapes, arguments) runs once under the profiler; the
+    scratch is its allocation peak minus the bytes of its outputs. An op that cannot be measured
+    (it fails on made-up inputs, or the `budget_s` seconds are spent) is never counted as 0: it
+    gets `scratch_estimate`, and `gp.notes` says which ops and why. The run also checks that each
+    kernel lays out its output as the fake tensor did; a view of an output laid out otherwise would
+    copy unseen or fail, so `gp.notes` names such ops too. Returns how many distinct ops were
+    measured. Graphs traced on the meta device have no real memory and are skipped.
     """
-    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
-
     if cg.device == "meta":
         return 0
     device = torch.device(cg.device)
-    seen: dict[str, int] = {}
-    start = time.perf_counter()
+    scratch: dict[str, int] = {}  # by (op, argument signature)
+    unmeasured: dict[str, str] = {}  # op -> why its scratch was estimated
+    relaid: set[str] = set()  # ops whose real output strides differ from the traced ones
+    deadline, count = time.perf_counter() + budget_s, 0
     # We are inside AOTAutograd's tracing: step out of its fake-tensor mode to run real kernels.
     with unset_fake_temporarily():
         for n in cg.joint.graph.nodes:
-            _calibrate_node(n, gp, device, seen, start, budget_s, measure_peak)
-    return len(seen)
+            prof = gp.nodes.get(n.name)
+            if n.op != "call_function" or prof is None or not isinstance(n.target, torch._ops.OpOverload):
+                continue
+            if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
+                continue
+            key = repr((str(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _sig(a.meta.get("val")))))
+            if key not in scratch:
+                measured = _measure_op(n, device, relaid) if time.perf_counter() < deadline else "timeout"
+                if isinstance(measured, str):
+                    unmeasured.setdefault(str(n.target), measured)
+                    measured = scratch_estimate(n)
+                else:
+                    count += 1
+                scratch[key] = measured
+            prof.transient_bytes += scratch[key]
+    if unmeasured:
+        by_reason: dict[str, list[str]] = {}
+        for op, reason in sorted(unmeasured.items()):
+            by_reason.setdefault(reason, []).append(op)
+        why = {"timeout": f"the {budget_s:g} s calibration budget was spent"}
+        ops = "; ".join(f"{', '.join(names)} ({why.get(reason, reason)})" for reason, names in by_reason.items())
+        gp.notes.append(f"kernel scratch not measured for {len(unmeasured)} op(s), estimated as a copy of each "
+                        f"input and output instead: {ops}")
+    if relaid:
+        gp.notes.append(f"the real output strides of {', '.join(sorted(relaid))} differ from the traced ones: a "
+                        "view of such an output copies memory the plan does not predict, or fails. Please report "
+                        "this model")
+    return count
 
 
-def _calibrate_node(n, gp, device, seen, start, budget_s, measure_peak) -> None:
-    prof = gp.nodes.get(n.name)
-    if n.op != "call_function" or prof is None or not isinstance(n.target, torch._ops.OpOverload):
-        return
-    if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
-        return
-    key = repr((str(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _sig(a.meta.get("val")))))
-    if key not in seen:
-        if time.perf_counter() - start > budget_s:
-            return
-        seen[key] = _measure_op(n, device, measure_peak)
-    prof.transient_bytes += seen[key]
+def scratch_estimate(n: fx.Node) -> int:
+    """Scratch assumed for an op that could not be measured: room for a contiguous copy of each of
+    its tensor inputs and outputs. Every scratch we measured (the property grammar's ops, T5's)
+    fits in it, a convolution's column buffer most tightly. An estimate, said to be one, never a silent 0."""
+    tensors = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + _tensors(n.meta.get("val"))
+    return sum(_dense_bytes(t) for t in tensors)
 
 
 def _sig(val) -> object:
@@ -334,20 +396,30 @@ def _sig(val) -> object:
     return repr(val)
 
 
-def _measure_op(n: fx.Node, device: torch.device, measure_peak) -> int:
-    args, kwargs = torch.utils._pytree.tree_map(
-        lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
-    )
+def _layout(tensors: list[torch.Tensor]) -> list[tuple]:
+    return [tuple((size, stride) for size, stride in zip(t.shape, t.stride()) if size > 1) for t in tensors]
+
+
+def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str:
+    """The op's scratch in bytes, or why it could not be measured; adds the op to `relaid` if its
+    real output strides differ from the traced ones."""
+    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
+
     out_bytes = [0]
-
-    def run() -> None:
-        out = n.target(*args, **kwargs)
-        storages = {t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(out)}
-        out_bytes[0] = sum(storages.values())
-        del out
-
     try:
+        args, kwargs = torch.utils._pytree.tree_map(
+            lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
+        )
+
+        def run() -> None:
+            out = n.target(*args, **kwargs)
+            if _layout(_tensors(out)) != _layout(_tensors(n.meta.get("val"))):
+                relaid.add(str(n.target))
+            storages = {t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(out)}
+            out_bytes[0] = sum(storages.values())
+            del out
+
         _, m = measure_peak(run, device=device, baseline_bytes=0)
-    except Exception:  # an op that does not run on made-up data: assume no scratch
-        return 0
+    except Exception as e:  # e.g. an op that rejects made-up data (bernoulli of p outside [0, 1])
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else 'no message'}"
     return max(0, m.delta_peak_bytes - out_bytes[0])

@@ -275,3 +275,84 @@ def test_cuda_mlp_hand_count() -> None:
         lambda: model(x).sum().backward(), device="cuda", method="profiler"
     )
     assert abs(mp.delta_peak_bytes - m.delta_peak_bytes) <= 4096, (m, mp)
+
+
+# --- per-op scratch calibration (autoremat.profile.calibrate_scratch), which measures with measure_peak
+
+
+def _calibrated(model: nn.Module, x: torch.Tensor, **kwargs):
+    from autoremat.capture import capture
+    from autoremat.profile import calibrate_scratch, profile_graph
+
+    (cg,) = capture(model, (x,))
+    gp = profile_graph(cg)
+    before = {name: p.transient_bytes for name, p in gp.nodes.items()}
+    measured = calibrate_scratch(cg, gp, **kwargs)
+    scratch = {name: p.transient_bytes - before[name] for name, p in gp.nodes.items()}
+    return cg, gp, scratch, measured
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(d, 3 * d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in self.qkv(x).split(D, dim=-1))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, D).square().mean()  # grad_out reaches the kernel contiguous
+
+
+def test_sdpa_scratch_is_calibrated() -> None:
+    """The CPU flash-attention kernels' per-thread blocks are seen, byte for byte.
+
+    aten/src/ATen/native/cpu/FlashAttentionKernel.cpp allocates with at::empty (so the profiler sees
+    them), per thread, in the accumulate dtype: the forward qk [qS, kvS], qk_max and qk_sum [qS] and
+    dst [qS, head_dim]; the backward attn and grad_attn [qS, kvS] and a dsum [qS] per worker; with
+    qS = min(32, T) and kvS = min(512, T) for T < 192 (q_split_size / kv_split_size there). The
+    backward also copies grad_out when it is not contiguous; this model hands it over contiguous.
+    """
+    B, T, D, heads = 2, 24, 32, 2
+    torch.manual_seed(0)
+    _, gp, scratch, _ = _calibrated(Attention(D, heads), torch.randn(B, T, D))
+    threads, q_split, kv_split, head_dim, fp32 = torch.get_num_threads(), min(32, T), min(512, T), D // heads, 4
+    forward = threads * (q_split * kv_split + 2 * q_split + q_split * head_dim) * fp32
+    backward = threads * (2 * q_split * kv_split + q_split) * fp32
+    flash = {p.target: scratch[name] for name, p in gp.nodes.items() if "flash_attention" in p.target}
+    assert flash == {"aten._scaled_dot_product_flash_attention_for_cpu.default": forward,
+                     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": backward}, flash
+
+
+class Stochastic(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.f(x)
+        return (h * torch.bernoulli(torch.sigmoid(h.detach()))).sum()
+
+
+def test_scratch_that_cannot_be_measured_is_estimated_and_said() -> None:
+    from autoremat.profile import scratch_estimate
+
+    # bernoulli rejects the made-up normal floats calibration feeds it as probabilities
+    cg, gp, scratch, _ = _calibrated(Stochastic(), torch.randn(4, 8))
+    (node,) = [n for n in cg.joint.graph.nodes if n.target is torch.ops.aten.bernoulli.default]
+    assert scratch[node.name] == scratch_estimate(node) > 0
+    assert len(gp.notes) == 1 and "aten.bernoulli.default (RuntimeError" in gp.notes[0], gp.notes
+
+    # out of time before the first op: every op is estimated, none is counted as 0
+    cg, gp, scratch, measured = _calibrated(Stochastic(), torch.randn(4, 8), budget_s=0.0)
+    allocating = [n for n in cg.joint.graph.nodes if n.op == "call_function" and gp.nodes[n.name].nbytes]
+    assert measured == 0 and allocating
+    assert all(scratch[n.name] == scratch_estimate(n) > 0 for n in allocating)
+    assert "calibration budget was spent" in gp.notes[0], gp.notes
+
+    # compiled inside someone's measured region: profilers cannot nest, so nothing can be measured
+    with PeakMeter():
+        cg, gp, scratch, measured = _calibrated(Stochastic(), torch.randn(4, 8))
+    allocating = [n for n in cg.joint.graph.nodes if n.op == "call_function" and gp.nodes[n.name].nbytes]
+    assert measured == 0 and all(scratch[n.name] == scratch_estimate(n) > 0 for n in allocating)
+    assert "already active" in gp.notes[0], gp.notes
