@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoremat.profile import GraphProfile
+from autoremat.regions import block_of
 
 INF = math.inf
 # The gradients a compiled backward receives for the forward's outputs (its tangents): torch 2.13
@@ -135,7 +136,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     while stack:
         name = stack.pop()
         p = nodes[name]
-        if p.kind in ("param", "input", "tangent") or name in needed_bw or name in recomputed:
+        if p.kind in ("param", "input", "tangent", "constant") or name in needed_bw or name in recomputed:
             continue
         if p.kind == "forward":
             if name in saved:
@@ -196,22 +197,29 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
 
 
 class _Heap:
-    """Live storages, reference-counted by the values that alias them."""
+    """Live storages, reference-counted by the values that alias them.
+
+    Node names repeat across the graphs of one step (every graph has an `addmm`), so a storage is
+    keyed by the graph it belongs to (`scope`, set before each graph runs) as well as by its name.
+    """
 
     def __init__(self, granularity: int) -> None:
-        self.refs: dict[str, int] = {}
-        self.size: dict[str, int] = {}
+        self.refs: dict[tuple[int, str], int] = {}
+        self.size: dict[tuple[int, str], int] = {}
         self.live = 0
         self.granularity = granularity
+        self.scope = 0
 
-    def add(self, storage: str, nbytes: int) -> None:
+    def add(self, name: str, nbytes: int) -> None:
+        storage = (self.scope, name)
         if storage not in self.refs:
             self.refs[storage] = 0
             self.size[storage] = _round(nbytes, self.granularity)
             self.live += self.size[storage]
         self.refs[storage] += 1
 
-    def drop(self, storage: str) -> None:
+    def drop(self, name: str) -> None:
+        storage = (self.scope, name)
         self.refs[storage] -= 1
         if self.refs[storage] == 0:
             self.live -= self.size.pop(storage)
@@ -271,13 +279,25 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
     heap = _Heap(granularity)
     tl = Timeline()
     saved_alive: list[list[str]] = []
-    for g, sched in graphs:
+    release = handed_over(graphs)
+    n = len(graphs)
+
+    def release_at(moment: int) -> None:
+        for k, name in release.get(moment, ()):
+            heap.scope = k
+            heap.drop(graphs[k][0].nodes[name].storage)
+
+    for scope, (g, sched) in enumerate(graphs):
+        heap.scope = scope
         # Values that cross into the backward, and forward outputs (held by the caller), stay.
         held = set(sched.saved) | set(g.fw_outputs)
         _run(g, sched.forward, heap, held, [], "forward", tl.steps)
         saved_alive.append(list(sched.saved))
+        release_at(scope)
     tl.boundary = heap.live
-    for (g, sched), saved in zip(reversed(graphs), reversed(saved_alive)):
+    for scope in reversed(range(n)):
+        (g, sched), saved = graphs[scope], saved_alive[scope]
+        heap.scope = scope
         tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
         for t in tangents:
             heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
@@ -289,7 +309,40 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage:
                 heap.drop(p.storage)
+        release_at(2 * n - 1 - scope)
     return tl
+
+
+def handed_over(graphs: list[tuple[GraphProfile, Schedule]]) -> dict[int, list[tuple[int, str]]]:
+    """When the values one region hands later regions die: {moment: [(graph position, output)]}.
+
+    Moments count the forwards 0..n-1, then the backwards n..2n-1 (the last graph's first). A
+    region's output that only later regions read (not the user, not its own backward) lives until
+    the last of them is done with it: the end of its forward, or of its backward if that reads it.
+    Every other forward output is held to the end of the step, as the caller holds it.
+    """
+    n = len(graphs)
+    position = {g.index: i for i, (g, _) in enumerate(graphs)}
+    last: dict[tuple[int, str], int] = {}
+    for j, (g, sched) in enumerate(graphs):
+        if not g.sources:
+            continue
+        read_back = {i for name in sched.backward for i in g.nodes[name].inputs}
+        for primal, (index, output) in g.sources.items():
+            k = position.get(index)
+            if k is None or k >= j or output >= len(graphs[k][0].user_outputs):
+                continue
+            producer, producer_sched = graphs[k]
+            name = producer.user_outputs[output]
+            if (name is None or name in producer.exported or name in producer_sched.saved
+                    or producer.nodes[name].kind != "forward"):
+                continue
+            moment = 2 * n - 1 - j if primal in read_back else j
+            last[(k, name)] = max(last.get((k, name), -1), moment)
+    moments: dict[int, list[tuple[int, str]]] = {}
+    for key, moment in last.items():
+        moments.setdefault(moment, []).append(key)
+    return moments
 
 
 @dataclass
@@ -354,10 +407,21 @@ def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
     return Lifetimes(fw_pos, bw_pos, fn, start, ln, needed, follows)
 
 
-def block_of(module: str) -> str:
-    """The repeated block a module path belongs to: "transformer.h.3.attn.c_attn" -> "transformer.h.3"."""
-    parts = module.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
+def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[tuple[int, int | None]]]:
+    """Per graph, its forward outputs' (bytes, position of the last region that reads them, or None
+    if the caller holds them to the end of the step): an upper bound on `handed_over`, for the ILP,
+    which cannot know yet what each region saves."""
+    position = {g.index: i for i, g in enumerate(graphs)}
+    last: dict[tuple[int, str], int] = {}
+    for j, g in enumerate(graphs):
+        for index, output in g.sources.values():
+            k = position.get(index)
+            if k is not None and k < j and output < len(graphs[k].user_outputs):
+                name = graphs[k].user_outputs[output]
+                if name is not None and name not in graphs[k].exported:
+                    last[(k, name)] = max(last.get((k, name), -1), j)
+    spans = []
+    for k, g in enumerate(graphs):
+        roots = {g.nodes[o].storage: o for o in g.fw_outputs if g.nodes[o].storage}
+        spans.append([(_round(g.nodes[r].nbytes, granularity), last.get((k, o))) for r, o in roots.items()])
+    return spans

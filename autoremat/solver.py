@@ -34,7 +34,17 @@ import pulp
 
 from autoremat.dtypes import DtypeChoices
 from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
-from autoremat.memory import INF, TANGENTS_HELD, Lifetimes, _Heap, _run, block_of, forward_slots, lifetimes
+from autoremat.memory import (
+    INF,
+    TANGENTS_HELD,
+    Lifetimes,
+    _Heap,
+    _run,
+    block_of,
+    forward_slots,
+    lifetimes,
+    output_spans,
+)
 from autoremat.profile import GraphProfile
 
 # Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
@@ -153,7 +163,16 @@ class _Model:
             per_graph_rows.append(self._memory_rows(life, sb, rb, fw_static, bw_static, core, slot, g))
         # Graph i's saved values stay alive through the forward of later graphs and their
         # backward (which runs first): add them to those rows.
+        # Their forward outputs are constants here: the caller holds a user's output to the end of
+        # the step; a region's output that only later regions read lives until the last of them has
+        # run its backward, at most (memory.handed_over frees it sooner if nothing saves it).
+        spans = output_spans(graphs, granularity)
         for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
+            before_out = sum(b for k in range(gi) for b, _ in spans[k])
+            others_out = sum(b for k, span in enumerate(spans) if k != gi for b, last in span
+                             if last is None or gi >= last)
+            fw_rows = [(static + before_out, expr) for static, expr in fw_rows]
+            bw_rows = [(static + others_out, expr) for static, expr in bw_rows]
             # Consecutive steps share one expression until a value starts or ends: only the
             # largest static part among them can bind, so keep one row per expression.
             best: dict[int, tuple[int, pulp.LpAffineExpression]] = {}

@@ -1,0 +1,139 @@
+"""Regions: one dynamo graph cut into a graph per repeated block, so gradients leave the backward early.
+
+A compiled graph is one autograd node: its backward returns every parameter gradient at its end,
+and only then does autograd add them into `.grad`. For a whole model that means a second full set
+of gradients alive on top of the `.grad` buffers (measured: 18.1 MiB against eager's 1.4 MiB on a
+6-block stack at a tiny batch). Cut into one graph per repeated block (a transformer layer, a
+residual stage), each block's backward returns its own gradients as soon as it finishes, and
+autograd accumulates them there, through its own AccumulateGrad nodes: post-accumulate-grad hooks,
+DDP's reducer and FSDP2 see every gradient as they do in eager mode.
+
+The cut is made on the dynamo graph, before AOTAutograd traces it (the way torch's DDPOptimizer
+cuts graphs into gradient buckets): nodes are grouped by the repeated block their nn.Module belongs
+to (`memory.block_of`), in graph order, with whatever runs before the first block (embeddings) and
+after the last (final norm, head, loss) as regions of their own. Each region is then compiled by
+AOTAutograd on its own and reaches the planner as one more graph of the step; the planner already
+plans the graphs of a step jointly under one budget.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+
+def block_of(module: str) -> str:
+    """The repeated block a module path belongs to: "transformer.h.3.attn.c_attn" -> "transformer.h.3"."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+_ROOT = re.compile(r"^L(\[[^\]]*\])+")
+LINKS = "autoremat_links"  # the key of a region's `RegionLinks` in its GraphModule's meta
+MIN_BLOCKS = 2  # below this there is nothing to gain: one region is the whole graph
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost nn.Module path a dynamo graph node was traced in ("" at the top level)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # Dynamo spells a path from the frame's local that holds the model: "L['self'].h[3].attn", or
+    # "L['args'][0].model.layers[0]" when a decorator wraps the forward (HF's Llama). Drop that
+    # root, keep the Python form: "h.3.attn".
+    path = _ROOT.sub("", path).lstrip(".")
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def partition(gm: fx.GraphModule) -> dict[fx.Node, int] | None:
+    """Region index per computing node, non-decreasing in graph order; None if fewer than two blocks.
+
+    A region starts where a repeated block not seen before starts. Nodes outside every block join
+    the region they follow, except those after the last block's last node: they form the tail.
+    """
+    compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    blocks = [block_of(module_path(n)) for n in compute]
+    if len({b for b in blocks if b}) < MIN_BLOCKS:
+        return None
+    last = max(i for i, b in enumerate(blocks) if b)
+    region, seen, current = {}, set(), None
+    index = 0
+    for i, (n, b) in enumerate(zip(compute, blocks)):
+        if i > last and current != "":  # the tail: head, loss, outputs
+            current, index = "", index + 1
+        elif b and b not in seen:
+            seen.add(b)
+            if current is not None:
+                index += 1
+            current = b
+        elif current is None:
+            current = ""
+        region[n] = index
+    return region
+
+
+def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable) -> Callable:
+    """Compile `gm` as one graph per region with `compile_one` (an AOTAutograd backend), or whole."""
+    region = partition(gm)
+    context = torch._guards.TracingContext.try_get()
+    if region is None or getattr(context, "ddp_optimizer_ctx", None) is not None:
+        # DDP's own graph splitter (torch._dynamo.config.optimize_ddp) has already cut this graph into
+        # gradient buckets, which hands gradients over bucket by bucket: cutting again would break it.
+        return compile_one(gm, example_inputs)
+    from torch._dynamo.backends.distributed import SubmodCompiler, propagate_dynamo_source, propagate_metadata
+    from torch._dynamo.utils import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cut = split_module(gm, None, lambda n: region[n], keep_original_order=True)
+    propagate_dynamo_source(gm, cut)
+    propagate_metadata(gm, cut)
+    _link(cut)
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    # The interpreter runs the cut graph on fake inputs, compiling each region as it reaches it
+    # (with the outputs of the regions before it as example inputs) and swapping it in.
+    SubmodCompiler(cut, compile_one, fake_mode).run(*example_inputs)
+    cut.recompile()
+    return cut
+
+
+@dataclass
+class RegionLinks:
+    """How one region's inputs and outputs connect to the other regions of its dynamo graph.
+
+    A value one region hands the next lives only as long as a region still needs it: the memory
+    model frees it there instead of holding it to the end of the step, as it must a user's output.
+    """
+
+    position: int  # this region's place among the regions of its dynamo graph
+    sources: list[tuple[int, int] | None]  # per input: (producing region's position, its output index)
+    outputs: int  # how many values this region returns
+    exported: set[int]  # indices of the outputs the dynamo graph itself returns (the user sees them)
+
+
+def _link(cut: fx.GraphModule) -> None:
+    calls = [n for n in cut.graph.nodes if n.op == "call_module"]
+    position = {n: i for i, n in enumerate(calls)}
+    produced: dict[fx.Node, tuple[int, int]] = {}
+    for n in cut.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in position:
+            produced[n] = (position[n.args[0]], n.args[1])
+    for call in calls:  # a region with one output returns it bare, not in a tuple
+        if not any(u in produced for u in call.users):
+            produced[call] = (position[call], 0)
+    returned = {produced[a] for a in cut.graph.find_nodes(op="output")[0].all_input_nodes if a in produced}
+    for call in calls:
+        sub = getattr(cut, str(call.target))
+        sub.meta = dict(sub.meta)  # propagate_metadata gave every region the one dict of the whole graph
+        outputs = max([o for (r, o) in produced.values() if r == position[call]], default=-1) + 1
+        sub.meta[LINKS] = RegionLinks(position[call], [produced.get(a) for a in call.args], outputs,
+                                      {o for (r, o) in returned if r == position[call]})
