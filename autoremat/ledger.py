@@ -7,38 +7,24 @@ it decides what activations to keep. Figures are per rank once sharding is appli
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from autoremat.units import format_bytes
+from autoremat.optimizers import (
+    ADAFACTOR_ASSUMED_SIDE,
+    OPTIMIZER_NAMES,
+    check_name,
+    named_state_bytes,
+    optimizer_state_bytes,
+    optimizer_step_bytes,
+)
+from autoremat.units import format_bytes, round_up, storage_key
+
+__all__ = ["OPTIMIZER_NAMES", "Ledger", "ledger_for_count", "ledger_for_model", "optimizer_state_bytes",
+           "parameter_bytes", "storage_key"]
 
 SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
-
-# Bytes of state per parameter element for optimizers given by name. Names describe
-# a mixed-precision recipe, where moments live in fp32 whatever the parameter dtype.
-_NAMED_BYTES_PER_ELEMENT = {
-    "none": 0.0,
-    "sgd": 0.0,
-    "sgd_momentum": 4.0,
-    "momentum": 4.0,
-    "lion": 4.0,  # one fp32 momentum
-    "adam": 8.0,
-    "adamw": 8.0,
-    "adafactor": 4.0,  # only for 1-D params; matrices are factored (see below)
-    "adam8bit": 2.0,  # one byte per moment, plus blockwise scales (see below)
-    "adamw8bit": 2.0,
-}
-OPTIMIZER_NAMES = tuple(_NAMED_BYTES_PER_ELEMENT)
-
-# 8-bit Adam (bitsandbytes) quantizes each moment in blocks of 2048 elements with one
-# fp32 absmax scale per block.
-_BLOCK_8BIT = 2048
-
-# Without shapes (ledger_for_count) Adafactor's factored moment is estimated as if
-# every parameter sat in matrices whose smaller side is 1024. Real transformers have
-# hidden sizes >= 1024, so this over- rather than under-estimates a negligible term.
-_ADAFACTOR_ASSUMED_SIDE = 1024
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -58,11 +44,18 @@ class Ledger:
     master_weights: int = 0
     inputs: int = 0
     gathered: int = 0  # FSDP/ZeRO-3: one block's unsharded parameters (+ the prefetched next) and gradients
+    # Temporaries of optimizer.step(): allocated after the backward has freed the activations, so the
+    # step needs fixed + max(activations, optimizer_step), not the sum (autoremat.optimizers).
+    optimizer_step: int = 0
     activations: int = 0  # filled by the planner: peak activation + temporary bytes
     budget: int | None = None
     world_size: int = 1
     sharding: str = "none"
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_plain(f.name, getattr(self, f.name))
 
     @property
     def fixed(self) -> int:
@@ -71,14 +64,17 @@ class Ledger:
 
     @property
     def total(self) -> int:
-        return self.fixed + self.activations
+        return self.fixed + max(self.activations, self.optimizer_step)
 
     @property
     def headroom(self) -> int | None:
         return None if self.budget is None else self.budget - self.total
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Plain numbers and strings only (a plan's JSON, and safe to deepcopy)."""
+        out = {f.name: _check_plain(f.name, getattr(self, f.name)) for f in fields(self)}
+        out["notes"] = [str(n) for n in self.notes]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict) -> "Ledger":
@@ -99,8 +95,10 @@ class Ledger:
         rows += [
             ("inputs", self.inputs),
             ("activations + temporaries", self.activations),
-            ("total", self.total),
         ]
+        if self.optimizer_step:
+            rows.append(("optimizer.step() temporaries", self.optimizer_step))
+        rows.append(("total", self.total))
         if self.budget is not None:
             rows += [("budget", self.budget), ("headroom", self.headroom)]
         width = max(len(label) for label, _ in rows) + 2
@@ -115,22 +113,22 @@ class Ledger:
         return "\n".join(lines)
 
 
-def _round_up(n: int, granularity: int) -> int:
-    return -(-n // granularity) * granularity
+def _check_plain(name: str, value: object) -> object:
+    """A ledger holds byte counts of concrete shapes; a symbolic size would poison every copy of it."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.Tensor)):
+        raise TypeError(f"ledger field {name!r} holds a {type(value).__name__} ({value}), not a plain number: "
+                        "a ledger is made for concrete shapes (trace with static shapes, or read the sizes of real "
+                        "tensors)")
+    return value
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    """(identity, bytes) of the storage behind `t`.
-
-    The StorageImpl address identifies a storage even on the meta device, where every
-    data_ptr() is 0; views and tied weights share it. Tensor subclasses without a
-    plain storage count as their own allocation.
-    """
-    try:
-        storage = t.untyped_storage()
-        return storage._cdata, storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return id(t), t.numel() * t.element_size()
+def parameter_bytes(p: torch.Tensor, optimizer: object, granularity: int = 1) -> tuple[int, int, int]:
+    """Bytes of one parameter, of its gradient (0 if frozen) and of its optimizer state, each rounded up."""
+    data = round_up(storage_key(p)[1], granularity)
+    if not p.requires_grad:
+        return data, 0, 0
+    grad = round_up(p.numel() * p.element_size(), granularity)
+    return data, grad, optimizer_state_bytes(optimizer, [p], granularity=granularity)
 
 
 def _unique_storage_bytes(
@@ -143,13 +141,13 @@ def _unique_storage_bytes(
     """
     seen, total = set(), 0
     for t in tensors:
-        key, nbytes = _storage(t)
+        key, nbytes = storage_key(t)
         if key in seen:
             continue
         seen.add(key)
         if dtype is not None and t.is_floating_point():
             nbytes = nbytes // t.element_size() * dtype.itemsize
-        total += _round_up(nbytes, granularity)
+        total += round_up(nbytes, granularity)
     return total
 
 
@@ -171,129 +169,13 @@ def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _class_state_numels(
-    optimizer: torch.optim.Optimizer, group: dict, shape: torch.Size
-) -> list[int] | None:
-    """Element counts of the state tensors a torch optimizer creates for one parameter.
-
-    Mirrors each optimizer's lazy state initialization. The per-parameter `step`
-    counters (and NAdam's mu_product, ASGD's eta/mu) are 0-d tensors, normally kept
-    on the CPU; they are ignored here and in the measured state alike. Returns None for
-    an optimizer class this table does not know.
-    """
-    n = shape.numel()
-    o = torch.optim
-    if isinstance(optimizer, (o.Adam, o.AdamW)):
-        return [n] * (3 if group.get("amsgrad") else 2)
-    if isinstance(optimizer, o.SGD):
-        return [n] if group.get("momentum", 0) != 0 else []
-    if isinstance(optimizer, o.RMSprop):
-        return [n] * (1 + (group.get("momentum", 0) > 0) + bool(group.get("centered")))
-    if isinstance(optimizer, o.Adafactor):
-        if len(shape) < 2:
-            return [n]
-        # Row factor is shape with the last dim reduced; column factor with dim -2 reduced.
-        return [math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]]
-    if isinstance(optimizer, (o.Adamax, o.NAdam, o.RAdam, o.Adadelta, o.Rprop, o.SparseAdam)):
-        return [n, n]
-    if isinstance(optimizer, (o.Adagrad, o.ASGD)):
-        return [n]
-    if hasattr(o, "Muon") and isinstance(optimizer, o.Muon):
-        return [n]
-    return None
-
-
-def _measured_state_bytes(state: dict, p: torch.Tensor, seen: set, granularity: int) -> int:
-    total = 0
-    for t in state.values():
-        # 0-d step counters are ignored (see _class_state_numels); state offloaded to
-        # another device does not occupy this one.
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.device != p.device:
-            continue
-        key, nbytes = _storage(t)
-        if key not in seen:
-            seen.add(key)
-            total += _round_up(nbytes, granularity)
-    return total
-
-
-def _named_state_bytes(name: str, shape: tuple[int, ...], granularity: int) -> int:
-    n = math.prod(shape)
-    if name == "adafactor" and len(shape) >= 2:
-        rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
-        return _round_up(rows * 4, granularity) + _round_up(cols * 4, granularity)
-    if name in ("adam8bit", "adamw8bit"):
-        scales = -(-n // _BLOCK_8BIT) * 4
-        return 2 * (_round_up(n, granularity) + _round_up(scales, granularity))
-    per_element = _NAMED_BYTES_PER_ELEMENT[name]
-    if per_element == 0:
-        return 0
-    # Each state tensor is its own allocation: round per 4-byte moment.
-    return int(per_element // 4) * _round_up(n * 4, granularity)
-
-
-def _check_name(optimizer: str | None) -> str:
-    name = "none" if optimizer is None else optimizer.lower()
-    if name not in _NAMED_BYTES_PER_ELEMENT:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known names: {list(OPTIMIZER_NAMES)}")
-    return name
-
-
-def optimizer_state_bytes(
-    optimizer: torch.optim.Optimizer | str | None,
-    params: Iterable[torch.Tensor | tuple[int, ...]],
-    *,
-    dtype: torch.dtype | None = None,
-    granularity: int = 1,
-    notes: list[str] | None = None,
-) -> int:
-    """Bytes of optimizer state held for `params`.
-
-    `optimizer` is a torch.optim.Optimizer, a name from OPTIMIZER_NAMES, or None. For a
-    real optimizer, state that already exists is measured (each storage once) and the
-    rest is inferred from its class and param-group settings, in the parameter dtype
-    (or `dtype`, when the model is going to be cast). For a name, `params` may also
-    be shapes. Assumptions worth reporting are appended to `notes`.
-    """
-    params = list(params)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        name = _check_name(optimizer)
-        shapes = [tuple(p.shape) if isinstance(p, torch.Tensor) else tuple(p) for p in params]
-        return sum(_named_state_bytes(name, shape, granularity) for shape in shapes)
-
-    wanted = {id(p) for p in params}
-    seen: set = set()
-    total = 0
-    unknown = False
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in wanted:
-                continue
-            wanted.discard(id(p))  # a parameter listed twice still has one state
-            state = optimizer.state.get(p)
-            if state:
-                total += _measured_state_bytes(state, p, seen, granularity)
-                continue
-            numels = _class_state_numels(optimizer, group, p.shape)
-            if numels is None:
-                unknown = True
-                numels = [p.numel()] * 2
-            itemsize = (dtype or p.dtype).itemsize
-            total += sum(_round_up(n * itemsize, granularity) for n in numels)
-    if unknown and notes is not None:
-        notes.append(
-            f"optimizer {type(optimizer).__name__} is not known: assumed 2 state tensors "
-            "per parameter, like Adam"
-        )
-    return total
-
-
 def _shard(ledger: Ledger) -> Ledger:
     """Divide the sharded parts of a replicated ledger by world_size (ceil)."""
     n, mode = ledger.world_size, ledger.sharding
     if mode == "none" or n == 1:
         return ledger
     ledger.optimizer_state = -(-ledger.optimizer_state // n)
+    ledger.optimizer_step = -(-ledger.optimizer_step // n)  # each rank steps its own shard of the state
     ledger.master_weights = -(-ledger.master_weights // n)
     if mode in ("zero2", "zero3", "fsdp"):
         ledger.gradients = -(-ledger.gradients // n)
@@ -339,7 +221,7 @@ def ledger_for_model(
     """
     mode = _check_sharding(world_size, sharding)
     if isinstance(optimizer, str):
-        _check_name(optimizer)
+        check_name(optimizer)
     g = device_granularity
     params = list(model.parameters())  # already deduplicated: tied weights once
     trainable = [p for p in params if p.requires_grad]
@@ -347,22 +229,24 @@ def ledger_for_model(
 
     parameters = _unique_storage_bytes([*params, *model.buffers()], g, param_dtype)
     # Each trainable Parameter gets its own .grad, even if it is a view of shared storage.
-    gradients = sum(_round_up(p.numel() * (param_dtype or p.dtype).itemsize, g) for p in trainable)
+    gradients = sum(round_up(p.numel() * (param_dtype or p.dtype).itemsize, g) for p in trainable)
     optimizer_state = optimizer_state_bytes(
         optimizer, trainable, dtype=param_dtype, granularity=g, notes=notes
     )
+    optimizer_step = optimizer_step_bytes(optimizer, trainable, dtype=param_dtype, granularity=g, notes=notes)
 
     master = 0
     floating = [p for p in trainable if p.is_floating_point()]
     dtype = param_dtype or (floating[0].dtype if floating else torch.float32)
     if _wants_master(master_weights, optimizer, dtype):
-        master = sum(_round_up(p.numel() * 4, g) for p in floating)
+        master = sum(round_up(p.numel() * 4, g) for p in floating)
     ledger = Ledger(
         parameters=parameters,
         gradients=gradients,
         optimizer_state=optimizer_state,
         master_weights=master,
         inputs=_unique_storage_bytes(_flatten_tensors(inputs), g),
+        optimizer_step=optimizer_step,
         world_size=world_size,
         sharding=mode,
         notes=notes,
@@ -395,8 +279,8 @@ def _gathered_working_set(model: torch.nn.Module, param_dtype, g: int, notes: li
     largest_params = largest_grads = 0
     for u in units:
         own = [p for m in u.modules() if m is u or id(m) not in inner for p in m.parameters(recurse=False)]
-        nbytes = sum(_round_up(_global_numel(p) * (param_dtype or p.dtype).itemsize, g) for p in own)
-        grads = sum(_round_up(_global_numel(p) * (param_dtype or p.dtype).itemsize, g) for p in own if p.requires_grad)
+        nbytes = sum(round_up(_global_numel(p) * (param_dtype or p.dtype).itemsize, g) for p in own)
+        grads = sum(round_up(_global_numel(p) * (param_dtype or p.dtype).itemsize, g) for p in own if p.requires_grad)
         largest_params, largest_grads = max(largest_params, nbytes), max(largest_grads, grads)
     notes.append(f"fsdp: {len(units)} unit(s); the largest is gathered with one prefetched "
                  f"({format_bytes(2 * largest_params)} parameters, {format_bytes(largest_grads)} gradients)")
@@ -425,7 +309,7 @@ def ledger_for_count(
     56 GB and fp32 master weights 28 GB.
     """
     mode = _check_sharding(world_size, sharding)
-    name = _check_name(optimizer)
+    name = check_name(optimizer)
     if n_params < 0:
         raise ValueError(f"n_params must be >= 0; got {n_params}")
     if not 0.0 <= trainable_fraction <= 1.0:
@@ -437,14 +321,14 @@ def ledger_for_count(
     notes: list[str] = []
 
     if name == "adafactor":
-        side = _ADAFACTOR_ASSUMED_SIDE
+        side = ADAFACTOR_ASSUMED_SIDE
         optimizer_state = math.ceil(n_train * 4 * 2 / side)
         notes.append(
             f"adafactor without parameter shapes: factored moments estimated as if all "
             f"matrices had a smaller side of {side}"
         )
     else:
-        optimizer_state = _named_state_bytes(name, (n_train,), 1)
+        optimizer_state = named_state_bytes(name, (n_train,), 1)
     master = n_train * 4 if _wants_master(master_weights, name, p_dtype) else 0
     ledger = Ledger(
         parameters=n_params * p_dtype.itemsize,

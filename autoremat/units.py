@@ -1,8 +1,15 @@
-"""Byte quantities: parse a user's memory budget and print byte counts for humans."""
+"""Byte quantities: parse a user's memory budget, print byte counts for humans, and count a tensor's
+storage bytes (without importing torch: the CLI's --help must stay fast)."""
+
+from __future__ import annotations
 
 import math
 import numbers
 import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 # Decimal units follow the SI (what disk and cloud vendors print); the "i" units are
 # binary (what nvidia-smi and torch.cuda.memory_allocated report). Both are common
@@ -76,3 +83,22 @@ def format_bytes(n: float, si: bool = False) -> str:
             break
     # Two decimals for small mantissas, one above 100: about four significant digits.
     return f"{value:.2f} {unit}" if abs(value) < 100 else f"{value:.1f} {unit}"
+
+
+def round_up(n: int, granularity: int) -> int:
+    """`n` bytes as the allocator hands them out: in whole blocks of `granularity` (512 on CUDA)."""
+    return -(-n // granularity) * granularity
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, int]:
+    """(identity, bytes) of the storage behind `t`.
+
+    The StorageImpl address identifies a storage even on the meta device, where every
+    data_ptr() is 0; views and tied weights share it. Tensor subclasses without a
+    plain storage count as their own allocation.
+    """
+    try:
+        storage = t.untyped_storage()
+        return storage._cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(t), t.numel() * t.element_size()
