@@ -1,30 +1,41 @@
-"""The `torch.compile` face: a backend that plans each joint graph under a byte budget.
+"""The `torch.compile` face: a backend that plans a training step's graphs under one byte budget.
 
     torch.compile(model, backend=autoremat.backend(budget="2GB"))
     torch.compile(model, backend="autoremat", options={"budget": "2GB"})   # registered by name
 
 `Planner` is the machinery both faces share: it receives each joint graph from AOTAutograd,
 profiles it, solves (or applies a given plan), and returns the forward and backward modules.
+
+Dynamo hands a backend one graph at a time, and a graph may run several times in one step (a
+compiled block called in a loop) or at several input shapes (a dynamic graph). So the backend plans
+steps, not graphs: each graph is compiled when it first runs, on its real inputs (static shapes),
+and `StepPlanner` follows the graph calls of every step (in forward order, until a backward starts).
+A step it has not seen runs every call at that call's most frugal plan, each call checked against
+the budget together with everything the earlier calls of the step hold; once the step is complete,
+its calls are planned jointly and compiled again (docs/backend.md).
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from autoremat.capture import CapturedGraph, aot_backend
+from autoremat.capture import CapturedGraph, aot_backend, default_split
 from autoremat.devices import DeviceSpec, get_device
-from autoremat.ledger import Ledger, optimizer_state_bytes
+from autoremat.heuristics import Decision, checkpoint_blocks, evaluate, save_all
+from autoremat.ledger import Ledger, optimizer_state_bytes, parameter_bytes, storage_key
 from autoremat.memory import make_schedule
 from autoremat.passes import split
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan, merge_plans
 from autoremat.profile import GraphProfile, calibrate_scratch, profile_graph
-from autoremat.solver import DEFAULT_GAP, Decision, Infeasible, smallest_peak, solve
-from autoremat.units import parse_budget
+from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.units import format_bytes, parse_budget
 
 log = logging.getLogger("autoremat")
 
@@ -61,6 +72,11 @@ def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Le
     )
 
 
+def _limit(budget: int | None, device: DeviceSpec) -> int:
+    """The budget in bytes; without one, the device's memory, or no limit at all on a CPU."""
+    return budget if budget is not None else device.memory_bytes or 2**62
+
+
 class Planner:
     """Partition callback: plan (or re-apply a plan to) every joint graph AOTAutograd produces."""
 
@@ -88,26 +104,69 @@ class Planner:
         self.gap = gap
         self.profiles: list[GraphProfile] = []
         self.plans: list[Plan] = []  # one per graph planned on its own
+        self._reported: set[str] = set()  # graphs whose internal error was logged already
 
     def _device(self, cg: CapturedGraph) -> DeviceSpec:
         return self.device or get_device("cpu" if cg.device == "meta" else cg.device)
 
+    def _profile(self, cg: CapturedGraph) -> GraphProfile:
+        gp = profile_graph(cg, self._device(cg))
+        if self.calibrate:
+            try:
+                calibrate_scratch(cg, gp)
+            except RuntimeError as e:  # the caller runs a torch profiler, and profilers cannot nest
+                if "already active" not in str(e):
+                    raise
+                gp.notes.append("op scratch not measured: a torch profiler was running while this graph compiled")
+        self.profiles.append(gp)
+        return gp
+
     def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         dev = self._device(cg)
-        gp = profile_graph(cg, dev)
-        if self.calibrate:
-            calibrate_scratch(cg, gp)
-        self.profiles.append(gp)
+        gp = self._profile(cg)
+        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity)
         if self.plan is not None:
             saved = self._saved_from_plan(gp, cg.index)
-            return split(cg, make_schedule(gp, saved))
-        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity)
-        decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
-                                gap=self.gap)
-        plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
-        self.plans.append(plan)
-        log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
-        return split(cg, decision.schedules[0])
+        else:
+            decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
+                                   gap=self.gap)
+            plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
+            self.plans.append(plan)
+            log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
+            saved = decision.saved[0]
+
+        def need(fallback: set[str]) -> tuple[int, Ledger]:
+            _, tl, _ = evaluate([gp], [fallback], dev.alloc_granularity)
+            return ledger.fixed + tl.peak + SLACK, ledger
+
+        return self._split(cg, gp, set(saved), need, _limit(self.budget, dev))[0]
+
+    def _split(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str],
+               need: Callable[[set[str]], tuple[int, Ledger]], limit: int) -> tuple[tuple, set[str]]:
+        """The forward and backward modules for `saved`, and the saved set they really use.
+
+        An internal inconsistency (the graph passes and the schedule disagree) is our bug, not the
+        user's: it is logged once per graph, and the graph falls back to PyTorch's default partition
+        (every value the backward reads is saved) if that fits `limit`; `need(saved)` says what the
+        step needs with it. Otherwise a BudgetError says so.
+        """
+        try:
+            return split(cg, make_schedule(gp, saved)), saved
+        except Exception as e:  # noqa: BLE001 - any failure here is an internal error, see above
+            fallback = save_all([gp])[0]
+            if gp.fingerprint not in self._reported:
+                self._reported.add(gp.fingerprint)
+                log.error("autoremat internal error on graph %d (%s, %d nodes): %s: %s. Falling back to saving "
+                          "every value the backward reads for this graph. Please report this model.",
+                          cg.index, gp.fingerprint, len(gp.nodes), type(e).__name__, e, exc_info=True)
+            needed, ledger = need(fallback)
+            if needed > limit:
+                raise BudgetError(
+                    f"autoremat internal error while applying the plan to graph {cg.index} ({type(e).__name__}: "
+                    f"{e}); the fallback, saving every value the backward reads, needs {format_bytes(needed)} "
+                    f"({needed} bytes), more than the budget of {format_bytes(limit)}. Please report this model; "
+                    "meanwhile a budget that large runs it.", ledger, needed) from e
+            return default_split(cg), fallback
 
     def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
         matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
@@ -135,18 +194,305 @@ def plan_graphs(
     gap: float = DEFAULT_GAP,
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
-    if budget is None:  # no budget: the device's memory, or no limit at all on a CPU
-        budget = device.memory_bytes or 2**62
+    budget = _limit(budget, device)
     activations = budget - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars, held by no graph
     try:
-        if activations <= 0:
+        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
             smallest = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver,
                                      time_limit=time_limit)
-            raise Infeasible(smallest, "the fixed parts alone exceed the budget")
+            raise Infeasible(smallest, "the fixed parts and optimizer.step()'s temporaries exceed the budget")
         return solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
                      time_limit=time_limit, gap=gap)
     except Infeasible as e:
         raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
+
+
+# --- the torch.compile face: steps, seen at run time ------------------------------------------------
+
+@dataclass(eq=False)
+class _Use:
+    """One dynamo graph at one set of input shapes, compiled once per saved set a plan asks for."""
+
+    gm: fx.GraphModule
+    number: int  # in order of first call, for messages
+    gp: GraphProfile | None = None
+    frugal: frozenset[str] = frozenset()  # what it saves until its step is known (`StepPlanner._frugal`)
+    compiled: dict[frozenset[str] | None, tuple[Callable, frozenset[str]]] = field(default_factory=dict)
+    inference: bool = False  # compiled without a backward: nothing to plan
+
+    @property
+    def first(self) -> frozenset[str]:
+        """What it saves when first run: its frugal plan, or the fallback that replaced it."""
+        return self.compiled[None][1] if None in self.compiled else self.frugal
+
+
+@dataclass
+class _Call:
+    use: _Use
+    saved: frozenset[str] | None  # what the plan of a known step asks for; None: the use's frugal plan
+    inputs: int = 0  # bytes of the tensors it reads that no earlier call of the step returned (the batch)
+    # id -> bytes of a parameter, its gradient and its optimizer state (a graph called for several
+    # blocks gets each block's own parameters)
+    params: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+
+class StepPlanner(Planner):
+    """The backend's planner: follows each step's graph calls and plans them together (module docstring)."""
+
+    def __init__(self, budget: int | str | None, *, compiler: str = "eager", **kwargs: Any) -> None:
+        super().__init__(budget, **kwargs)
+        self.compile_fn = aot_backend(self, compiler=compiler)
+        self.step: list[_Call] = []  # this step's graph calls so far, in forward order
+        self.last_step: list[_Call] = []
+        self.backward_seen = False
+        self.steps: dict[tuple[_Use, ...], list[frozenset[str]]] = {}  # steps planned jointly: saved per call
+        self.step_plans: list[Plan] = []  # one per step planned jointly, the latest last
+        self._candidates: list[tuple[_Use, ...]] = []  # known steps this one may still turn out to be
+        self._produced: set[int] = set()  # storages the step's calls returned (later calls' inputs)
+        self._read: set[int] = set()  # input storages counted this step
+        self._param_bytes: dict[int, tuple[weakref.ref, tuple[int, int, int]]] = {}
+        self._request: tuple[_Use, frozenset[str] | None] | None = None  # what the compile under way applies
+        self._applied: frozenset[str] = frozenset()
+        self._uses = 0
+        self._dev: DeviceSpec | None = self.device
+
+    def run(self, use: _Use, args: tuple) -> Any:
+        """One call of a compiled graph: place it in its step, compile it if needed, check it, run it."""
+        if use.inference or not torch.is_grad_enabled():
+            return self._compiled(use, None, args)[0](*args)
+        if self.backward_seen:
+            self._end_step()
+        call = _Call(use, self._planned(use))
+        self.step.append(call)
+        try:
+            self._note_inputs(call, args)
+            fn, call.saved = self._compiled(use, call.saved, args)
+            if use.inference:  # no input needs a gradient: no backward, nothing held
+                self.step.pop()
+            elif not self._candidates:  # a step not planned before must fit as it goes
+                self._check_step()
+        except BudgetError:
+            self._new_step()
+            raise
+        out = fn(*args)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._produced.add(storage_key(t)[0])
+                if t.grad_fn is not None:  # the step's forward ends when a backward reaches an output
+                    t.register_hook(self._saw_backward)
+        return out
+
+    def _saw_backward(self, grad: torch.Tensor) -> None:
+        self.backward_seen = True
+
+    def _planned(self, use: _Use) -> frozenset[str] | None:
+        at = len(self.step)
+        self._candidates = [s for s in self._candidates if len(s) > at and s[at] is use]
+        # The plan made knowing the most calls after this one is safe for all of them.
+        return self.steps[max(self._candidates, key=len)][at] if self._candidates else None
+
+    def _note_inputs(self, call: _Call, args: tuple) -> None:
+        """The call's parameters (leaves that get a .grad), and the inputs no earlier call produced."""
+        if self._dev is None:
+            where = next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+            self._dev = get_device("cpu" if where == "meta" else where)
+        g = self._dev.alloc_granularity
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                continue
+            if isinstance(a, torch.nn.Parameter) or (a.is_leaf and a.requires_grad):
+                kept = self._param_bytes.get(id(a))
+                if kept is None or kept[0]() is not a:
+                    kept = self._param_bytes[id(a)] = (weakref.ref(a), parameter_bytes(a, self.optimizer, g))
+                call.params[id(a)] = kept[1]
+                continue
+            key, nbytes = storage_key(a)
+            if key not in self._produced and key not in self._read:
+                self._read.add(key)
+                call.inputs += -(-nbytes // g) * g
+
+    def _compiled(self, use: _Use, saved: frozenset[str] | None, args: tuple) -> tuple[Callable, frozenset[str]]:
+        """The compiled step for `saved` (None: frugal) and the saved set it really uses; compiles on a miss."""
+        if saved not in use.compiled:
+            self._request, count = (use, saved), len(self.profiles)
+            try:
+                fn = self.compile_fn(use.gm, list(args))  # real inputs: static shapes
+            finally:
+                self._request = None
+            use.inference = len(self.profiles) == count  # AOTAutograd found no backward to partition
+            use.compiled[saved] = (fn, frozenset() if use.inference else self._applied)
+        return use.compiled[saved]
+
+    def _new_step(self) -> None:
+        self.step, self.backward_seen, self._candidates = [], False, list(self.steps)
+        self._produced.clear()
+        self._read.clear()
+
+    def _end_step(self) -> None:
+        """The step just finished is known now: plan its calls jointly, once; they compile again when next run."""
+        calls = self.last_step = self.step
+        self._new_step()
+        key = tuple(c.use for c in calls)
+        if not calls or key in self.steps:
+            return
+        profiles, ledger = [c.use.gp for c in calls], self._ledger(calls)
+        try:
+            decision = plan_graphs(profiles, self.budget, ledger, self._dev, solver=self.solver,
+                                   time_limit=self.time_limit, gap=self.gap)
+            saved = [frozenset(s) for s in decision.saved]
+            plan = build_plan(profiles, decision, ledger, self.budget or 0, self._dev.name)
+        except BudgetError:  # the solver found no plan it trusts; the plans that just ran fit
+            saved = [c.saved for c in calls]
+            plan = self._plan_of(calls, saved, "as first run")
+        plan.notes.append(f"one step: {len(calls)} call(s) of {len(set(key))} compiled graph(s), planned jointly")
+        self.steps[key] = saved
+        self._candidates = list(self.steps)
+        self.step_plans.append(plan)
+        log.info("autoremat planned a step of %d graph call(s) jointly: %s", len(calls), plan.summary().splitlines()[1])
+
+    def _check_step(self) -> None:
+        """The step so far, each call with the plan it runs, must fit; else a BudgetError before the call runs."""
+        calls = self.step
+        limit = _limit(self.budget, self._dev)
+        if self._need(calls, [c.saved for c in calls])[0] <= limit:
+            return
+        smallest, ledger, tl = self._need(calls, [c.use.first for c in calls])
+        ledger.activations, ledger.budget = tl.peak, limit
+        gp = calls[-1].use.gp
+        held = ""
+        if len(calls) > 1:
+            boundary = self._need(calls[:-1], [c.saved for c in calls[:-1]])[2].boundary
+            held = (f"the {len(calls) - 1} earlier call(s) of the step hold {format_bytes(boundary)} of saved values "
+                    "and outputs while it runs, and ")
+        raise BudgetError(
+            f"budget {format_bytes(limit)} ({limit} bytes) is too small for call {len(calls)} of this training step "
+            f"(compiled graph {calls[-1].use.number}, {gp.fingerprint}, {len(gp.nodes)} nodes): {held}the "
+            f"parameters, gradients, optimizer state and inputs of the graphs seen so far take "
+            f"{format_bytes(ledger.fixed)}. The smallest budget that fits the step so far is {format_bytes(smallest)} "
+            f"({smallest} bytes), every call at its most frugal plan; graphs still to come may need more."
+            f"\n{ledger.format()}", ledger, smallest)
+
+    def _need(self, calls: list[_Call], saved: list) -> tuple[int, Ledger, Any]:
+        """What the calls need together with these saved sets: (fixed + simulated peak + slack, ledger, timeline)."""
+        ledger = self._ledger(calls)
+        _, tl, _ = evaluate([c.use.gp for c in calls], [set(s) for s in saved], self._dev.alloc_granularity)
+        return ledger.fixed + tl.peak + SLACK, ledger, tl
+
+    def _ledger(self, calls: list[_Call]) -> Ledger:
+        params = {k: v for c in calls for k, v in c.params.items()}  # a parameter read twice is held once
+        parameters, gradients, state = (sum(p[i] for p in params.values()) for i in range(3))
+        return Ledger(parameters=parameters, gradients=gradients, optimizer_state=state,
+                      inputs=sum(c.inputs for c in calls))
+
+    def _plan_of(self, calls: list[_Call], saved: list, path: str) -> Plan:
+        profiles, g = [c.use.gp for c in calls], self._dev.alloc_granularity
+        schedules, tl, cost = evaluate(profiles, [set(s) for s in saved], g)
+        decision = Decision([set(s) for s in saved], schedules, tl, cost, "fits", path, granularity=g)
+        return build_plan(profiles, decision, self._ledger(calls), self.budget or 0, self._dev.name)
+
+    def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """AOTAutograd's partition callback, during `_compiled`: apply what `_request` asks for."""
+        use, asked = self._request
+        self._dev = self._dev or self._device(cg)
+        gp = self._profile(cg)
+        if use.gp is None:
+            use.frugal = self._frugal(gp)
+        use.gp = gp
+
+        def need(fallback: set[str]) -> tuple[int, Ledger]:
+            self._candidates = []  # the plan changed: check the rest of this step as it runs
+            return self._need(self.step, [c.saved for c in self.step[:-1]] + [fallback])[:2]
+
+        saved = set(use.frugal if asked is None else asked)
+        modules, applied = self._split(cg, gp, saved, need, _limit(self.budget, self._dev))
+        self._applied = frozenset(applied)
+        self.plans.append(self._plan_of(self.step[-1:], [applied], "most frugal" if asked is None else "joint"))
+        return modules
+
+    def _frugal(self, gp: GraphProfile) -> frozenset[str]:
+        """What a call saves until its step is known: of the smallest-peak plan and the checkpoint plan (save
+        only outputs and what may not be recomputed), the one whose boundary (what later calls see held) plus
+        own peak is least."""
+        g = self._dev.alloc_granularity
+        smallest = smallest_peak([gp], granularity=g, solver=self.solver, time_limit=self.time_limit)
+        best, cost = save_all([gp])[0], None
+        for saved in ([smallest.saved[0]] if smallest else []) + checkpoint_blocks([gp]):
+            try:
+                tl = evaluate([gp], [saved], g)[1]
+            except ValueError:  # a value the backward needs that nobody may recompute
+                continue
+            if cost is None or tl.boundary + tl.peak < cost:
+                best, cost = saved, tl.boundary + tl.peak
+        return frozenset(best)
+
+    @property
+    def smallest_budget(self) -> int | None:
+        """The least budget the latest step fits in as an unknown step first runs (each call at its frugal
+        plan): below it the backend raises BudgetError. None before any step."""
+        calls = [c for c in self.step or self.last_step if c.use.gp is not None]
+        return self._need(calls, [c.use.first for c in calls])[0] if calls else None
+
+    @property
+    def combined_plan(self) -> Plan | None:
+        """The latest step planned jointly; before one is complete, the first step as it runs."""
+        if self.step_plans:
+            return self.step_plans[-1]
+        calls = [c for c in self.step if c.use.gp is not None]
+        return self._plan_of(calls, [c.saved for c in calls], "as first run") if calls else None
+
+
+class _LazyGraph:
+    """What the backend gives dynamo for one graph: compiled when first called, on the real inputs."""
+
+    def __init__(self, owner: _Backend, gm: fx.GraphModule, dynamic: bool) -> None:
+        self.owner, self.gm, self.dynamic = owner, gm, dynamic  # the owner lives as long as its graphs
+        self.uses: dict[tuple | None, _Use] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        planner = self.owner.planner
+        key = _shapes(args) if self.dynamic else None  # a dynamic graph: one plan per set of shapes
+        if key not in self.uses:
+            planner._uses += 1
+            self.uses[key] = _Use(self.gm, planner._uses)
+        return planner.run(self.uses[key], args)
+
+
+def _shapes(args: tuple) -> tuple:
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
+                 else a if isinstance(a, (int, float, bool)) else type(a).__name__ for a in args)
+
+
+def _is_dynamic(example_inputs: list) -> bool:
+    sizes = [s for a in example_inputs if isinstance(a, torch.Tensor) for s in (*a.shape, *a.stride())]
+    return any(isinstance(v, (torch.SymInt, torch.SymFloat)) for v in [*sizes, *example_inputs])
+
+
+class _Backend:
+    """What `backend()` returns: a dynamo backend, with the `StepPlanner` of its graphs as `.planner`."""
+
+    __name__ = "autoremat"
+
+    def __init__(self, planner: StepPlanner) -> None:
+        self.planner = planner
+        self._warned: set[int] = set()
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        self._warn_at_recompile_limit(gm)
+        return _LazyGraph(self, gm, _is_dynamic(example_inputs))
+
+    def _warn_at_recompile_limit(self, gm: fx.GraphModule) -> None:
+        """Past torch._dynamo.config.recompile_limit dynamo runs the code eagerly: no plan, no budget."""
+        cid, limit = gm.meta.get("dynamo_compile_id"), torch._dynamo.config.recompile_limit
+        if cid is None or cid.frame_compile_id + 1 < limit or cid.frame_id in self._warned:
+            return
+        self._warned.add(cid.frame_id)
+        log.warning(
+            "autoremat: dynamo has compiled frame %d %d times, its recompile limit (torch._dynamo.config."
+            "recompile_limit). Another recompile of that code (e.g. a new input shape under dynamic=False) "
+            "runs it eagerly, without a plan, and the step's memory is then not held to the budget. Leave "
+            "dynamic at its default (autoremat plans each new shape of a dynamic graph itself), raise the "
+            "limit, or set torch._dynamo.config.fail_on_recompile_limit_hit = True to make that an error.",
+            cid.frame_id, limit)
 
 
 def backend(
@@ -159,21 +505,25 @@ def backend(
     gap: float = DEFAULT_GAP,
     compiler: str = "eager",
 ) -> Callable:
-    """A `torch.compile` backend that plans every graph under `budget` (see the module docstring).
+    """A `torch.compile` backend that plans every training step under `budget` (module docstring).
 
-    The budget pays for the graph's parameters, their gradients and `optimizer` state too. With graph
-    breaks each graph is planned as it arrives; `autoremat.optimize` plans them jointly.
+    The budget pays for the parameters, their gradients and `optimizer` state too. Graph breaks,
+    graphs called several times per step and new input shapes all share the one budget.
     """
-    planner = Planner(budget, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit, gap=gap)
-    compile_fn = aot_backend(planner, compiler=compiler)
+    return _Backend(StepPlanner(budget, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit,
+                                gap=gap, compiler=compiler))
 
-    def autoremat_backend(gm: fx.GraphModule, example_inputs: list) -> Callable:
-        return compile_fn(gm, example_inputs)
 
-    autoremat_backend.planner = planner  # type: ignore[attr-defined]
-    return autoremat_backend
+# One backend per torch.compile(..., options=...) call: dynamo hands every graph of that call the same
+# options object, and those graphs share one budget. Held weakly: dynamo's graphs keep it alive.
+_REGISTERED: dict[int, tuple[dict | None, weakref.ref]] = {}
 
 
 def registered_backend(gm: fx.GraphModule, example_inputs: list, options: dict | None = None) -> Callable:
     """Entry point for `torch.compile(backend="autoremat", options={...})`; options are `backend`'s."""
-    return backend(**(options or {}))(gm, example_inputs)
+    kept, ref = _REGISTERED.get(id(options), (None, None))
+    be = ref() if ref is not None and kept is options else None
+    if be is None:
+        be = backend(**(options or {}))
+        _REGISTERED[id(options)] = (options, weakref.ref(be))
+    return be(gm, example_inputs)
