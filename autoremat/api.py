@@ -27,7 +27,7 @@ import torch.fx as fx
 from autoremat import mixed
 from autoremat.backend import PlanMismatch, Planner, plan_graphs
 from autoremat.cache import PlanCache, precision_mode
-from autoremat.capture import CapturedGraph, aot_backend, compile_fresh
+from autoremat.capture import CapturedGraph, aot_backend, compile_fresh, default_split
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import evaluate
 from autoremat.ledger import Ledger, ledger_for_model
@@ -35,30 +35,88 @@ from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.precision import FP32_KEPT
 from autoremat.profile import fingerprint
 from autoremat.solver import DEFAULT_GAP
-from autoremat.units import parse_budget
+from autoremat.units import format_bytes, parse_budget
 
 log = logging.getLogger("autoremat")
+# One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
+# and the CLI's spinner does (planning a large model takes seconds to minutes).
+progress = logging.getLogger("autoremat.progress")
 
 
 class RematModule(torch.nn.Module):
-    """`model` compiled with its plan. Parameters, buffers and state_dict are the model's own."""
+    """`model` compiled with its plan. Parameters, buffers and state_dict are the model's own.
 
-    def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner) -> None:
+    Plans are per input shape: a call with inputs of a shape (or dtype, or training mode) not seen
+    before goes through the whole pipeline again for that shape (trace, plan every graph jointly,
+    verify on one real step) before it runs, so a smaller last batch is held to the budget too.
+    `plans` lists them; `plan` is the one made for the example inputs.
+    """
+
+    def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner,
+                 key: tuple | None = None, plan_shape: Callable[[tuple, dict], tuple] | None = None) -> None:
         super().__init__()
         self.model = model
         self.plan = plan
         self._compiled = compiled
         self._planner = planner
+        self._plan_shape = plan_shape
+        self._shapes: dict[tuple, tuple[Plan, Any, Planner]] = {}
+        if key is not None:
+            self._shapes[key] = (plan, compiled, planner)
 
     @property
     def num_graphs(self) -> int:
         return len(self.plan.graphs)
 
+    @property
+    def plans(self) -> list[Plan]:
+        """One plan per input shape planned so far, the example inputs' first."""
+        return [p for p, _, _ in self._shapes.values()] or [self.plan]
+
+    @property
+    def _planners(self) -> list[Planner]:
+        return [planner for _, _, planner in self._shapes.values()] or [self._planner]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.model(*args, **kwargs)  # no backward, nothing to plan: run eagerly
+        compiled = self._compiled
+        if self._plan_shape is not None:
+            key = input_key(self.model, args, kwargs)
+            if key not in self._shapes:
+                self._shapes[key] = self._new_shape(args, kwargs)
+            compiled = self._shapes[key][1]
         with _own_errors():
-            return self._compiled(*args, **kwargs)  # a new input shape traces and plans here
+            return compiled(*args, **kwargs)
+
+    def _new_shape(self, args: tuple, kwargs: dict) -> tuple[Plan, Any, Planner]:
+        limit = torch._dynamo.config.recompile_limit
+        if len(self._shapes) == limit:
+            log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
+                        "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
+        log.warning("autoremat: new input shape (%s): planning it under the same budget", _describe(args, kwargs))
+        with _own_errors():
+            plan, compiled, planner = self._plan_shape(args, kwargs)
+        planner.strict = False
+        plan.notes.append(f"planned for a new input shape: {_describe(args, kwargs)}")
+        return plan, compiled, planner
+
+
+def input_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a plan depends on besides the model: input shapes, dtypes, devices, non-tensor values,
+    and training mode (dropout and BatchNorm trace differently in eval)."""
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+
+    def one(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return ("tensor", tuple(a.shape), a.dtype, str(a.device), a.requires_grad)
+        try:
+            hash(a)
+        except TypeError:
+            return ("object", type(a).__name__)
+        return ("value", a)
+
+    return (str(spec), model.training, *map(one, leaves))
 
 
 @contextlib.contextmanager
@@ -88,9 +146,10 @@ class _Planner(Planner):
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
-                 pre_pass: Callable | None = None, **kwargs: Any) -> None:
+                 pre_pass: Callable | None = None, regions: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
+        self.regions = regions  # one graph per repeated block (autoremat.regions)
         self.lookup = lookup
         self.cached: Plan | None = None
         self.strict = True
@@ -104,16 +163,28 @@ class _Planner(Planner):
                 return super().__call__(cg)
             except Exception as e:  # a cache entry is never trusted: any failure means plan afresh
                 raise _StaleCache(f"cached plan does not apply: {type(e).__name__}: {e}") from None
+        if self.plan is None and self.strict:
+            return self._capture(cg)
         known = [g.fingerprint for p in ([self.plan] if self.plan else []) + self.plans for g in p.graphs]
         if not self.strict and fp not in known and self.plan is not None:
             log.warning("autoremat: graph %s is new (input shapes or mode changed): planning it on its own", fp)
             return self._with_plan(None, cg)
         if self.plan is None and fp in known:
-            log.warning("autoremat: the model recompiled to a graph already planned (dynamo guards on Python "
-                        "state, e.g. a mutated global); reusing its plan. After torch._dynamo.config."
-                        "recompile_limit recompiles dynamo runs the model eagerly, without a plan.")
+            # An identical repeated block (regions), or a recompile caused by a guard on Python state
+            # (then verification notes it, and dynamo runs eagerly past its recompile limit).
+            log.info("autoremat: graph %s is identical to one planned already: reusing its plan", fp)
             return self._with_plan(next(p for p in self.plans if fp in {g.fingerprint for g in p.graphs}), cg)
         return super().__call__(cg)
+
+    def _capture(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The first trace: profile the graph and run it unplanned (saving what the backward reads).
+
+        The graphs of a step share its budget, and a graph cannot know the ones after it (graph
+        breaks, regions), so nothing is solved here: `optimize` plans every graph jointly once the
+        whole step has been seen, then compiles again with that plan.
+        """
+        self._profile(cg)
+        return default_split(cg)
 
     def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         kept, self.plan = self.plan, plan
@@ -225,6 +296,7 @@ def optimize(
     time_limit: float = 10.0,
     gap: float = DEFAULT_GAP,
     compiler: str = "eager",
+    regions: bool = True,
     verify: bool = True,
     world_size: int = 1,
     sharding: str = "none",
@@ -254,6 +326,10 @@ def optimize(
         solve and its relative optimality gap. At the time limit the best plan found so far is used
         (plan.solver["status"] == "time_limit"); with none, a greedy or smallest-peak plan.
     compiler: "eager" (FX graphs run as Python) or "inductor".
+    regions: compile each repeated block (a transformer layer, a residual stage: module paths such as
+        `h.3`) as a graph of its own, so that its parameter gradients reach `.grad` as soon as its
+        backward finishes instead of all at the end of one graph (a second set of gradients alive at
+        once). False: one graph per dynamo graph.
     verify: run one real step at planning time (state restored afterwards) and re-plan once if
         the measured peak is above the prediction. Skipped on the meta device.
     cache: False, True (plans kept in $AUTOREMAT_CACHE_DIR or ~/.cache/autoremat) or a directory:
@@ -271,36 +347,72 @@ def optimize(
     _check_precision(precision, tolerance, fp32_ops, where)
     fp32_ops = tuple(fp32_ops)
     dev = get_device(device if device is not None else where)
-    ledger = ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
-                              device_granularity=dev.alloc_granularity)
+
+    def ledger_for(args: tuple, kwargs: dict) -> Ledger:
+        return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
+                                device_granularity=dev.alloc_granularity)
+
+    ledger = ledger_for(args, kwargs)
     opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
     store = PlanCache.open(cache) if plan is None else None
     fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
               "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
-              "compiler": compiler, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
+              "compiler": compiler, "regions": regions, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
               **opts}
-    build = functools.partial(_build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
-                              kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops)
+
+    def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
+        return functools.partial(_build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
+                                 kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
+                                 regions=regions)
+
+    build = builder(args, kwargs, ledger)
     if plan is not None:
         dtypes = plan.precision.get("dtypes") or []
         applier = _Planner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                            pre_pass=mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes
-                           else None, **opts)
+                           else None, regions=regions, **opts)
         compiled = _compile_and_trace(model, applier, compiler, args, kwargs)
+        _require_graphs(model, applier)
+        traced = [p.fingerprint for p in applier.profiles]
+        if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
+            raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
+                               f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
+                               "again instead of re-applying this plan.")
         plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
-        applier.strict = False
-        return RematModule(model, compiled, plan, applier)
-    if precision == "fp32":
+        plan, planner = plan, applier
+    elif precision == "fp32":
         plan, compiled, planner = build(budget_bytes, [], store, fields)
     else:
         plan, compiled, planner = _plan_precision(model, build, precision, tolerance, budget_bytes, ledger, dev,
                                                   opts, args, kwargs, where, fp32_ops, store, fields)
     planner.strict = False
-    return RematModule(model, compiled, plan, planner)
+    chosen = plan.precision.get("dtypes") or []
+
+    def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, _Planner]:
+        """A new input shape: the whole pipeline again, with the dtypes already chosen."""
+        return builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
+
+    return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape)
+
+
+class CaptureError(ValueError):
+    """torch.compile captured no graph of the training step, so nothing could be planned."""
+
+
+def _require_graphs(model: torch.nn.Module, planner: Planner) -> None:
+    """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
+    if planner.profiles:
+        return
+    reasons = [r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]][-3:]
+    raise CaptureError(
+        f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
+        "budget could not be held: dynamo ran the whole forward eagerly. A graph break inside a loop (e.g. "
+        "torch._dynamo.graph_break() or an unsupported call in `for block in self.blocks:`) makes dynamo skip the "
+        "frame. Remove the break, or move it out of the loop." + (f" Graph breaks seen: {reasons}" if reasons else ""))
 
 
 def _build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
-           opts, compiler, args, kwargs, verify, where, fp32_ops) -> tuple[Plan, Any, _Planner]:
+           opts, compiler, args, kwargs, verify, where, fp32_ops, regions) -> tuple[Plan, Any, _Planner]:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it."""
     pre = mixed.pre_pass(dtypes, fp32_ops) if any(dtypes) else None
     key: list[str] = []
@@ -311,9 +423,10 @@ def _build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | 
             return store.load(key[-1])
 
     def make(lookup: Callable | None = None) -> _Planner:
-        return _Planner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, **opts)
+        return _Planner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=regions, **opts)
 
     planner = make(lookup)
+    progress.info("capturing the training step")
     try:
         compiled = _compile_and_trace(model, planner, compiler, args, kwargs)
     except _StaleCache as e:
@@ -321,6 +434,7 @@ def _build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | 
         store.discard(key[-1])
         planner = make()
         compiled = _compile_and_trace(model, planner, compiler, args, kwargs)
+    _require_graphs(model, planner)
     if planner.cached is not None:
         hit = _check_cached(planner, budget, ledger, dev)
         if hit is not None:
@@ -330,9 +444,7 @@ def _build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | 
         store.discard(key[-1])
         planner = make()
         compiled = _compile_and_trace(model, planner, compiler, args, kwargs)
-    plan = planner.combined_plan
-    if len(planner.profiles) > 1:
-        plan, compiled, planner = _replan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
+    plan, compiled, planner = _plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
     if verify and where.type != "meta":
         plan, compiled, planner = _verify(model, compiled, plan, planner, budget, ledger, dev, compiler,
                                           args, kwargs, opts, where)
@@ -435,8 +547,13 @@ def _plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, ar
 
 
 def _as_accurate_as_autocast(errors: dict[str, float]) -> bool:
-    return (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"]
-            and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"])
+    # "As accurate" up to the rounding of the fp32 results compared: each relative error is measured
+    # from a value and a reference that are each within one fp32 rounding (eps / 2) of what they stand
+    # for, so two errors equal before rounding can differ by 2 * eps after it. Without this margin a
+    # loss one ulp from fp32's counted as less accurate than autocast's loss that landed exactly on it.
+    margin = 2 * torch.finfo(torch.float32).eps
+    return (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"] + margin
+            and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"] + margin)
 
 
 def _precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
@@ -465,6 +582,7 @@ def _precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
         den = b.norm().item()
         return (a - b).norm().item() / den if den else float((a - b).norm().item())
 
+    progress.info("measuring the precision errors against fp32 and autocast")
     ref_loss, ref_grads = run(model)
     ac_loss, ac_grads = run(model, autocast=True)
     loss, grads = run(compiled)
@@ -481,11 +599,12 @@ def _check_cached(planner: _Planner, budget: int, ledger: Ledger, dev: DeviceSpe
         _, tl, cost = evaluate(profiles, [set(g.saved) for g in cached.graphs], dev.alloc_granularity)
     except Exception:  # names that are not in the graph, a value nobody may recompute
         return None
-    if ledger.fixed + tl.peak + SLACK > budget:
+    if ledger.fixed + max(tl.peak, ledger.optimizer_step) + SLACK > budget:
         return None
     plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
     plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
-    plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.fixed + tl.peak, cost
+    ledger.activations = tl.peak
+    plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
     return plan
 
 
@@ -523,10 +642,56 @@ def _loss(out: Any) -> torch.Tensor:
 
 
 def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where):
-    """Run one real step and compare its peak with the prediction; re-plan once if the model missed.
+    """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
 
     The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
-    the real peak pass the budget. The measured gap is reserved and the graphs are planned again.
+    the real peak pass the budget. The measured gap is reserved, the graphs (all of them: they share
+    the step) are planned again, and the new plan is measured too. A plan that still does not fit
+    is never returned: BudgetError says what was measured.
+    """
+    progress.info("verifying the plan on a real step")
+    measured = _measure_step(model, compiled, planner, args, kwargs, where)
+    if measured is None:
+        # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
+        # counter): the measurement includes tracing and says nothing about the plan.
+        plan.notes.append("the model recompiled on its second call (it changes Python state that dynamo guards "
+                          "on, e.g. a global); not verified, and later calls recompile too")
+        return plan, compiled, planner
+    plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
+                      f"peak {measured} B, predicted {plan.activation_peak} B")
+    if ledger.fixed + measured <= budget:
+        return plan, compiled, planner
+    gap = measured - plan.activation_peak
+    reserve = Ledger.from_dict(dict(ledger.to_dict(),
+                                    notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
+    reserve.inputs += gap
+    progress.info("re-planning with %d bytes the memory model did not predict", gap)
+    decision = plan_graphs(planner.profiles, budget, reserve, dev, **opts)
+    new = build_plan(planner.profiles, decision, ledger, budget, dev.name)
+    new.notes += plan.notes + [f"re-planned with {gap} B reserved for memory the model did not predict"]
+    applier = _Planner(budget, device=dev, ledger=ledger, plan=new, pre_pass=planner.pre_pass,
+                       regions=planner.regions, **opts)
+    compiled = _compile_and_trace(model, applier, compiler, args, kwargs)
+    again = _measure_step(model, compiled, applier, args, kwargs, where)
+    if again is not None and ledger.fixed + again > budget:
+        raise BudgetError(
+            f"budget {format_bytes(budget)} ({budget} bytes) was not met on a real step: the plan predicted "
+            f"{format_bytes(ledger.fixed + plan.activation_peak)} but measured {format_bytes(ledger.fixed + measured)}; "
+            f"re-planned with the {format_bytes(gap)} difference reserved, it measured "
+            f"{format_bytes(ledger.fixed + again)}. The memory model misses something this model allocates; a "
+            f"budget of {format_bytes(ledger.fixed + again + SLACK)} holds the re-planned step.\n{ledger.format()}",
+            ledger, None)
+    if again is not None:
+        new.notes.append(f"verified the re-planned step: measured activation peak {again} B")
+    return new, compiled, applier
+
+
+def _measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
+    """Activation bytes of one real step in the accumulation steady state, state restored after.
+
+    Every trainable parameter has a `.grad` already (zeros), as on every micro-step after the
+    first, so what autograd allocates on top of the gradient buffers is what is measured. None if
+    the call traced again instead of running the plan.
     """
     from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
 
@@ -535,35 +700,18 @@ def _verify(model, compiled, plan, planner, budget, ledger, dev, compiler, args,
         _loss(out).backward()
 
     traced = len(planner.profiles)
-    with _Restore(model):
+    with _Restore(model), torch.enable_grad():
         for p in model.parameters():
-            p.grad = None
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
         _, m = measure_peak(step, device=where, baseline_bytes=0)
     if len(planner.profiles) != traced:
-        # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
-        # counter): the measurement includes tracing and says nothing about the plan.
-        plan.notes.append("the model recompiled on its second call (it changes Python state that dynamo guards "
-                          "on, e.g. a global); not verified, and later calls recompile too")
-        return plan, compiled, planner
-    measured = m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
-    gap = measured - plan.activation_peak
-    plan.notes.append(f"verified on one real step: measured activation peak {measured} B, predicted "
-                      f"{plan.activation_peak} B")
-    if ledger.fixed + measured <= budget or len(planner.profiles) != 1:
-        return plan, compiled, planner  # the real step fits
-    profiles = planner.profiles
-    tighter = dict(ledger.to_dict(), notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"])
-    reserve = Ledger.from_dict(tighter)
-    reserve.inputs += gap
-    decision = plan_graphs(profiles, budget, reserve, dev, **opts)
-    new = build_plan(profiles, decision, ledger, budget, dev.name)
-    new.notes += plan.notes + [f"re-planned with {gap} B reserved for scratch the memory model missed"]
-    applier = _Planner(budget, device=dev, ledger=ledger, plan=new, pre_pass=planner.pre_pass, **opts)
-    return new, _compile_and_trace(model, applier, compiler, args, kwargs), applier
+        return None
+    return m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
 
 
 def _compile_and_trace(model, planner: _Planner, compiler: str, args: tuple, kwargs: dict) -> Any:
-    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass))
+    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
+                                                regions=planner.regions))
     with _own_errors(), _Restore(model), torch.enable_grad(), _inputs_must_fit(model, args, kwargs):
         out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     del out
@@ -582,13 +730,18 @@ def _reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-def _replan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts):
-    """Graph breaks: the graphs share one step, so plan them together and compile again."""
+def _plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts):
+    """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan."""
     profiles = planner.profiles
+    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                  sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
     decision = plan_graphs(profiles, budget, ledger, dev, **opts)
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
-    plan.notes.append(f"the model has graph breaks: {len(profiles)} graphs were planned jointly")
-    log.warning("autoremat: %d graphs (graph breaks); planned jointly under one budget", len(profiles))
-    applier = _Planner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass, **opts)
+    progress.info("compiling the planned step")
+    if len(profiles) > 1:
+        plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
+                          "jointly under one budget")
+    applier = _Planner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
+                       regions=planner.regions, **opts)
     compiled = _compile_and_trace(model, applier, compiler, args, kwargs)
     return plan, compiled, applier

@@ -13,6 +13,7 @@ import autoremat
 from autoremat.measure import measure_peak
 from autoremat.plan import Ledger, Plan
 from examples import models
+from tests.tolerances import as_accurate, tol
 
 
 def _step_grads(model, ex, fn, autocast=False, seed=1):
@@ -27,6 +28,13 @@ def _step_grads(model, ex, fn, autocast=False, seed=1):
 
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
+
+
+def _bf16_depth(model) -> int:
+    """bf16 roundings along the longest chain of a TransformerStack step (tests/tolerances.py): each
+    block's six matmuls round their inputs once in the forward and once more in the backward, and the
+    first layer's weight gradient rounds once more. Accumulation stays fp32, so these dominate."""
+    return 2 * 6 * len(model.blocks) + 1
 
 
 def _smallest(model, ex, **kw):
@@ -53,12 +61,14 @@ def test_bf16_gradients_match_autocast_and_stay_fp32(stack):
     loss, grads = _step_grads(model, ex, om)
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
     # Within bf16 tolerance of both fp32 and autocast, and no worse than autocast by more than 2x.
-    assert _rel(grads, ref) < 2e-2 and _rel(grads, ac) < 2e-2
-    assert _rel(grads, ref) <= 2 * _rel(ac, ref) + 1e-6
-    assert abs(loss - ref_loss) / ref_loss.abs() < 1e-2
-    # The reported numbers are the ones measured here (same batch, same random stream).
-    assert om.plan.precision["grad_rel_err"] == pytest.approx(_rel(grads, ref), rel=1e-3, abs=1e-9)
-    assert om.plan.precision["autocast_grad_rel_err"] == pytest.approx(_rel(ac, ref), rel=1e-3, abs=1e-9)
+    rtol, _ = tol(torch.bfloat16, _bf16_depth(model))
+    assert _rel(grads, ref) <= rtol and _rel(grads, ac) <= rtol
+    assert as_accurate(_rel(grads, ref), 2 * _rel(ac, ref))
+    assert abs(loss - ref_loss) / ref_loss.abs() <= rtol
+    # The reported numbers are the ones measured here: the same computation (same batch, same random
+    # stream, same kernels), so the same bits.
+    assert om.plan.precision["grad_rel_err"] == _rel(grads, ref)
+    assert om.plan.precision["autocast_grad_rel_err"] == _rel(ac, ref)
 
 
 class Huge(nn.Module):
@@ -137,7 +147,8 @@ def test_tight_budget_fp32_cannot_meet_is_met_with_auto():
     _, m = measure_peak(step, baseline_objs=(model, ex))
     assert Ledger.from_dict(om.plan.ledger).fixed + m.delta_peak_bytes <= budget
     p = om.plan.precision
-    assert p["loss_rel_err"] <= p["autocast_loss_rel_err"] and p["grad_rel_err"] <= p["autocast_grad_rel_err"]
+    assert as_accurate(p["loss_rel_err"], p["autocast_loss_rel_err"])
+    assert as_accurate(p["grad_rel_err"], p["autocast_grad_rel_err"])
 
 
 def test_auto_with_default_tolerance_is_as_accurate_as_autocast(stack):
@@ -146,7 +157,7 @@ def test_auto_with_default_tolerance_is_as_accurate_as_autocast(stack):
     ref_loss, ref = _step_grads(model, ex, model)
     _, ac = _step_grads(model, ex, model, autocast=True)
     loss, grads = _step_grads(model, ex, om)
-    assert _rel(grads, ref) <= _rel(ac, ref) + 1e-9
+    assert as_accurate(_rel(grads, ref), _rel(ac, ref))
     p = om.plan.precision
     assert p["error_estimate"] <= p["tolerance"] + 1e-12
     assert "error vs fp32" in om.plan.summary()
@@ -194,7 +205,7 @@ def test_convnet_bf16_keeps_batchnorm_in_fp32_and_updates_stats_once():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16")
     for k, v in model.state_dict().items():
-        torch.testing.assert_close(v, before[k])  # planning and the error check left no trace
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)  # planning and the error check left no trace
     _, ref = _step_grads(model, ex, model)
     model.load_state_dict(before)
     _, ac = _step_grads(model, ex, model, autocast=True)
@@ -247,6 +258,6 @@ def test_a_new_input_shape_keeps_the_dtypes(stack):
     om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False)
     x = ex[0]
     models.loss_of(om(x[:1])).backward()  # another batch size: traced and planned once more
-    new = om._planner.profiles[-1]
-    assert len(om._planner.profiles) == 2
-    assert any(p.dtype == "bfloat16" for p in new.nodes.values()), "the recompiled graph lost its bf16 casts"
+    new = om._planners[-1].profiles
+    assert len(om.plans) == 2
+    assert any(p.dtype == "bfloat16" for g in new for p in g.nodes.values()), "the new shape lost its bf16 casts"

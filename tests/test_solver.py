@@ -1,5 +1,6 @@
-"""Solver limits: each path that can produce a plan (optimal ILP, time limit, greedy, smallest peak)
-is forced and reported in plan.solver; options reach the solver; plans are deterministic."""
+"""Solver limits: each path that can produce a plan (save-all, optimal ILP, time limit, per-block
+modes, greedy, smallest peak) and Infeasible is forced and asserted by its name in Decision.path;
+options reach the solver; plans are deterministic."""
 
 import importlib
 import json
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import autoremat
 from autoremat import solver
@@ -63,19 +66,64 @@ def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
     assert "time_limit" in plan.summary()
 
 
-def _no_checkpointing(graphs):
-    raise ValueError("no repeated blocks")  # what checkpoint_blocks says when it cannot run
-
-
-def test_greedy_path_when_the_ilp_finds_nothing(stack, monkeypatch):
-    gp, hi, lo = stack
+def _no_ilp(monkeypatch):
+    """Every ILP solve, budgeted or min-peak, finds nothing: what a solver that gives up reports."""
     monkeypatch.setattr(solver._Model, "solve", lambda self, *a, **k: ("infeasible", None, None))
-    monkeypatch.setattr(solver, "checkpoint_blocks", _no_checkpointing)
-    budget = hi - 1  # greedy reaches this by recomputing one cheap value
+
+
+class Unrepeated(nn.Module):
+    """No repeated block (no module path with an index): the per-block modes have nothing to choose."""
+
+    def __init__(self, w: int = 16) -> None:
+        super().__init__()
+        self.up, self.mid, self.down = nn.Linear(w, 4 * w), nn.Linear(4 * w, 4 * w), nn.Linear(4 * w, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.mid(F.gelu(self.up(x))))).square().mean()
+
+
+def test_save_all_path_when_everything_fits(stack):
+    gp, hi, _ = stack
+    d = solver.solve([gp], hi)
+    assert d.path == "save-all" and d.status == "optimal" and d.recompute_time_s == 0 and d.peak == hi
+
+
+def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch):
+    gp, budget = _mid(stack)
+    _no_ilp(monkeypatch)
     d = solver.solve([gp], budget)
-    assert d.peak <= budget and not d.path.startswith("ilp") and d.status != "optimal", (d.status, d.path)
-    # Greedy, unless a cheaper heuristic tried before it (solver.py grows these) already fits.
-    assert d.path == "greedy" or d.status == "heuristic", (d.status, d.path)
+    assert d.path.startswith("block-modes(") and d.status == "heuristic", (d.status, d.path)
+    assert d.peak <= budget and d.recompute_time_s > 0
+
+
+def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch):
+    (cg,) = capture(Unrepeated().to("meta"), (torch.empty(256, 16, device="meta"),))
+    gp = profile_graph(cg, "cpu")
+    hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
+    budget = solver.evaluate([gp], solver.greedy([gp], 0))[1].peak
+    assert budget < hi, "greedy should lower this graph's peak"
+    assert solver.block_mode_plans([gp], 10**12, 1, float("inf")) == []  # nothing repeated to choose modes for
+    _no_ilp(monkeypatch)
+    d = solver.solve([gp], budget)
+    assert d.path == "greedy" and d.status == "greedy", (d.status, d.path)
+    assert d.peak <= budget and any("used the greedy plan" in n for n in d.notes), d.notes
+    with pytest.raises(solver.Infeasible) as err:  # below greedy's floor: its plan is the smallest peak
+        solver.solve([gp], budget - 1)
+    assert err.value.smallest.path == "greedy" and err.value.smallest.peak == budget
+
+
+def test_infeasible_carries_the_checkpointing_plan_when_the_ilp_finds_nothing(stack, monkeypatch):
+    """Without an ILP, the smallest peak comes from checkpointing every block (greedy stops higher)."""
+    gp, _, _ = stack
+    _no_ilp(monkeypatch)
+    blocks_peak = solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak
+    assert blocks_peak < solver.evaluate([gp], solver.greedy([gp], 0))[1].peak
+    smallest = solver.smallest_peak([gp])
+    assert smallest.path == "checkpoint-blocks" and smallest.peak == blocks_peak, smallest.path
+    with pytest.raises(solver.Infeasible) as err:
+        solver.solve([gp], blocks_peak - 1)
+    assert err.value.smallest.path == "checkpoint-blocks" and err.value.smallest.peak == blocks_peak
+    assert err.value.status == "infeasible"
 
 
 def test_smallest_peak_path_when_greedy_does_not_fit_either(stack, monkeypatch):

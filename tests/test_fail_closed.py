@@ -1,0 +1,194 @@
+"""The budget fails closed through `optimize`: graph breaks, eager code between graphs, new input
+shapes, many shapes, and a forward dynamo cannot capture. Every budget here is within 5% of the
+smallest one that fits, and every step is measured in the accumulation steady state."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoremat
+from autoremat.ledger import Ledger
+from autoremat.measure import measure_peak
+from tests.tolerances import assert_close_for
+
+NEAR = 1.03  # a budget 3% above the floor: within the 5% the issue asks for
+
+
+class Block(nn.Sequential):
+    def __init__(self, d: int) -> None:
+        super().__init__(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+
+
+class Broken(nn.Module):
+    """Six residual blocks with a graph break after every second one: three graphs per step."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        x = x + b[0](x)
+        x = x + b[1](x)
+        torch._dynamo.graph_break()
+        x = x + b[2](x)
+        x = x + b[3](x)
+        torch._dynamo.graph_break()
+        x = x + b[4](x)
+        x = x + b[5](x)
+        return x.square().mean()
+
+
+@torch._dynamo.disable
+def _eager_gate(x: torch.Tensor) -> torch.Tensor:
+    """Runs outside every graph: autograd saves x and sigmoid(x), which no graph's plan can see."""
+    return torch.sigmoid(x) * x
+
+
+class EagerBetween(Broken):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        x = x + b[1](x + b[0](x))
+        x = _eager_gate(x)
+        x = x + b[3](x + b[2](x))
+        return x.square().mean()
+
+
+class LoopBreak(Broken):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = x + block(x)
+            if i % 2:
+                torch._dynamo.graph_break()  # inside a loop: dynamo skips the whole frame
+        return x.square().mean()
+
+
+def _x(batch: int = 32, d: int = 64) -> torch.Tensor:
+    return torch.randn(batch, 16, d)
+
+
+def _floor(model: nn.Module, x: torch.Tensor) -> int:
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget="1KB", example_inputs=(x,), verify=False)
+    return err.value.smallest_budget
+
+
+def _steady_total(om: autoremat.RematModule, model: nn.Module, x: torch.Tensor, plan: autoremat.Plan) -> int:
+    """Fixed bytes plus the measured activation peak of a step taken with .grad buffers present."""
+    def step() -> None:
+        om(x).backward()
+
+    step()  # the .grad buffers now exist, as on every micro-step after the first
+    _, m = measure_peak(step, baseline_objs=(model, x))
+    return Ledger.from_dict(plan.ledger).fixed + m.delta_peak_bytes
+
+
+def _assert_same_grads(model: nn.Module, om: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(x).backward()
+    ref = [p.grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    om(x).backward()
+    for p, r in zip(model.parameters(), ref, strict=True):
+        assert (p.grad is None) == (r is None)
+        if r is not None:
+            # the same ops; a gradient that two graphs feed (the residual stream) is summed by autograd,
+            # in its own order: reduction-order tolerance over the tokens a weight gradient sums
+            assert_close_for(p.grad, r, depth=x[..., 0].numel())
+    model.zero_grad(set_to_none=True)
+
+
+def test_graph_breaks_near_the_floor_hold_the_budget():
+    torch.manual_seed(0)
+    model, x = Broken(), _x()
+    budget = int(_floor(model, x) * NEAR)
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
+    assert om.num_graphs >= 3  # three pieces between the breaks, each cut further into its blocks
+    assert any(n.startswith("verified on one real step") for n in om.plan.notes), om.plan.notes
+    assert om.plan.predicted_peak <= budget
+    assert _steady_total(om, model, x, om.plan) <= budget
+    _assert_same_grads(model, om, x)
+
+
+def test_eager_code_between_graphs_is_measured_and_replanned():
+    """The gate's saved tensors are invisible to every graph: verification measures them, the plan
+    is made again with them reserved, and the re-planned step fits."""
+    torch.manual_seed(0)
+    model, x = EagerBetween(), _x()
+    roomy = autoremat.optimize(model, budget=10**12, example_inputs=(x,), verify=False).plan
+    budget = roomy.predicted_peak + 1024  # saving everything is predicted to fit, and is the fastest plan
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
+    assert any(n.startswith("re-planned with") for n in om.plan.notes), om.plan.notes
+    assert _steady_total(om, model, x, om.plan) <= budget
+    _assert_same_grads(model, om, x)
+
+
+def test_eager_code_that_cannot_fit_raises_instead_of_running_over():
+    torch.manual_seed(0)
+    model, x = EagerBetween(), _x()
+    floor = _floor(model, x)  # the graphs' floor: the gate's hidden 256 KiB cannot fit on top of it
+    with pytest.raises(autoremat.BudgetError, match="not met on a real step|smallest budget that fits"):
+        autoremat.optimize(model, budget=floor, example_inputs=(x,))
+
+
+def test_a_forward_dynamo_cannot_capture_is_refused():
+    model, x = LoopBreak(), _x()
+    with pytest.raises(autoremat.CaptureError, match="captured no graph"):
+        autoremat.optimize(model, budget="1GB", example_inputs=(x,))
+
+
+def test_a_second_batch_size_is_planned_verified_and_held_to_the_budget():
+    torch.manual_seed(0)
+    model, x = Broken(), _x(batch=32)
+    budget = int(_floor(model, x) * NEAR)
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
+    small = _x(batch=24)  # the last, smaller batch of an epoch
+    _assert_same_grads(model, om, small)
+    assert len(om.plans) == 2
+    new = om.plans[-1]
+    assert any(n.startswith("verified on one real step") for n in new.notes), new.notes
+    assert any("new input shape" in n for n in new.notes)
+    assert _steady_total(om, model, small, new) <= budget
+    assert _steady_total(om, model, x, om.plan) <= budget  # the first shape still runs its own plan
+    assert len(om.plans) == 2  # neither shape was planned again
+
+
+def test_a_larger_batch_that_cannot_fit_raises():
+    torch.manual_seed(0)
+    model, x = Broken(), _x(batch=32)
+    om = autoremat.optimize(model, budget=int(_floor(model, x) * NEAR), example_inputs=(x,))
+    with pytest.raises(autoremat.BudgetError, match="smallest budget that fits"):
+        om(_x(batch=256)).backward()
+
+
+def test_many_shapes_warn_once_past_the_recompile_limit(caplog, monkeypatch):
+    """Each shape has its own compiled step (dynamo's recompile limit never sends one to eager
+    unplanned); past the limit's count of shapes, a warning says what each new one costs."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(16), nn.Tanh())
+    om = autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(2, 16),), verify=False)
+    with caplog.at_level(logging.WARNING, logger="autoremat"):
+        for batch in (3, 4, 5, 3):
+            x = torch.randn(batch, 16)
+            om(x).sum().backward()
+            model.zero_grad(set_to_none=True)
+    assert len(om.plans) == 4  # 2, 3, 4, 5: each planned once, the second 3 reused its plan
+    warned = [r for r in caplog.records if "input shapes planned so far" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    for batch in (2, 3, 4, 5):  # every shape runs its own plan again: nothing new is traced
+        _assert_same_grads_seq(model, om, torch.randn(batch, 16))
+    assert len(om.plans) == 4
+
+
+def _assert_same_grads_seq(model: nn.Module, om: nn.Module, x: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    om(x).sum().backward()
+    for p, r in zip(model.parameters(), ref, strict=True):
+        assert_close_for(p.grad, r, depth=x[..., 0].numel())
+    model.zero_grad(set_to_none=True)
