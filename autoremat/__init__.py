@@ -2,13 +2,55 @@
 
 Pipeline, each stage importing only earlier ones:
 capture -> profile -> memory (+ ledger) -> heuristics -> solver -> passes -> plan -> api / fit / backend / cli
+
+The public names below are imported on first use (PEP 562), so that `import autoremat` and
+`autoremat --help` do not pay for importing torch.
 """
 
-from autoremat.api import RematModule, optimize
-from autoremat.backend import PlanMismatch, backend
-from autoremat.fit import FitConfig, fit
-from autoremat.plan import BudgetError, Plan
-from autoremat.units import format_bytes, parse_budget
+import importlib
+import sys
+import types
 
-__all__ = ["BudgetError", "FitConfig", "Plan", "PlanMismatch", "RematModule", "backend", "fit", "format_bytes",
-           "optimize", "parse_budget"]
+# public name -> the module that defines it, in pipeline order
+_EXPORTS = {
+    "format_bytes": "autoremat.units",
+    "parse_budget": "autoremat.units",
+    "BudgetError": "autoremat.plan",
+    "Plan": "autoremat.plan",
+    "CaptureError": "autoremat.api",
+    "RematModule": "autoremat.api",
+    "optimize": "autoremat.api",
+    "PlanMismatch": "autoremat.backend",
+    "backend": "autoremat.backend",
+    "FitConfig": "autoremat.fit",
+    "fit": "autoremat.fit",
+}
+
+__all__ = ["BudgetError", "CaptureError", "FitConfig", "Plan", "PlanMismatch", "RematModule", "backend", "fit",
+           "format_bytes", "optimize", "parse_budget"]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autoremat' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The import system binds every loaded submodule on its package (autoremat.backend = <module>).
+    `backend` and `fit` are both submodules and the public functions exported here; the functions
+    must win, whichever is imported first, as they did when this file imported them eagerly."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, types.ModuleType) and name in _EXPORTS:
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

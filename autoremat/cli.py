@@ -17,6 +17,8 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import logging
+import math
 import os
 import re
 import sys
@@ -26,10 +28,13 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 EXIT_INFEASIBLE = 1
 EXIT_USAGE = 2
+
+# The library reports its stages here at INFO level; Progress shows them, `logging` users see them too.
+PROGRESS_LOGGER = "autoremat.progress"
 
 # Real CPU tensors are used only when meta tracing fails; above this many parameter bytes that
 # would take real memory the user did not ask for, so we stop with the meta error instead.
@@ -38,6 +43,13 @@ REAL_FALLBACK_MAX_PARAM_BYTES = 2**30
 
 class UsageError(Exception):
     """Bad input from the user: exit code 2, message without a traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one `autoremat: error:` line, like every other bad input (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 # Small helpers --------------------------------------------------------------------------------
@@ -49,12 +61,37 @@ _COUNT_SCALE = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 def parse_count(text: str) -> int:
     """A parameter count: "7B", "1.3B", "125M", "350k" or a plain integer."""
     match = _COUNT_RE.fullmatch(text.strip().lower().replace("_", "").replace(",", ""))
+    wanted = f'--params must be a positive count like "7B", "1.3B", "125M" or 7000000000; got {text!r}'
     if match is None:
-        raise UsageError(f'--params must be a count like "7B", "1.3B", "125M" or 7000000000; got {text!r}')
+        raise UsageError(wanted)
     number, suffix = match.groups()
     scale = _COUNT_SCALE[suffix]
     # Integer arithmetic where possible so that "7B" is exactly 7 * 10**9.
-    return round(float(number) * scale) if "." in number else int(number) * scale
+    count = round(float(number) * scale) if "." in number else int(number) * scale
+    if count < 1:
+        raise UsageError(wanted)
+    return count
+
+
+def positive_int(text: str) -> int:
+    """argparse type of --batch, --seq, --world-size: 0 or less would plan a step that cannot exist."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, e.g. 8; got {text!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, e.g. 30; got {text!r}")
+    return value
 
 
 def parse_value(text: str) -> int | float | str:
@@ -79,40 +116,62 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
 class Progress:
     """A spinner with elapsed seconds on stderr while a slow step runs.
 
-    On a terminal it redraws one line and erases it at the end. Elsewhere (logs, CI) a spinner
-    would be noise, so one line is written only if the step is still running after a second.
+    The label follows the library's own progress: each INFO record on the `autoremat.progress`
+    logger (e.g. "solving the ILP") replaces it, so Python users and the CLI read the same stages. On a
+    terminal it redraws one line and erases it at the end. Elsewhere (logs, CI) a spinner would be
+    noise, so lines are written only once the step has run for `quiet_s`: the label, then each new stage.
     """
 
     FRAMES = "|/-\\"
 
-    def __init__(self, label: str, stream: Any = None) -> None:
+    def __init__(self, label: str, stream: Any = None, quiet_s: float = 1.0) -> None:
         self.label = label
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
+        self.quiet_s = quiet_s
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.logger = logging.getLogger(PROGRESS_LOGGER)
+        self.saved_level = logging.NOTSET
 
     def _run(self) -> None:
-        t0, i = time.perf_counter(), 0
-        if not self.tty:
-            if not self.done.wait(1.0):
-                self.stream.write(f"autoremat: {self.label} ...\n")
-                self.stream.flush()
+        t0, frame, written = time.perf_counter(), 0, ""
+        if not self.tty and self.done.wait(self.quiet_s):
             return
-        while not self.done.wait(0.1):
-            self.stream.write(f"\r{self.FRAMES[i % 4]} {self.label} {time.perf_counter() - t0:.1f} s")
+        while True:
+            label = self.label
+            if self.tty:
+                self.stream.write(f"\r\033[K{self.FRAMES[frame % 4]} {label} {time.perf_counter() - t0:.1f} s")
+            elif label != written:
+                self.stream.write(f"autoremat: {label} ...\n")
             self.stream.flush()
-            i += 1
-        self.stream.write("\r\033[K")  # erase the spinner line
-        self.stream.flush()
+            frame, written = frame + 1, label
+            if self.done.wait(0.1):
+                break
+        if self.tty:
+            self.stream.write("\r\033[K")  # erase the spinner line
+            self.stream.flush()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # A logger filter, not a handler: adding a handler would stop logging's last resort from
+        # printing the library's warnings to stderr, as it does without one.
+        if record.levelno == logging.INFO:
+            self.label = record.getMessage()
+        return True
 
     def __enter__(self) -> Progress:
+        self.saved_level = self.logger.level
+        if self.logger.getEffectiveLevel() > logging.INFO:
+            self.logger.setLevel(logging.INFO)  # INFO records are not even made below that
+        self.logger.addFilter(self)
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.thread.join()
+        self.logger.removeFilter(self)
+        self.logger.setLevel(self.saved_level)
 
 
 # Loading the model --------------------------------------------------------------------------
@@ -183,6 +242,12 @@ def build(factory: Callable, name: str, kwargs: dict[str, Any], device: str) -> 
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise UsageError(f"{name}() must return (model, example_inputs) with an nn.Module first; "
                          f"got {type(result).__name__}")
+    inputs = result[1]
+    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else [inputs]
+    empty = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.numel() == 0]
+    if empty:  # a step over nothing would get a plan for 0-byte inputs: a wrong answer, not an error
+        raise UsageError(f"{name}({_call_args(kwargs)}) returned an example input with no elements (shape "
+                         f"{empty[0]}); every input needs at least one element: check the batch and length options")
     return result
 
 
@@ -394,14 +459,17 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 # Argument parsing ---------------------------------------------------------------------------
 
+# Copies of names defined next to torch-importing code (ledger.py, devices.py), so that --help does
+# not import torch; tests/test_cli.py checks that they still match.
 DTYPES = ("fp32", "bf16", "fp16", "float32", "bfloat16", "float16")
+OPTIMIZER_NAMES = ("none", "sgd", "sgd_momentum", "momentum", "lion", "adam", "adamw", "adafactor", "adam8bit",
+                   "adamw8bit")
+SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
+DEVICE_NAMES = ("cpu", "v100", "a100", "l4", "rtx3090", "rtx4090", "h100", "h200")
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from autoremat.devices import known_devices
-    from autoremat.ledger import OPTIMIZER_NAMES, SHARDINGS
-
-    parser = argparse.ArgumentParser(prog="autoremat", description=(
+    parser = Parser(prog="autoremat", description=(
         "Plan activation recomputation for a PyTorch training step under a byte budget."))
     sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,ledger,show}")
 
@@ -410,17 +478,17 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("target", help="path/to/file.py:factory or package.module:factory; "
                                   "the factory returns (model, example_inputs)")
     p.add_argument("--budget", required=True, help='bytes for the whole step, e.g. "6GB" (10^9) or "20GiB" (2^30)')
-    p.add_argument("--batch", type=int, help="passed to the factory as batch=")
-    p.add_argument("--seq", type=int, help="passed to the factory as seq=")
+    p.add_argument("--batch", type=positive_int, help="passed to the factory as batch=")
+    p.add_argument("--seq", type=positive_int, help="passed to the factory as seq=")
     p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE",
                    help="another factory keyword argument (int, float or string); repeatable")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES, help="sizes the optimizer state")
     p.add_argument("--device", metavar="NAME",
-                   help=f"roofline device for op times: {', '.join(known_devices())} (default cpu)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks the step is sharded over (per-rank plan)")
+                   help=f"roofline device for op times: {', '.join(DEVICE_NAMES)} (default cpu)")
+    p.add_argument("--world-size", type=positive_int, default=1, help="ranks the step is sharded over (per-rank plan)")
     p.add_argument("--sharding", default="none", choices=SHARDINGS)
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="S", help="ILP time limit per solve")
+    p.add_argument("--time-limit", type=positive_seconds, default=30.0, metavar="S", help="ILP time limit per solve")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                    help="bf16: every matmul-class call in bf16 (auto and fp16 measure a real batch: use the "
                         "Python API, docs/precision.md)")
@@ -443,7 +511,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", default="adamw", choices=OPTIMIZER_NAMES)
     g.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 master copy (default: yes for a named optimizer on 16-bit parameters)")
-    g.add_argument("--world-size", type=int, default=1)
+    g.add_argument("--world-size", type=positive_int, default=1)
     g.add_argument("--sharding", default="none", choices=SHARDINGS)
     g.add_argument("--trainable-fraction", type=float, default=1.0)
     g.add_argument("--budget", help="also print the headroom under this budget")
@@ -453,10 +521,12 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    try:
+        args = make_parser().parse_args(argv)
+    except UsageError as e:
+        print(f"autoremat: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.debug:
-        import logging
-
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     from autoremat.plan import BudgetError
 

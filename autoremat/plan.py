@@ -8,6 +8,7 @@ fingerprint so a plan is never applied to a graph it was not made for.
 from __future__ import annotations
 
 import json
+import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from autoremat.heuristics import Decision, evaluate, save_all
 from autoremat.ledger import Ledger
-from autoremat.memory import Timeline
+from autoremat.memory import Schedule, Timeline
 from autoremat.profile import GraphProfile
 from autoremat.units import format_bytes
 
@@ -31,7 +32,8 @@ class GraphPlan:
     saved: list[str]
     recomputed: list[str]
     dtypes: dict[str, str] = field(default_factory=dict)  # compute dtype per forward node
-    modules: dict[str, dict[str, int]] = field(default_factory=dict)  # per nn.Module path: counts
+    # per nn.Module path: node counts and owned bytes, {"saved": n, "saved_bytes": b, "recomputed": ..., ...}
+    modules: dict[str, dict[str, int]] = field(default_factory=dict)
     num_nodes: int = 0
 
 
@@ -98,24 +100,43 @@ class Plan:
             f"activations and temporaries, peak at {self.peak_at})",
             f"predicted recompute overhead {100 * self.overhead:.1f}% of the step "
             f"({self.recompute_time_s * 1e3:.3f} ms of {self.forward_time_s * 1e3:.3f} ms)",
-            f"solver: {self.solver.get('path')} ({self.solver.get('status')}, {self.solver.get('solver')}, "
-            f"{self.solver.get('solve_time_s', 0):.2f} s)",
+            f"solver: {self.solver.get('path')} ({self._solver_details()})",
             "",
             ledger.format(),
             "",
-            f"{'module':<40} {'saved':>6} {'recomputed':>10}",
         ]
-        merged: dict[str, dict[str, int]] = defaultdict(lambda: {"saved": 0, "recomputed": 0})
+        lines += self._module_lines()
+        lines += self._precision_lines()
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def _solver_details(self) -> str:
+        # Heuristic paths name no solver, and plans saved by older versions may lack a field:
+        # print what is there rather than an empty slot.
+        s = self.solver
+        details = [s.get("status"), s.get("solver"), f"{s.get('solve_time_s', 0):.2f} s"]
+        return ", ".join(str(d) for d in details if d)
+
+    def _module_lines(self) -> list[str]:
+        """What each module saves for the backward and what it recomputes, in bytes and in nodes."""
+        merged: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         for g in self.graphs:
             for mod, counts in g.modules.items():
                 for k, v in counts.items():
                     merged[mod][k] += v
-        for mod in sorted(merged):
-            c = merged[mod]
-            lines.append(f"{mod or '(top level)':<40} {c['saved']:>6} {c['recomputed']:>10}")
-        lines += self._precision_lines()
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
+        with_bytes = all("saved_bytes" in c for c in merged.values())  # plans saved before bytes were kept
+        if with_bytes:
+            lines = [f"{'module':<40} {'saved':>10} {'nodes':>5}  {'recomputed':>10} {'nodes':>5}"]
+        else:
+            lines = [f"{'module':<40} {'saved':>6} {'recomputed':>10}"]
+        for mod in sorted(merged, key=_natural_key):
+            c, name = merged[mod], mod or "(top level)"
+            if with_bytes:
+                lines.append(f"{name:<40} {format_bytes(c['saved_bytes']):>10} {c['saved']:>5}  "
+                             f"{format_bytes(c['recomputed_bytes']):>10} {c['recomputed']:>5}")
+            else:
+                lines.append(f"{name:<40} {c['saved']:>6} {c['recomputed']:>10}")
+        return lines
 
     def _precision_lines(self) -> list[str]:
         p = self.precision
@@ -145,16 +166,11 @@ def build_plan(
     """Gather a solver decision into a Plan."""
     graphs = []
     for g, sched in zip(profiles, decision.schedules):
-        modules: dict[str, dict[str, int]] = defaultdict(lambda: {"saved": 0, "recomputed": 0})
-        for n in sched.saved:
-            modules[_top_module(g.nodes[n].module)]["saved"] += 1
-        for n in sched.recomputed:
-            modules[_top_module(g.nodes[n].module)]["recomputed"] += 1
         dtypes = {n: "fp32" if g.nodes[n].dtype == "float32" else g.nodes[n].dtype
                   for n in g.forward_side() if g.nodes[n].dtype}
         graphs.append(GraphPlan(
             index=g.index, fingerprint=g.fingerprint, saved=list(sched.saved),
-            recomputed=list(sched.recomputed), dtypes=dtypes, modules=dict(modules), num_nodes=len(g.nodes),
+            recomputed=list(sched.recomputed), dtypes=dtypes, modules=_module_table(g, sched), num_nodes=len(g.nodes),
         ))
     ledger.activations = decision.peak
     ledger.budget = budget
@@ -165,7 +181,7 @@ def build_plan(
         budget=budget,
         ledger=ledger.to_dict(),
         graphs=graphs,
-        predicted_peak=ledger.fixed + decision.peak,
+        predicted_peak=ledger.total,  # fixed + the larger of the activation peak and optimizer.step()'s
         activation_peak=decision.peak,
         peak_at=peak_at,
         forward_time_s=sum(p.time_s for g in profiles for p in g.nodes.values()),
@@ -196,6 +212,32 @@ def _unsupported_notes(profiles: list[GraphProfile]) -> list[str]:
     if not ops:
         return []
     return [f"{len(ops)} custom or unsupported op(s) are always saved, never recomputed: {', '.join(ops)}"]
+
+
+def _module_table(g: GraphProfile, sched: Schedule) -> dict[str, dict[str, int]]:
+    """Per module: how many values it saves for the backward and recomputes, and their bytes."""
+    modules: dict[str, dict[str, int]] = defaultdict(
+        lambda: {"saved": 0, "saved_bytes": 0, "recomputed": 0, "recomputed_bytes": 0})
+    held: set[str] = set()
+    for n in sched.saved:
+        node = g.nodes[n]
+        counts = modules[_top_module(node.module)]
+        counts["saved"] += 1
+        storage = node.storage or n  # a saved view keeps its base alive; count each storage once
+        if storage not in held:
+            held.add(storage)
+            counts["saved_bytes"] += g.nodes[storage].nbytes
+    for n in sched.recomputed:
+        node = g.nodes[n]
+        counts = modules[_top_module(node.module)]
+        counts["recomputed"] += 1
+        counts["recomputed_bytes"] += node.nbytes if node.storage == n else 0  # a view allocates nothing
+    return dict(modules)
+
+
+def _natural_key(module: str) -> list[str | int]:
+    """Sort "h.2" before "h.10": runs of digits compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", module)]
 
 
 def _top_module(path: str) -> str:
@@ -247,10 +289,13 @@ class BudgetError(ValueError):
         if smallest is not None:
             ledger.activations = smallest.peak
             # A little room for what no graph holds: autograd's loss and seed-gradient scalars.
-            need = ledger.fixed + smallest.peak + SLACK
+            need = ledger.fixed + max(smallest.peak, ledger.optimizer_step) + SLACK
             why = (f"the smallest budget that fits is {format_bytes(need)} ({need} bytes): "
                    f"{format_bytes(ledger.fixed)} fixed + {format_bytes(smallest.peak)} activations at the "
                    f"most memory-frugal plan found")
+            if ledger.optimizer_step > smallest.peak:
+                why += (f"; optimizer.step()'s temporaries ({format_bytes(ledger.optimizer_step)}, after the "
+                        "backward) set the floor: a fused optimizer (fused=True) allocates none")
         else:
             need = None
             why = (f"the fixed parts alone ({format_bytes(ledger.fixed)}) exceed it; more than "

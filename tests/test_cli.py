@@ -5,10 +5,13 @@ once per module and the tests only read their results. Bad targets fail before a
 those cases call `cli.main` in this process, which runs the same code minus the interpreter.
 """
 
+import io
+import logging
 import os
 import re
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +35,10 @@ class Result:
     err: str
 
 
-def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "autoremat", *args], cwd=cwd, env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def start(args: list[str], cwd: Path, python_args: bool = False) -> subprocess.Popen:
+    """`python -m autoremat ARGS`; with python_args, `python ARGS` (ARGS then carries -m autoremat itself)."""
+    command = [sys.executable, *args] if python_args else [sys.executable, "-m", "autoremat", *args]
+    return subprocess.Popen(command, cwd=cwd, env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def finish(proc: subprocess.Popen) -> Result:
@@ -151,6 +155,120 @@ def test_plan_in_bf16_on_meta(runs, work):
 
 
 def test_precision_auto_is_not_offered_on_meta(capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "x.py:f", "--budget", "1GB", "--precision", "auto"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert cli.main(["plan", "x.py:f", "--budget", "1GB", "--precision", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autoremat: error:") and "invalid choice" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "1GB", "--batch", "0"], "argument --batch: must be a whole"),
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "1GB", "--batch", "-3"], "got '-3'"),
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "1GB", "--seq", "0"], "argument --seq: must be a whole"),
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "1GB", "--batch", "eight"], "got 'eight'"),
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "1GB", "--world-size", "0"], "argument --world-size"),
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "1GB", "--time-limit", "0"], "positive number of seconds"),
+    (["plan", f"{MODELS}:transformer_stack", "--budget", "0"], "budget must be a positive number of bytes"),
+    (["plan", f"{MODELS}:transformer_stack", "--batch", "8"], "required: --budget"),
+    (["ledger", "--params", "7B", "--world-size", "-1"], "argument --world-size"),
+    (["ledger", "--params", "0"], "--params must be a positive count"),
+    (["ledger", "--params", "7B", "--budget=-1GB"], "budget must be a positive number of bytes"),
+])
+def test_bad_numbers_are_one_line_usage_errors(work, args, words):
+    r = finish(start(args, work))
+    assert r.rc == 2, r.err
+    assert r.out == "" and r.err.startswith("autoremat: error:") and r.err.count("\n") == 1, r.err
+    assert words in r.err, r.err
+
+
+def test_empty_example_inputs_are_refused(monkeypatch, capsys):
+    # --batch refuses 0, but --opt reaches the factory as it is: the inputs it builds are checked.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert cli.main(["plan", f"{MODELS}:transformer_stack", "--opt", "batch=0", "--budget", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert "example input with no elements (shape (0, 64, 128))" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("args", [["--help"], ["plan", "--help"], ["ledger", "--help"], ["show", "--help"]])
+def test_help_does_not_import_torch(work, args):
+    r = finish(start(["-X", "importtime", "-m", "autoremat", *args], work, python_args=True))
+    assert r.rc == 0 and r.out.startswith("usage: autoremat"), r.err
+    imported = [line.rpartition("|")[2].strip() for line in r.err.splitlines() if line.startswith("import time:")]
+    assert "autoremat.cli" in imported  # the -X importtime report is there to be read
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+
+
+def test_package_exports_are_lazy_and_the_functions_win():
+    # `backend` and `fit` name both a submodule and the exported function; importing the
+    # submodule first must not leave autoremat.backend bound to the module.
+    code = (
+        "import sys, autoremat\n"
+        "assert 'torch' not in sys.modules\n"
+        "from autoremat.backend import backend\n"
+        "from autoremat.fit import fit\n"
+        "assert autoremat.backend is backend and autoremat.fit is fit\n"
+        "assert all(callable(getattr(autoremat, name)) for name in autoremat.__all__)\n"
+        "assert set(autoremat.__all__) <= set(dir(autoremat))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=ENV, text=True, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_parser_names_match_the_library():
+    from autoremat import devices, ledger
+
+    assert cli.OPTIMIZER_NAMES == ledger.OPTIMIZER_NAMES
+    assert cli.SHARDINGS == ledger.SHARDINGS
+    assert list(cli.DEVICE_NAMES) == devices.known_devices()
+    assert set(cli.DTYPES) == set(ledger._DTYPES)
+
+
+def test_progress_shows_the_library_stages(caplog):
+    stream = io.StringIO()  # not a terminal: one line per stage
+    stages = logging.getLogger(cli.PROGRESS_LOGGER)
+    level = stages.level
+
+    def written(text: str) -> bool:
+        deadline = time.monotonic() + 60  # the spinner thread polls every 0.1 s; a loaded machine may lag
+        while text not in stream.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return text in stream.getvalue()
+
+    with caplog.at_level(logging.WARNING, logger=cli.PROGRESS_LOGGER), cli.Progress("planning", stream, quiet_s=0):
+        assert written("planning")
+        stages.info("solving the ILP")
+        stages.warning("a warning still reaches the handlers")
+        assert written("solving the ILP")
+    assert stream.getvalue().splitlines() == ["autoremat: planning ...", "autoremat: solving the ILP ..."]
+    assert [r.getMessage() for r in caplog.records] == ["a warning still reaches the handlers"]
+    assert stages.level == level and stages.filters == []
+
+
+def module_table(summary: str) -> list[str]:
+    """The header and rows of the module table: the third paragraph, before the notes."""
+    return [line for line in summary.split("\n\n")[2].splitlines() if not line.startswith("note: ")]
+
+
+def test_summary_module_table(runs, work):
+    assert runs["plan"].rc == 0, runs["plan"].err
+    plan = Plan.load(work / "plan.json")
+    modules = [g.modules for g in plan.graphs]
+    saved = sum(c["saved_bytes"] for m in modules for c in m.values())
+    # What the forwards hand to the backwards is all alive at their boundary, so within the activation peak.
+    assert 0 < saved <= plan.activation_peak
+    table = module_table(plan.summary())
+    assert table[0].split() == ["module", "saved", "nodes", "recomputed", "nodes"]
+    assert len(table) == 1 + len({name for m in modules for name in m})
+
+    for g, m in zip(plan.graphs, modules):
+        g.modules = {name.replace("blocks.0", "blocks.10"): c for name, c in m.items()}
+    order = [line.split()[0] for line in module_table(plan.summary())[1:]]
+    assert order.index("blocks.1") < order.index("blocks.10")
+
+    plan.solver["solver"] = ""  # heuristic paths name no solver
+    solver_line = next(line for line in plan.summary().splitlines() if line.startswith("solver:"))
+    assert ", ," not in solver_line and "(, " not in solver_line, solver_line
+
+    # A plan saved before bytes were kept still prints, with counts only.
+    for g, m in zip(plan.graphs, modules):
+        g.modules = {name: {"saved": c["saved"], "recomputed": c["recomputed"]} for name, c in m.items()}
+    assert module_table(plan.summary())[0].split() == ["module", "saved", "recomputed"]
