@@ -1,0 +1,422 @@
+"""The floor benchmark (issue #11, "Below checkpointing"): how little memory each method reaches, side by side.
+
+Models: a transformer stack, HF GPT-2, HF Llama, a BERT-style encoder with dropout (HF BertForMaskedLM), a
+ViT-style model (HF ViTForImageClassification) and a ResNet-shaped conv net with BatchNorm and dropout.
+Rows per model, each on its own deep copy of the same initial model:
+  eager                  plain PyTorch, not compiled: the reference for time and gradients
+  checkpoint             torch.utils.checkpoint (non-reentrant) on every block
+  pt-budget b            torch.compile(backend="aot_eager") under activation_memory_budget = 0.5, 0.1, 0.0
+  autoremat floor        autoremat.optimize at BudgetError.smallest_budget of budget=1 (retried once at a new
+                         smallest_budget if that raises BudgetError again)
+  autoremat @ checkpoint autoremat.optimize at checkpoint's measured steady-state peak
+
+Per row: steady-state and first-micro-step peaks, step time vs eager with its noise, gradient error vs eager,
+predicted/measured (autoremat); the goals of issue #11 are computed from the rows. See benchmarks/README.md.
+
+    python benchmarks/floor.py --quick                # tiny sizes
+    python benchmarks/floor.py                        # small but meaningful sizes
+    python benchmarks/floor.py --models stack,gpt2
+
+Writes benchmarks/results/floor_cpu[_quick].md and .json (rewritten after each model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import remat_vs_peers as peers  # its row builders, step helpers and Bench (model copies + eager reference)
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from paired import paired_times
+
+import autoremat
+from autoremat.measure import measure_peak
+from examples.models import gpt2, llama, transformer_stack
+
+MiB = 2**20
+SEED = peers.SEED
+PT_BUDGETS = (0.5, 0.1, 0.0)
+FLOOR_VS_CHECKPOINT = {"stack": 0.9, "gpt2": 0.9}  # issue #11: floor <= this x checkpoint's peak; others 1.0
+PREDICTION_TOLERANCE = 0.05  # issue #11: predicted peak within 5% of measured at the floor
+
+
+# --------------------------------------------------------------------------------------------
+# the models this benchmark adds (examples/models.py holds the stack, GPT-2 and Llama)
+
+
+def bert(batch: int, seq: int, n_layer: int, hidden: int, heads: int, vocab: int, dropout: float = 0.1):
+    """HF BERT masked-LM encoder from a config (no download), dropout on, labels = the input ids."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layer, num_attention_heads=heads,
+                     intermediate_size=4 * hidden, max_position_embeddings=max(seq, 64),
+                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, use_cache=False)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+def vit(batch: int, image: int, patch: int, n_layer: int, hidden: int, heads: int, classes: int = 10,
+        dropout: float = 0.1):
+    """HF ViT image classifier from a config (no download), dropout on."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=image, patch_size=patch, num_channels=3, hidden_size=hidden,
+                    num_hidden_layers=n_layer, num_attention_heads=heads, intermediate_size=4 * hidden,
+                    hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, num_labels=classes)
+    return ViTForImageClassification(cfg), {"pixel_values": torch.randn(batch, 3, image, image),
+                                            "labels": torch.randint(0, classes, (batch,))}
+
+
+class ResidualBlock(nn.Module):
+    """conv-BN-ReLU-dropout-conv-BN, added to its input."""
+
+    def __init__(self, channels: int, dropout: float) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
+                                  nn.Dropout(dropout), nn.Conv2d(channels, channels, 3, padding=1),
+                                  nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.body(x))
+
+
+class ResNetDropout(nn.Module):
+    """A ResNet-shaped conv net: stem, residual blocks (module paths `blocks.3`), pooled linear head."""
+
+    def __init__(self, channels: int, n_block: int, classes: int, dropout: float) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
+        self.blocks = nn.ModuleList(ResidualBlock(channels, dropout) for _ in range(n_block))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x.mean(dim=(2, 3))), y)
+
+
+def resnet(batch: int, size: int, channels: int, n_block: int, classes: int = 10, dropout: float = 0.1):
+    return ResNetDropout(channels, n_block, classes, dropout), (torch.randn(batch, 3, size, size),
+                                                               torch.randint(0, classes, (batch,)))
+
+
+SIZES = {  # name: (factory, --quick sizes, default sizes)
+    "stack": (transformer_stack, dict(n_layer=4, d=128, n_head=4, seq=64, batch=4, dropout=0.1),
+              dict(n_layer=12, d=256, n_head=4, seq=128, batch=4, dropout=0.1)),
+    "gpt2": (gpt2, dict(n_layer=2, n_embd=128, n_head=4, seq=64, batch=4, vocab=1024, dropout=0.1),
+             dict(n_layer=4, n_embd=256, n_head=4, seq=128, batch=8, vocab=4096, dropout=0.1)),
+    "llama": (llama, dict(n_layer=2, hidden=128, heads=4, seq=64, batch=4, vocab=1024),
+              dict(n_layer=4, hidden=256, heads=4, seq=128, batch=4, vocab=4096)),
+    "bert": (bert, dict(n_layer=2, hidden=128, heads=4, seq=64, batch=4, vocab=1024),
+             dict(n_layer=4, hidden=256, heads=4, seq=128, batch=4, vocab=4096)),
+    "vit": (vit, dict(n_layer=2, hidden=128, heads=4, image=32, patch=8, batch=4),
+            dict(n_layer=6, hidden=256, heads=4, image=64, patch=8, batch=8)),
+    "resnet": (resnet, dict(channels=16, n_block=4, size=16, batch=4), dict(channels=32, n_block=8, size=32, batch=8)),
+}
+
+
+def configs(quick: bool) -> list[dict]:
+    return [dict(name=name, factory=factory, kwargs=small if quick else default)
+            for name, (factory, small, default) in SIZES.items()]
+
+
+def checkpoint_every_block(model: nn.Module) -> nn.Module:
+    """HF models: their own non-reentrant gradient checkpointing; ours: each block's forward wrapped."""
+    if getattr(model, "supports_gradient_checkpointing", False):
+        # activation_checkpointing_enable: transformers 5's name for the deprecated gradient_checkpointing_enable
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        from torch.utils.checkpoint import checkpoint
+        for block in model.blocks:
+            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
+
+
+# --------------------------------------------------------------------------------------------
+# one row
+
+
+def run_row(bench: peers.Bench, method: str, setting: str, build) -> dict:
+    """build(model) -> (callable, info); its first call (compilation) happens in build or in the warm-up."""
+    row = dict(model=bench.cfg["name"], method=method, setting=setting, budget=getattr(build, "budget", None))
+    t0 = time.perf_counter()
+    model = fn = step = None
+    try:
+        model = bench.fresh()
+        fn, info = build(model)
+        row.update(info)
+        step = peers.make_step(fn, bench.args, bench.kwargs)
+        step()  # warm-up (compiles where not yet): every .grad exists from now on
+        peers.sync(bench.device)
+        _, steady = measure_peak(step, device=bench.device, baseline_objs=(model, bench.ex))
+        row["steady_peak"] = steady.peak_bytes
+        rt, et = paired_times(bench.eager_step, step, bench.n, lambda: peers.sync(bench.device))
+        ratios = [r / e for r, e in zip(rt, et)]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        row.update(step_s=rt, eager_step_s=et, time_vs_eager=statistics.median(ratios),
+                   time_noise=(q3 - q1) / 2)
+        # the first micro-step: no .grad before it; the same seed as the eager reference, for the gradients
+        peers.zero(model)
+        torch.manual_seed(SEED)
+        _, first = measure_peak(step, device=bench.device, baseline_objs=(model, bench.ex))
+        row["first_step_peak"] = first.peak_bytes
+        row["max_grad_rel_err"] = peers.max_rel_err(peers.grads_of(model), bench.ref_grads)
+        if row.get("predicted_peak"):
+            row["predicted_vs_measured"] = row["predicted_peak"] / row["steady_peak"]
+        row["status"] = "ok"
+    except autoremat.BudgetError as e:
+        row.update(status="infeasible", smallest_budget=e.smallest_budget)
+    except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
+        row.update(error_fields(e))
+    finally:
+        model = fn = step = None  # noqa: F841 - free this row's model before the next one
+        gc.collect()
+        torch._dynamo.reset()
+    row["row_wall_s"] = time.perf_counter() - t0
+    print("  " + row_line(row), flush=True)
+    return row
+
+
+def error_fields(e: Exception) -> dict:
+    print(traceback.format_exc(), flush=True)
+    first_line = str(e).splitlines()[0][:200] if str(e) else ""
+    return dict(status=f"error: {type(e).__name__}: {first_line}", traceback=traceback.format_exc())
+
+
+def smallest_budget(bench: peers.Bench) -> int:
+    """BudgetError.smallest_budget of autoremat.optimize at budget=1."""
+    torch._dynamo.reset()
+    try:
+        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None)
+    except autoremat.BudgetError as e:
+        if e.smallest_budget is None:
+            raise
+        return e.smallest_budget
+    finally:
+        torch._dynamo.reset()
+    raise RuntimeError("autoremat.optimize at budget=1 did not raise BudgetError")
+
+
+def floor_row(bench: peers.Bench) -> dict:
+    try:
+        first = smallest_budget(bench)
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return dict(model=bench.cfg["name"], method="autoremat", setting="floor", **error_fields(e))
+    row = run_row(bench, "autoremat", "floor", peers.ar_build(first, bench.ex))
+    if row["status"] == "infeasible" and row.get("smallest_budget"):
+        # verification at planning time can move the floor up (a measured peak above the prediction): retry
+        # once at the figure that BudgetError names, and record both
+        again = run_row(bench, "autoremat", "floor (retried)", peers.ar_build(row["smallest_budget"], bench.ex))
+        again["retried_from"] = dict(budget=first, smallest_budget=row["smallest_budget"])
+        return again
+    return row
+
+
+def bench_model(cfg: dict, device: torch.device, n_steps: int) -> list[dict]:
+    print(f"== {cfg['name']}: {cfg['kwargs']}", flush=True)
+    try:
+        bench = peers.Bench(cfg, device, n_steps, lambda s: print(s, flush=True))
+    except Exception as e:  # noqa: BLE001 - the model itself failed: one error row, the others go on
+        return [dict(model=cfg["name"], method="eager", setting="-", **error_fields(e))]
+    rows = [run_row(bench, "eager", "-", peers.eager_build),
+            run_row(bench, "checkpoint", "every block", lambda m: (checkpoint_every_block(m), {}))]
+    rows += [run_row(bench, "pt-budget", f"amb={b}", peers.pt_build(b, bench.args, bench.kwargs)) for b in PT_BUDGETS]
+    rows.append(floor_row(bench))
+    ckpt = rows[1]
+    if ckpt["status"] == "ok":
+        rows.append(run_row(bench, "autoremat", "@ checkpoint", peers.ar_build(ckpt["steady_peak"], bench.ex)))
+    else:
+        rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
+                         status="not run: the checkpoint row failed"))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# goals and output
+
+
+def mib(b) -> str:
+    return f"{b / MiB:.2f}" if b is not None else ""
+
+
+def row_line(r: dict) -> str:
+    if r["status"] != "ok":
+        return f"{r['model']:6} {r['method']:10} {r['setting']:16} {r['status']} ({r.get('row_wall_s', 0):.0f}s)"
+    return (f"{r['model']:6} {r['method']:10} {r['setting']:16} steady {mib(r['steady_peak'])} MiB, first "
+            f"{mib(r['first_step_peak'])} MiB, time x{r['time_vs_eager']:.3f}±{r['time_noise']:.3f}, "
+            f"err {r['max_grad_rel_err']:.1e}, pred {mib(r.get('predicted_peak')) or '-'} ({r['row_wall_s']:.0f}s)")
+
+
+def find(rows: list[dict], model: str, method: str, prefix: str) -> dict | None:
+    return next((r for r in rows if r["model"] == model and r["method"] == method
+                 and r["setting"].startswith(prefix)), None)
+
+
+def goals(rows: list[dict], model: str) -> dict:
+    """The three goals of issue #11 for one model, computed from its rows."""
+    ckpt, fl, at = (find(rows, model, "checkpoint", ""), find(rows, model, "autoremat", "floor"),
+                    find(rows, model, "autoremat", "@ checkpoint"))
+    ran = [r is not None and r["status"] == "ok" for r in (ckpt, fl, at)]
+    factor = FLOOR_VS_CHECKPOINT.get(model, 1.0)
+    g: dict = dict(floor=dict(holds=False, why="the floor or the checkpoint row did not run"),
+                   prediction=dict(holds=False, why="the floor row did not run"))
+    if ran[1]:
+        g["prediction"] = dict(holds=abs(fl["predicted_vs_measured"] - 1) <= PREDICTION_TOLERANCE,
+                               predicted_vs_measured=fl["predicted_vs_measured"])
+    if ran[0] and ran[1]:
+        ratio = fl["budget"] / ckpt["steady_peak"]
+        g["floor"] = dict(holds=ratio <= factor and fl["steady_peak"] <= fl["budget"], floor_budget=fl["budget"],
+                          floor_measured=fl["steady_peak"], checkpoint_peak=ckpt["steady_peak"], ratio=ratio,
+                          required=factor)
+        g["floor_time_vs_checkpoint"] = time_ratio(fl, ckpt)  # not a goal: the floor's speed, for context
+    if ran[0] and ran[2]:
+        tr = time_ratio(at, ckpt)
+        g["time"] = dict(holds=tr["ratio"] <= 1.0, **tr)
+    else:
+        g["time"] = dict(holds=False, why=f"autoremat @ checkpoint: {at['status'] if at else 'missing'}")
+    return g
+
+
+def time_ratio(a: dict, b: dict) -> dict:
+    """Row a's step time over row b's (both paired with eager), with the two rows' relative noises combined."""
+    ratio = a["time_vs_eager"] / b["time_vs_eager"]
+    noise = ((a["time_noise"] / a["time_vs_eager"]) ** 2 + (b["time_noise"] / b["time_vs_eager"]) ** 2) ** 0.5
+    return dict(ratio=ratio, noise=noise, within_noise=abs(ratio - 1) <= noise)
+
+
+def goal_text(model: str, g: dict) -> str:
+    f, p, t = g["floor"], g["prediction"], g["time"]
+    verdict = {True: "holds", False: "FAILS"}
+    floor = (f"floor budget {mib(f['floor_budget'])} MiB = {f['ratio']:.3f} x checkpoint's {mib(f['checkpoint_peak'])}"
+             f" MiB (needs <= {f['required']}; measured {mib(f['floor_measured'])} MiB): {verdict[f['holds']]}"
+             if "ratio" in f else f"floor: FAILS ({f['why']})")
+    pred = (f"predicted/measured at the floor {p['predicted_vs_measured']:.3f} (needs within "
+            f"{PREDICTION_TOLERANCE:.0%}): {verdict[p['holds']]}" if "predicted_vs_measured" in p
+            else f"prediction: FAILS ({p['why']})")
+    tm = (f"time at checkpoint's peak: autoremat / checkpoint = {t['ratio']:.3f} ± {t['noise']:.3f}: "
+          f"{verdict[t['holds']]}{' (within the noise)' if t['within_noise'] else ''}"
+          if "ratio" in t else f"time: FAILS ({t['why']})")
+    ft = g.get("floor_time_vs_checkpoint")
+    context = (f" (Not a goal: at its floor autoremat / checkpoint time = {ft['ratio']:.3f} ± {ft['noise']:.3f}.)"
+               if ft else "")
+    return f"- **{model}**: {floor}; {pred}; {tm}.{context}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| method | setting | budget (MiB) | steady peak (MiB) | vs checkpoint | first-step peak (MiB) | "
+            "time vs eager ± noise | max grad rel err | predicted (MiB) | predicted / measured |")
+    lines = [head, "|" + "---|" * 10]
+    ckpt = find(rows, rows[0]["model"], "checkpoint", "") if rows else None
+    ref = ckpt["steady_peak"] if ckpt and ckpt["status"] == "ok" else None
+    for r in rows:
+        setting = r["setting"] + (f" (first tried {mib(r['retried_from']['budget'])} MiB)" if "retried_from" in r
+                                  else "")
+        if r.get("num_graphs"):
+            setting += f" [{r['num_graphs']} graphs, solver {r.get('solver_status')}]"
+        if r["status"] != "ok":
+            sb = f"; smallest budget {mib(r['smallest_budget'])} MiB" if r.get("smallest_budget") else ""
+            lines.append(f"| {r['method']} | {setting} | {mib(r.get('budget'))} | {r['status']}{sb} |" + " |" * 6)
+            continue
+        pvm = f"{r['predicted_vs_measured']:.3f}" if "predicted_vs_measured" in r else ""
+        vs_ckpt = f"{r['steady_peak'] / ref:.3f}" if ref else ""
+        lines.append(f"| {r['method']} | {setting} | {mib(r.get('budget'))} | {mib(r['steady_peak'])} | {vs_ckpt} | "
+                     f"{mib(r['first_step_peak'])} | {r['time_vs_eager']:.3f} ± {r['time_noise']:.3f} | "
+                     f"{r['max_grad_rel_err']:.1e} | {mib(r.get('predicted_peak'))} | {pvm} |")
+    return "\n".join(lines)
+
+
+def git_state() -> dict:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(peers.REPO), *args], capture_output=True, text=True).stdout.strip()
+    diff_stat = git("diff", "--stat").splitlines()
+    return dict(head=git("rev-parse", "--short", "HEAD"), diff_stat=diff_stat[-1].strip() if diff_stat else "")
+
+
+def load_average() -> str:
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1 / 5 / 15 min)"
+
+
+def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> str:
+    parts = [f"# Floor benchmark (issue #11) on cpu{' (--quick)' if meta['quick'] else ''}\n",
+             f"Command: `{meta['command']}`, {meta['date']}, torch {meta['torch']}, transformers "
+             f"{meta['transformers']}, {meta['threads']} thread, repo {meta['git']['head']} with uncommitted "
+             f"changes: `{meta['git']['diff_stat'] or 'none'}`; wall {meta['wall_s']:.0f} s; load average "
+             f"{meta['load_start']} at the start, {meta['load_end']} at the end (2 cores, shared with others' jobs).\n",
+             "One step = forward + backward of one micro-batch, no optimizer (autoremat: `optimizer=None`, so every "
+             "row's total is parameters + gradients + inputs + the step's running peak). Peaks: "
+             "`autoremat.measure.measure_peak` (profiler), absolute, baseline = the row's model + inputs. "
+             "*Steady*: a step after a warm-up step, every `.grad` already allocated. *First step*: `.grad` set to "
+             f"None before it. Time: median over {meta['steps']} pairs of (row step / the eager step just before "
+             "it); noise = half the interquartile range of those ratios (the eager row's is eager vs eager). Grad "
+             f"error: max over parameters of ||g - g_eager|| / ||g_eager||, first step, torch.manual_seed({SEED}) "
+             "before it, dropout on. *vs checkpoint*: steady peak / checkpoint-every-block's steady peak.\n"]
+    for cfg in cfgs:
+        mine = [r for r in rows if r["model"] == cfg["name"]]
+        if mine:
+            goal = goal_text(cfg["name"], all_goals[cfg["name"]])
+            parts.append(f"## {cfg['name']}: {cfg['kwargs']}\n\n{table(mine)}\n\n{goal}\n")
+    held = {k: sum(g[k]["holds"] for g in all_goals.values()) for k in ("floor", "time", "prediction")}
+    n = len(all_goals)
+    parts.append("## Goals (computed from the rows above)\n\n"
+                 f"- floor <= checkpoint-every-block's measured peak (<= 0.9x on the stack and GPT-2): "
+                 f"{held['floor']}/{n} models\n"
+                 f"- at checkpoint's measured peak, autoremat's step time <= checkpoint's: {held['time']}/{n} models\n"
+                 f"- predicted peak within {PREDICTION_TOLERANCE:.0%} of measured at the floor: "
+                 f"{held['prediction']}/{n} models\n")
+    return "\n".join(parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes")
+    ap.add_argument("--steps", type=int, default=7, help="timed pairs per row (>= 4)")
+    ap.add_argument("--models", default="stack,gpt2,llama,bert,vit,resnet")
+    ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    wanted = a.models.split(",")
+    cfgs = [c for c in configs(a.quick) if c["name"] in wanted]
+    unknown = set(wanted) - {c["name"] for c in cfgs}
+    if unknown:
+        ap.error(f"unknown models {sorted(unknown)}; pick from stack,gpt2,llama,bert,vit,resnet")
+    import transformers
+
+    t0 = time.perf_counter()
+    meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(["python"] + sys.argv),
+                quick=a.quick, steps=max(4, a.steps), torch=torch.__version__, transformers=transformers.__version__,
+                threads=torch.get_num_threads(), git=git_state(), seed=SEED, load_start=load_average(),
+                configs={c["name"]: c["kwargs"] for c in cfgs})
+    print(f"autoremat from {autoremat.__file__}, repo {meta['git']}", flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"floor_cpu{'_quick' if a.quick else ''}"
+    rows: list[dict] = []
+    all_goals: dict = {}
+    for cfg in cfgs:
+        rows += bench_model(cfg, torch.device("cpu"), meta["steps"])
+        all_goals[cfg["name"]] = goals(rows, cfg["name"])
+        meta.update(wall_s=time.perf_counter() - t0, load_end=load_average())
+        text = report(meta, [c for c in cfgs if c["name"] in all_goals], rows, all_goals)
+        stem.with_suffix(".md").write_text(text)
+        stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, goals=all_goals, rows=rows), indent=1,
+                                                        default=str))
+    print("\n" + text, flush=True)
+    print(f"wrote {stem}.md and .json", flush=True)
+
+
+if __name__ == "__main__":
+    main()
