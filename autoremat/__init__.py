@@ -1,7 +1,8 @@
 """autoremat: fit a model's training step into a byte budget by choosing what to recompute.
 
 Pipeline, each stage importing only earlier ones:
-capture -> profile -> memory (+ ledger) -> heuristics -> solver -> passes -> plan -> api / fit / backend / cli
+capture (+ regions) -> profile -> memory (+ ledger, optimizers) -> heuristics -> solver -> passes -> plan
+-> planner -> pipeline -> faces: api / fit / backend / cli
 
 The public names below are imported on first use (PEP 562), so that `import autoremat` and
 `autoremat --help` do not pay for importing torch.
@@ -17,10 +18,10 @@ _EXPORTS = {
     "parse_budget": "autoremat.units",
     "BudgetError": "autoremat.plan",
     "Plan": "autoremat.plan",
-    "CaptureError": "autoremat.api",
+    "CaptureError": "autoremat.planner",
     "RematModule": "autoremat.api",
     "optimize": "autoremat.api",
-    "PlanMismatch": "autoremat.backend",
+    "PlanMismatch": "autoremat.planner",
     "backend": "autoremat.backend",
     "FitConfig": "autoremat.fit",
     "fit": "autoremat.fit",

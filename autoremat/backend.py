@@ -26,185 +26,17 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoremat.capture import CapturedGraph, aot_backend, default_split
+from autoremat.capture import CapturedGraph, aot_backend
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import Decision, checkpoint_blocks, evaluate, save_all
-from autoremat.ledger import Ledger, optimizer_state_bytes, parameter_bytes, storage_key
-from autoremat.memory import make_schedule
-from autoremat.passes import split
-from autoremat.plan import SLACK, BudgetError, Plan, build_plan, merge_plans
-from autoremat.profile import GraphProfile, calibrate_scratch, profile_graph
-from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
-from autoremat.units import format_bytes, parse_budget
+from autoremat.ledger import Ledger, parameter_bytes, storage_key
+from autoremat.plan import SLACK, BudgetError, Plan, build_plan
+from autoremat.planner import Planner, budget_or_memory, plan_graphs
+from autoremat.profile import GraphProfile
+from autoremat.solver import DEFAULT_GAP, smallest_peak
+from autoremat.units import format_bytes
 
 log = logging.getLogger("autoremat")
-
-
-class PlanMismatch(ValueError):
-    """A saved plan was applied to a graph it was not made for."""
-
-
-def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Ledger:
-    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state."""
-    nodes = list(cg.joint.graph.nodes)
-    primals = [n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")]
-    outs = list(torch.utils._pytree.arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
-    grads = outs[cg.num_fwd_outputs:]
-    static = set(cg.static_input_indices)
-
-    def nbytes(n: fx.Node) -> int:
-        v = n.meta.get("val")
-        size = v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
-        return -(-size // granularity) * granularity
-
-    params = [p for i, p in enumerate(primals) if i in static]
-    trainable = [p for i, p in enumerate(primals) if i in static and i < len(grads) and grads[i] is not None]
-    inputs = [p for i, p in enumerate(primals) if i not in static]
-    notes: list[str] = []
-    state = optimizer_state_bytes(optimizer, [p.meta["val"] for p in trainable], granularity=granularity,
-                                  notes=notes)
-    return Ledger(
-        parameters=sum(map(nbytes, params)),
-        gradients=sum(map(nbytes, trainable)),
-        optimizer_state=state,
-        inputs=sum(map(nbytes, inputs)),
-        notes=notes,
-    )
-
-
-def _limit(budget: int | None, device: DeviceSpec) -> int:
-    """The budget in bytes; without one, the device's memory, or no limit at all on a CPU."""
-    return budget if budget is not None else device.memory_bytes or 2**62
-
-
-class Planner:
-    """Partition callback: plan (or re-apply a plan to) every joint graph AOTAutograd produces."""
-
-    def __init__(
-        self,
-        budget: int | str | None,
-        *,
-        optimizer: Any = "adamw",
-        device: DeviceSpec | str | torch.device | None = None,
-        ledger: Ledger | None = None,
-        plan: Plan | None = None,
-        solver: str = "auto",
-        time_limit: float = 10.0,
-        gap: float = DEFAULT_GAP,
-        calibrate: bool = True,
-    ) -> None:
-        self.calibrate = calibrate
-        self.budget = parse_budget(budget) if budget is not None else None
-        self.optimizer = optimizer
-        self.device = get_device(device) if device is not None else None
-        self.ledger = ledger
-        self.plan = plan
-        self.solver = solver
-        self.time_limit = time_limit
-        self.gap = gap
-        self.profiles: list[GraphProfile] = []
-        self.plans: list[Plan] = []  # one per graph planned on its own
-        self._reported: set[str] = set()  # graphs whose internal error was logged already
-
-    def _device(self, cg: CapturedGraph) -> DeviceSpec:
-        return self.device or get_device("cpu" if cg.device == "meta" else cg.device)
-
-    def _profile(self, cg: CapturedGraph) -> GraphProfile:
-        gp = profile_graph(cg, self._device(cg))
-        if self.calibrate:
-            try:
-                calibrate_scratch(cg, gp)
-            except RuntimeError as e:  # the caller runs a torch profiler, and profilers cannot nest
-                if "already active" not in str(e):
-                    raise
-                gp.notes.append("op scratch not measured: a torch profiler was running while this graph compiled")
-        self.profiles.append(gp)
-        return gp
-
-    def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
-        dev = self._device(cg)
-        gp = self._profile(cg)
-        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity)
-        if self.plan is not None:
-            saved = self._saved_from_plan(gp, cg.index)
-        else:
-            decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
-                                   gap=self.gap)
-            plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
-            self.plans.append(plan)
-            log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
-            saved = decision.saved[0]
-
-        def need(fallback: set[str]) -> tuple[int, Ledger]:
-            _, tl, _ = evaluate([gp], [fallback], dev.alloc_granularity)
-            return ledger.fixed + tl.peak + SLACK, ledger
-
-        return self._split(cg, gp, set(saved), need, _limit(self.budget, dev))[0]
-
-    def _split(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str],
-               need: Callable[[set[str]], tuple[int, Ledger]], limit: int) -> tuple[tuple, set[str]]:
-        """The forward and backward modules for `saved`, and the saved set they really use.
-
-        An internal inconsistency (the graph passes and the schedule disagree) is our bug, not the
-        user's: it is logged once per graph, and the graph falls back to PyTorch's default partition
-        (every value the backward reads is saved) if that fits `limit`; `need(saved)` says what the
-        step needs with it. Otherwise a BudgetError says so.
-        """
-        try:
-            return split(cg, make_schedule(gp, saved)), saved
-        except Exception as e:  # noqa: BLE001 - any failure here is an internal error, see above
-            fallback = save_all([gp])[0]
-            if gp.fingerprint not in self._reported:
-                self._reported.add(gp.fingerprint)
-                log.error("autoremat internal error on graph %d (%s, %d nodes): %s: %s. Falling back to saving "
-                          "every value the backward reads for this graph. Please report this model.",
-                          cg.index, gp.fingerprint, len(gp.nodes), type(e).__name__, e, exc_info=True)
-            needed, ledger = need(fallback)
-            if needed > limit:
-                raise BudgetError(
-                    f"autoremat internal error while applying the plan to graph {cg.index} ({type(e).__name__}: "
-                    f"{e}); the fallback, saving every value the backward reads, needs {format_bytes(needed)} "
-                    f"({needed} bytes), more than the budget of {format_bytes(limit)}. Please report this model; "
-                    "meanwhile a budget that large runs it.", ledger, needed) from e
-            return default_split(cg), fallback
-
-    def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
-        matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
-        for g in sorted(matches, key=lambda g: g.index != index):  # same position first
-            return set(g.saved)
-        raise PlanMismatch(
-            f"the plan was made for graph(s) {[g.fingerprint for g in self.plan.graphs]}, but the model "
-            f"traced to graph {gp.fingerprint} ({len(gp.nodes)} nodes): the model, its input shapes or "
-            "dtypes, or the torch version differ. Plan again instead of re-applying this plan."
-        )
-
-    @property
-    def combined_plan(self) -> Plan | None:
-        return merge_plans(self.plans) if self.plans else None
-
-
-def plan_graphs(
-    profiles: list[GraphProfile],
-    budget: int | None,
-    ledger: Ledger,
-    device: DeviceSpec,
-    *,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
-) -> Decision:
-    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
-    budget = _limit(budget, device)
-    activations = budget - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars, held by no graph
-    try:
-        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
-            smallest = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver,
-                                     time_limit=time_limit)
-            raise Infeasible(smallest, "the fixed parts and optimizer.step()'s temporaries exceed the budget")
-        return solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
-                     time_limit=time_limit, gap=gap)
-    except Infeasible as e:
-        raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
 
 
 # --- the torch.compile face: steps, seen at run time ------------------------------------------------
@@ -353,7 +185,7 @@ class StepPlanner(Planner):
     def _check_step(self) -> None:
         """The step so far, each call with the plan it runs, must fit; else a BudgetError before the call runs."""
         calls = self.step
-        limit = _limit(self.budget, self._dev)
+        limit = budget_or_memory(self.budget, self._dev)
         if self._need(calls, [c.saved for c in calls])[0] <= limit:
             return
         smallest, ledger, tl = self._need(calls, [c.use.first for c in calls])
@@ -404,7 +236,7 @@ class StepPlanner(Planner):
             return self._need(self.step, [c.saved for c in self.step[:-1]] + [fallback])[:2]
 
         saved = set(use.frugal if asked is None else asked)
-        modules, applied = self._split(cg, gp, saved, need, _limit(self.budget, self._dev))
+        modules, applied = self._split(cg, gp, saved, need, budget_or_memory(self.budget, self._dev))
         self._applied = frozenset(applied)
         self.plans.append(self._plan_of(self.step[-1:], [applied], "most frugal" if asked is None else "joint"))
         return modules

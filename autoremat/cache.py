@@ -7,7 +7,7 @@ A plan is only valid for the graphs it was made for, so the key is a hash of eve
 change the decision: the first graph's structural fingerprint (ops, wiring, shapes, dtypes), the
 budget, the ledger (optimizer state, sharding, inputs), the device, precision settings, solver
 options, and the autoremat and torch versions. Fingerprints exist only after tracing, so the
-planner asks the cache once the first joint graph is in hand (see `api._Planner`).
+planner asks the cache once the first joint graph is in hand (see `planner.CapturePlanner`).
 
 Nothing read from disk is trusted: an entry that does not parse, was written for another key,
 or whose plan no longer simulates to what it claims is ignored and overwritten by a fresh plan.

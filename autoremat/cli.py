@@ -13,36 +13,28 @@ unexpected failure), 2 bad usage or input.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
-import importlib.util
-import inspect
 import logging
 import math
-import os
 import re
 import sys
-import threading
-import time
 import traceback
-import warnings
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
+
+from autoremat.cli_support import (
+    REAL_FALLBACK_MAX_PARAM_BYTES,
+    Progress,
+    UsageError,
+    build,
+    call_args,
+    factory_kwargs,
+    load_target,
+    quiet_meta_warnings,
+)
 
 EXIT_INFEASIBLE = 1
 EXIT_USAGE = 2
 
-# The library reports its stages here at INFO level; Progress shows them, `logging` users see them too.
-PROGRESS_LOGGER = "autoremat.progress"
-
-# Real CPU tensors are used only when meta tracing fails; above this many parameter bytes that
-# would take real memory the user did not ask for, so we stop with the meta error instead.
-REAL_FALLBACK_MAX_PARAM_BYTES = 2**30
-
-
-class UsageError(Exception):
-    """Bad input from the user: exit code 2, message without a traceback."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -113,159 +105,6 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return options
 
 
-class Progress:
-    """A spinner with elapsed seconds on stderr while a slow step runs.
-
-    The label follows the library's own progress: each INFO record on the `autoremat.progress`
-    logger (e.g. "solving the ILP") replaces it, so Python users and the CLI read the same stages. On a
-    terminal it redraws one line and erases it at the end. Elsewhere (logs, CI) a spinner would be
-    noise, so lines are written only once the step has run for `quiet_s`: the label, then each new stage.
-    """
-
-    FRAMES = "|/-\\"
-
-    def __init__(self, label: str, stream: Any = None, quiet_s: float = 1.0) -> None:
-        self.label = label
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.quiet_s = quiet_s
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.logger = logging.getLogger(PROGRESS_LOGGER)
-        self.saved_level = logging.NOTSET
-
-    def _run(self) -> None:
-        t0, frame, written = time.perf_counter(), 0, ""
-        if not self.tty and self.done.wait(self.quiet_s):
-            return
-        while True:
-            label = self.label
-            if self.tty:
-                self.stream.write(f"\r\033[K{self.FRAMES[frame % 4]} {label} {time.perf_counter() - t0:.1f} s")
-            elif label != written:
-                self.stream.write(f"autoremat: {label} ...\n")
-            self.stream.flush()
-            frame, written = frame + 1, label
-            if self.done.wait(0.1):
-                break
-        if self.tty:
-            self.stream.write("\r\033[K")  # erase the spinner line
-            self.stream.flush()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # A logger filter, not a handler: adding a handler would stop logging's last resort from
-        # printing the library's warnings to stderr, as it does without one.
-        if record.levelno == logging.INFO:
-            self.label = record.getMessage()
-        return True
-
-    def __enter__(self) -> Progress:
-        self.saved_level = self.logger.level
-        if self.logger.getEffectiveLevel() > logging.INFO:
-            self.logger.setLevel(logging.INFO)  # INFO records are not even made below that
-        self.logger.addFilter(self)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.done.set()
-        self.thread.join()
-        self.logger.removeFilter(self)
-        self.logger.setLevel(self.saved_level)
-
-
-# Loading the model --------------------------------------------------------------------------
-
-def load_target(target: str) -> Callable:
-    """`path/to/file.py:factory` or `package.module:factory` -> the factory."""
-    where, sep, attr = target.rpartition(":")
-    if not sep or not where or not attr:
-        raise UsageError(f"target must be path/to/file.py:factory or package.module:factory; got {target!r}")
-    if where.endswith(".py") or os.sep in where or "/" in where:
-        path = Path(where)
-        if not path.is_file():
-            raise UsageError(f"no such file: {where}")
-        # Let the file import its neighbours, as it could when run as a script.
-        sys.path.insert(0, str(path.resolve().parent))
-        name = f"_autoremat_target_{path.stem}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses and pickling look the module up by name
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            raise UsageError(f"importing {where} failed: {type(e).__name__}: {e}") from e
-    else:
-        # A console script does not have the working directory on sys.path; `python -m` does.
-        sys.path.insert(0, os.getcwd())
-        try:
-            module = importlib.import_module(where)
-        except ModuleNotFoundError as e:
-            raise UsageError(f"cannot import module {where!r}: {e}") from e
-        except Exception as e:
-            raise UsageError(f"importing {where} failed: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise UsageError(f"{where} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise UsageError(f"{where}:{attr} is a {type(obj).__name__}, not a callable factory")
-    return obj
-
-
-def factory_kwargs(factory: Callable, name: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Keep only what the user asked for, and refuse what the factory cannot take."""
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return options  # builtins without a signature: let the call itself complain
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return options
-    accepted = [n for n, p in params.items()
-                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    unknown = [k for k in options if k not in accepted]
-    if unknown:
-        flags = ", ".join(f"--{k}" if k in ("batch", "seq") else f"--opt {k}=..." for k in unknown)
-        raise UsageError(f"{name}() does not accept {flags}; it accepts: {', '.join(accepted) or 'nothing'}")
-    return options
-
-
-def build(factory: Callable, name: str, kwargs: dict[str, Any], device: str) -> tuple[Any, Any]:
-    import torch
-
-    try:
-        with torch.device(device):
-            result = factory(**kwargs)
-    except Exception as e:
-        raise UsageError(f"{name}({_call_args(kwargs)}) raised {type(e).__name__}: {e}") from e
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
-        raise UsageError(f"{name}() must return (model, example_inputs) with an nn.Module first; "
-                         f"got {type(result).__name__}")
-    inputs = result[1]
-    values = inputs.values() if isinstance(inputs, dict) else inputs if isinstance(inputs, (tuple, list)) else [inputs]
-    empty = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor) and v.numel() == 0]
-    if empty:  # a step over nothing would get a plan for 0-byte inputs: a wrong answer, not an error
-        raise UsageError(f"{name}({_call_args(kwargs)}) returned an example input with no elements (shape "
-                         f"{empty[0]}); every input needs at least one element: check the batch and length options")
-    return result
-
-
-def _call_args(kwargs: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-
-
-@contextlib.contextmanager
-def quiet_meta_warnings() -> Iterator[None]:
-    # Tracing the backward of meta tensors makes torch warn that some ops (nll_loss) have no
-    # autograd kernel for the meta key; the joint graph is still right, so this says nothing useful.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
-        yield
-
-
-# Commands -----------------------------------------------------------------------------------
-
 def cmd_plan(args: argparse.Namespace) -> int:
     import autoremat
     from autoremat.units import format_bytes
@@ -288,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, inputs = build(factory, name, kwargs, "meta")
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    print(f"autoremat: {args.target}({_call_args(kwargs)}): {n_params:,} parameters "
+    print(f"autoremat: {args.target}({call_args(kwargs)}): {n_params:,} parameters "
           f"({format_bytes(param_bytes)}), planning on meta tensors", file=sys.stderr)
     note = "planned on meta tensors: no real memory was used, op times are roofline estimates"
     try:
@@ -326,7 +165,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autoremat.plots import plot_pareto
 
         with Progress("solving at other budgets"):
-            points = pareto_points(opt_model, plan, args)
+            from autoremat.pipeline import pareto_points
+
+            points = pareto_points(opt_model._planner.profiles, plan, args.device or "cpu", solver=args.solver,
+                                   time_limit=args.time_limit)
         print()
         print(format_pareto(points, plan))
         plot_pareto(points, (plan.budget, plan.overhead), args.pareto)
@@ -377,37 +219,6 @@ def _check_device(name: str) -> None:
         get_device(name)
     except (ValueError, TypeError) as e:
         raise UsageError(f"unknown --device {name!r}; known devices: {', '.join(known_devices())}") from e
-
-
-def pareto_points(opt_model: Any, plan: Any, args: argparse.Namespace, count: int = 8) -> list[tuple[int, float]]:
-    """(budget, predicted overhead) at `count` budgets from the smallest that fits to no recomputation."""
-    from autoremat.backend import plan_graphs
-    from autoremat.devices import get_device
-    from autoremat.ledger import Ledger
-    from autoremat.plan import BudgetError
-    from autoremat.solver import smallest_peak
-
-    profiles = opt_model._planner.profiles
-    dev = get_device(args.device or "cpu")
-    fixed = Ledger.from_dict(plan.ledger).fixed
-    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=args.solver,
-                             time_limit=args.time_limit)
-    low = fixed + smallest.peak
-    high = fixed + max(plan.baseline_peak, plan.activation_peak)
-    budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
-    forward = plan.forward_time_s or 1.0
-    points = []
-    for b in budgets:
-        try:
-            # A fresh ledger each time: plan_graphs records the budget it was given in it.
-            decision = plan_graphs(profiles, b, Ledger.from_dict(plan.ledger), dev, solver=args.solver,
-                                   time_limit=args.time_limit)
-        except BudgetError:
-            if b != low:
-                continue
-            decision = smallest  # at the very edge the search can miss what the min-peak plan reached
-        points.append((b, decision.recompute_time_s / forward))
-    return points
 
 
 def format_pareto(points: list[tuple[int, float]], plan: Any) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autoremat import Plan, cli
+from autoremat import Plan, cli, cli_support
 
 torch.set_num_threads(1)
 
@@ -224,7 +224,7 @@ def test_parser_names_match_the_library():
 
 def test_progress_shows_the_library_stages(caplog):
     stream = io.StringIO()  # not a terminal: one line per stage
-    stages = logging.getLogger(cli.PROGRESS_LOGGER)
+    stages = logging.getLogger(cli_support.PROGRESS_LOGGER)
     level = stages.level
 
     def written(text: str) -> bool:
@@ -233,7 +233,7 @@ def test_progress_shows_the_library_stages(caplog):
             time.sleep(0.05)
         return text in stream.getvalue()
 
-    with caplog.at_level(logging.WARNING, logger=cli.PROGRESS_LOGGER), cli.Progress("planning", stream, quiet_s=0):
+    with caplog.at_level(logging.WARNING, logger=cli_support.PROGRESS_LOGGER), cli.Progress("planning", stream, quiet_s=0):
         assert written("planning")
         stages.info("solving the ILP")
         stages.warning("a warning still reaches the handlers")

@@ -1,0 +1,308 @@
+"""The pipeline `optimize` runs for one input shape: trace, plan jointly, compile, verify.
+
+    capture every graph of the step -> plan them jointly under one budget -> compile with the plan
+    -> run one real step in the accumulation steady state and measure it -> re-plan with the
+    measured gap, or refuse with BudgetError: the budget never passes silently.
+
+`build` is that pipeline for given compute dtypes; `plan_precision` chooses the dtypes first
+(precision="bf16" / "fp16" / "auto", autoremat.mixed) and checks the result against fp32 and
+torch.autocast on the example batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoremat import mixed
+from autoremat.cache import PlanCache
+from autoremat.devices import get_device
+from autoremat.ledger import Ledger
+from autoremat.plan import SLACK, BudgetError, Plan, build_plan
+from autoremat.planner import (
+    CapturePlanner,
+    Restore,
+    StaleCache,
+    check_cached,
+    compile_and_trace,
+    log,
+    plan_graphs,
+    plan_jointly,
+    progress,
+    require_graphs,
+)
+from autoremat.solver import smallest_peak
+from autoremat.units import format_bytes
+
+
+def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
+           opts, compiler, args, kwargs, verify, where, fp32_ops, regions) -> tuple[Plan, Any, CapturePlanner]:
+    """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it."""
+    pre = mixed.pre_pass(dtypes, fp32_ops) if any(dtypes) else None
+    key: list[str] = []
+    lookup = None
+    if store is not None:
+        def lookup(fp: str) -> Plan | None:
+            key.append(store.key(fp, fields))
+            return store.load(key[-1])
+
+    def make(lookup: Callable | None = None) -> CapturePlanner:
+        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=regions, **opts)
+
+    planner = make(lookup)
+    progress.info("capturing the training step")
+    try:
+        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+    except StaleCache as e:
+        log.warning("autoremat: ignoring cached plan %s (%s)", store.path(key[-1]), e)
+        store.discard(key[-1])
+        planner = make()
+        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+    require_graphs(model, planner)
+    if planner.cached is not None:
+        hit = check_cached(planner, budget, ledger, dev)
+        if hit is not None:
+            hit.notes.append(f"plan loaded from the cache ({store.path(key[-1])}); re-simulated, not solved")
+            return hit, compiled, planner
+        log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(key[-1]))
+        store.discard(key[-1])
+        planner = make()
+        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+    plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
+    if verify and where.type != "meta":
+        plan, compiled, planner = verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler,
+                                                 args, kwargs, opts, where)
+    elif where.type == "meta":
+        plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
+    plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
+    if dtypes:
+        plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
+        plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
+    if store is not None and key:
+        store.store(key[0], plan, fields)
+    return plan, compiled, planner
+
+
+def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where):
+    """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
+
+    The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
+    the real peak pass the budget. The measured gap is reserved, the graphs (all of them: they share
+    the step) are planned again, and the new plan is measured too. A plan that still does not fit
+    is never returned: BudgetError says what was measured.
+    """
+    progress.info("verifying the plan on a real step")
+    measured = measure_step(model, compiled, planner, args, kwargs, where)
+    if measured is None:
+        # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
+        # counter): the measurement includes tracing and says nothing about the plan.
+        plan.notes.append("the model recompiled on its second call (it changes Python state that dynamo guards "
+                          "on, e.g. a global); not verified, and later calls recompile too")
+        return plan, compiled, planner
+    plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
+                      f"peak {measured} B, predicted {plan.activation_peak} B")
+    if ledger.fixed + measured <= budget:
+        return plan, compiled, planner
+    gap = measured - plan.activation_peak
+    reserve = Ledger.from_dict(dict(ledger.to_dict(),
+                                    notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
+    reserve.inputs += gap
+    progress.info("re-planning with %d bytes the memory model did not predict", gap)
+    decision = plan_graphs(planner.profiles, budget, reserve, dev, **opts)
+    new = build_plan(planner.profiles, decision, ledger, budget, dev.name)
+    new.notes += plan.notes + [f"re-planned with {gap} B reserved for memory the model did not predict"]
+    applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=new, pre_pass=planner.pre_pass,
+                       regions=planner.regions, **opts)
+    compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+    again = measure_step(model, compiled, applier, args, kwargs, where)
+    if again is not None and ledger.fixed + again > budget:
+        raise BudgetError(
+            f"budget {format_bytes(budget)} ({budget} bytes) was not met on a real step: the plan predicted "
+            f"{format_bytes(ledger.fixed + plan.activation_peak)} but measured {format_bytes(ledger.fixed + measured)}; "
+            f"re-planned with the {format_bytes(gap)} difference reserved, it measured "
+            f"{format_bytes(ledger.fixed + again)}. The memory model misses something this model allocates; a "
+            f"budget of {format_bytes(ledger.fixed + again + SLACK)} holds the re-planned step.\n{ledger.format()}",
+            ledger, None)
+    if again is not None:
+        new.notes.append(f"verified the re-planned step: measured activation peak {again} B")
+    return new, compiled, applier
+
+
+def measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
+    """Activation bytes of one real step in the accumulation steady state, state restored after.
+
+    Every trainable parameter has a `.grad` already (zeros), as on every micro-step after the
+    first, so what autograd allocates on top of the gradient buffers is what is measured. None if
+    the call traced again instead of running the plan.
+    """
+    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
+
+    def step() -> None:
+        out = compiled(*args, **kwargs)  # held through the backward, as a training loop holds it
+        loss_of(out).backward()
+
+    traced = len(planner.profiles)
+    with Restore(model), torch.enable_grad():
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        _, m = measure_peak(step, device=where, baseline_bytes=0)
+    if len(planner.profiles) != traced:
+        return None
+    return m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """Something to call backward on: the output if scalar, else the sum of every float output."""
+    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(leaves) == 1 and leaves[0].numel() == 1:
+        return leaves[0]
+    if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    return sum(t.float().sum() for t in leaves)
+
+
+def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, args, kwargs, where, fp32_ops,
+                    store, fields):
+    """precision="bf16" | "fp16" | "auto": choose dtypes, then plan the step traced with them.
+
+    "auto" first plans in fp32 (the fallback, and the memory the mixed plan must not exceed), then
+    solves the joint dtype ILP on the fp32 graphs, traces with its dtypes and plans exactly. The
+    result is checked on the example batch against fp32 and against torch.autocast; while its loss
+    or gradient error is above autocast's, the tolerance is cut and the dtypes chosen again.
+    """
+    with Restore(model), torch.enable_grad():
+        an = mixed.analyse(model, args, kwargs, dev, fp32_ops, measure=where.type != "meta")
+    info: dict[str, Any] = {"mode": mode}
+    if mode in ("bf16", "fp16"):
+        dtypes, unsafe = mixed.fixed_dtypes(an, mode)
+        plan, compiled, planner = build(budget, dtypes, store, fields)
+        if unsafe:
+            plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
+                              f"kept in fp32: {', '.join(unsafe[:8])}")
+            info["kept_fp32_unsafe"] = unsafe
+    else:
+        tol = an.default_tolerance() if tolerance is None else float(tolerance)
+        info["tolerance"] = tol
+        try:
+            fp32 = build(budget, [], None, fields)
+        except BudgetError:
+            fp32 = None
+        cap = budget - ledger.fixed - SLACK
+        if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
+            cap = min(cap, fp32[0].activation_peak)
+        result, why = None, "the joint ILP found no dtypes within the budget"
+        for attempt in range(3):
+            dtypes = mixed.auto_dtypes(an, cap, tol, dev, **opts)
+            if dtypes is not None and not any(dtypes):
+                why = "the joint ILP chose fp32 for every call (16-bit is not faster here and not needed to fit)"
+                break
+            if dtypes is None:
+                break
+            try:
+                result = build(min(budget, ledger.fixed + cap + SLACK), dtypes, store, fields)
+            except BudgetError:
+                result, why = None, "the ILP's dtypes did not fit once traced"
+                cap = int(cap * 0.95)  # the mixed graphs need more than the fp32-traced rows saw
+                continue
+            errors = precision_errors(model, result[1], args, kwargs, where)
+            result[0].precision.update(errors)
+            if as_accurate_as_autocast(errors):
+                break
+            why = f"after {attempt + 1} tries the mixed plan's error was still above autocast's"
+            result, tol = None, tol / 4
+        if result is None and fp32 is not None:
+            result = fp32
+            result[0].notes.append(f"precision='auto' kept every call in fp32: {why}")
+        elif result is None:  # fp32 does not fit: autocast's choice, every castable call in bf16
+            result = build(budget, mixed.fixed_dtypes(an, "bf16")[0], store, fields)  # BudgetError if not
+            errors = precision_errors(model, result[1], args, kwargs, where)
+            result[0].precision.update(errors)
+            result[0].notes.append("precision='auto': fp32 does not fit and the joint ILP's dtypes did not fit or "
+                                   "were less accurate than autocast; every castable call runs in bf16")
+            if not as_accurate_as_autocast(errors):
+                result[0].notes.append("this all-bf16 plan's error is above autocast's on the example batch "
+                                       "(see plan.precision); no plan within the budget was as accurate")
+        plan, compiled, planner = result
+        info["dtypes_chosen_by"] = "ilp (joint with save/recompute)" if plan.precision.get("dtypes") else "fp32"
+    stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
+    picked = plan.precision.get("dtypes") or []
+    info["error_estimate"] = mixed.error_estimate(an, picked) if an.stats and any(an.stats) else None
+    info["calls"] = stats
+    plan.precision = {**info, **plan.precision}
+    if where.type != "meta" and "loss_rel_err" not in plan.precision and picked:
+        plan.precision.update(precision_errors(model, compiled, args, kwargs, where))
+    plan.budget = budget
+    return plan, compiled, planner
+
+
+def as_accurate_as_autocast(errors: dict[str, float]) -> bool:
+    # "As accurate" up to the rounding of the fp32 results compared: each relative error is measured
+    # from a value and a reference that are each within one fp32 rounding (eps / 2) of what they stand
+    # for, so two errors equal before rounding can differ by 2 * eps after it. Without this margin a
+    # loss one ulp from fp32's counted as less accurate than autocast's loss that landed exactly on it.
+    margin = 2 * torch.finfo(torch.float32).eps
+    return (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"] + margin
+            and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"] + margin)
+
+
+def precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
+    """Relative error of the loss and of all gradients versus fp32 eager, for the compiled step and
+    for torch.autocast(bf16) on the same batch (same random stream, state restored after each)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def run(fn, autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        with Restore(model):
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            for p in params:
+                p.grad = None
+            amp = torch.autocast(where.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+            with torch.enable_grad(), amp:
+                loss = loss_of(fn(*args, **kwargs))
+            loss.backward()
+            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
+                               for p in params])
+            return loss.detach().double(), grads
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        den = b.norm().item()
+        return (a - b).norm().item() / den if den else float((a - b).norm().item())
+
+    progress.info("measuring the precision errors against fp32 and autocast")
+    ref_loss, ref_grads = run(model)
+    ac_loss, ac_grads = run(model, autocast=True)
+    loss, grads = run(compiled)
+    return {"loss_rel_err": rel(loss, ref_loss), "grad_rel_err": rel(grads, ref_grads),
+            "autocast_loss_rel_err": rel(ac_loss, ref_loss), "autocast_grad_rel_err": rel(ac_grads, ref_grads)}
+
+
+
+
+def pareto_points(profiles: list, plan: Plan, device: str, *, solver: str = "auto", time_limit: float = 10.0,
+                  count: int = 8) -> list[tuple[int, float]]:
+    """(budget, predicted recompute overhead) at `count` budgets from the smallest that fits to none."""
+    dev = get_device(device)
+    fixed = Ledger.from_dict(plan.ledger).fixed
+    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=solver, time_limit=time_limit)
+    low = fixed + smallest.peak
+    high = fixed + max(plan.baseline_peak, plan.activation_peak)
+    budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
+    forward = plan.forward_time_s or 1.0
+    points = []
+    for b in budgets:
+        try:
+            # A fresh ledger each time: plan_graphs records the budget it was given in it.
+            decision = plan_graphs(profiles, b, Ledger.from_dict(plan.ledger), dev, solver=solver,
+                                   time_limit=time_limit)
+        except BudgetError:
+            if b != low:
+                continue
+            decision = smallest  # at the very edge the search can miss what the min-peak plan reached
+        points.append((b, decision.recompute_time_s / forward))
+    return points

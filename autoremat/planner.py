@@ -1,0 +1,419 @@
+"""The planning machinery every face uses: from AOTAutograd's joint graphs to a plan and a compiled step.
+
+`Planner` is AOTAutograd's partition callback: it profiles each joint graph and either applies a
+given plan to it or solves for it on its own. `plan_graphs` solves the graphs of one step jointly
+under what the ledger leaves of the budget. `CapturePlanner` is `optimize`'s: its first trace only
+profiles (a graph cannot know the ones after it), then `plan_jointly` plans every graph of the step
+together and `compile_and_trace` compiles the step with that plan (autoremat.pipeline runs these
+stages and verifies the result on a real step). The torch.compile face (autoremat.backend) builds
+its own step planner on `Planner`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoremat.capture import CapturedGraph, aot_backend, compile_fresh, default_split
+from autoremat.devices import DeviceSpec, get_device
+from autoremat.heuristics import Decision, evaluate, save_all
+from autoremat.ledger import Ledger, optimizer_state_bytes
+from autoremat.memory import make_schedule
+from autoremat.passes import split
+from autoremat.plan import SLACK, BudgetError, Plan, build_plan, merge_plans
+from autoremat.profile import GraphProfile, calibrate_scratch, fingerprint, profile_graph
+from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.units import format_bytes, parse_budget
+
+log = logging.getLogger("autoremat")
+# One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
+# and the CLI's spinner does (planning a large model takes seconds to minutes).
+progress = logging.getLogger("autoremat.progress")
+
+
+class PlanMismatch(ValueError):
+    """A saved plan was applied to a graph it was not made for."""
+
+
+def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Ledger:
+    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state."""
+    nodes = list(cg.joint.graph.nodes)
+    primals = [n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    outs = list(torch.utils._pytree.arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
+    grads = outs[cg.num_fwd_outputs:]
+    static = set(cg.static_input_indices)
+
+    def nbytes(n: fx.Node) -> int:
+        v = n.meta.get("val")
+        size = v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
+        return -(-size // granularity) * granularity
+
+    params = [p for i, p in enumerate(primals) if i in static]
+    trainable = [p for i, p in enumerate(primals) if i in static and i < len(grads) and grads[i] is not None]
+    inputs = [p for i, p in enumerate(primals) if i not in static]
+    notes: list[str] = []
+    state = optimizer_state_bytes(optimizer, [p.meta["val"] for p in trainable], granularity=granularity,
+                                  notes=notes)
+    return Ledger(
+        parameters=sum(map(nbytes, params)),
+        gradients=sum(map(nbytes, trainable)),
+        optimizer_state=state,
+        inputs=sum(map(nbytes, inputs)),
+        notes=notes,
+    )
+
+
+def budget_or_memory(budget: int | None, device: DeviceSpec) -> int:
+    """The budget in bytes; without one, the device's memory, or no limit at all on a CPU."""
+    return budget if budget is not None else device.memory_bytes or 2**62
+
+
+class Planner:
+    """Partition callback: plan (or re-apply a plan to) every joint graph AOTAutograd produces."""
+
+    def __init__(
+        self,
+        budget: int | str | None,
+        *,
+        optimizer: Any = "adamw",
+        device: DeviceSpec | str | torch.device | None = None,
+        ledger: Ledger | None = None,
+        plan: Plan | None = None,
+        solver: str = "auto",
+        time_limit: float = 10.0,
+        gap: float = DEFAULT_GAP,
+        calibrate: bool = True,
+    ) -> None:
+        self.calibrate = calibrate
+        self.budget = parse_budget(budget) if budget is not None else None
+        self.optimizer = optimizer
+        self.device = get_device(device) if device is not None else None
+        self.ledger = ledger
+        self.plan = plan
+        self.solver = solver
+        self.time_limit = time_limit
+        self.gap = gap
+        self.profiles: list[GraphProfile] = []
+        self.plans: list[Plan] = []  # one per graph planned on its own
+        self._reported: set[str] = set()  # graphs whose internal error was logged already
+
+    def _device(self, cg: CapturedGraph) -> DeviceSpec:
+        return self.device or get_device("cpu" if cg.device == "meta" else cg.device)
+
+    def _profile(self, cg: CapturedGraph) -> GraphProfile:
+        gp = profile_graph(cg, self._device(cg))
+        if self.calibrate:
+            try:
+                calibrate_scratch(cg, gp)
+            except RuntimeError as e:  # the caller runs a torch profiler, and profilers cannot nest
+                if "already active" not in str(e):
+                    raise
+                gp.notes.append("op scratch not measured: a torch profiler was running while this graph compiled")
+        self.profiles.append(gp)
+        return gp
+
+    def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        dev = self._device(cg)
+        gp = self._profile(cg)
+        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity)
+        if self.plan is not None:
+            saved = self._saved_from_plan(gp, cg.index)
+        else:
+            decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
+                                   gap=self.gap)
+            plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
+            self.plans.append(plan)
+            log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
+            saved = decision.saved[0]
+
+        def need(fallback: set[str]) -> tuple[int, Ledger]:
+            _, tl, _ = evaluate([gp], [fallback], dev.alloc_granularity)
+            return ledger.fixed + tl.peak + SLACK, ledger
+
+        return self._split(cg, gp, set(saved), need, budget_or_memory(self.budget, dev))[0]
+
+    def _split(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str],
+               need: Callable[[set[str]], tuple[int, Ledger]], limit: int) -> tuple[tuple, set[str]]:
+        """The forward and backward modules for `saved`, and the saved set they really use.
+
+        An internal inconsistency (the graph passes and the schedule disagree) is our bug, not the
+        user's: it is logged once per graph, and the graph falls back to PyTorch's default partition
+        (every value the backward reads is saved) if that fits `limit`; `need(saved)` says what the
+        step needs with it. Otherwise a BudgetError says so.
+        """
+        try:
+            return split(cg, make_schedule(gp, saved)), saved
+        except Exception as e:  # noqa: BLE001 - any failure here is an internal error, see above
+            fallback = save_all([gp])[0]
+            if gp.fingerprint not in self._reported:
+                self._reported.add(gp.fingerprint)
+                log.error("autoremat internal error on graph %d (%s, %d nodes): %s: %s. Falling back to saving "
+                          "every value the backward reads for this graph. Please report this model.",
+                          cg.index, gp.fingerprint, len(gp.nodes), type(e).__name__, e, exc_info=True)
+            needed, ledger = need(fallback)
+            if needed > limit:
+                raise BudgetError(
+                    f"autoremat internal error while applying the plan to graph {cg.index} ({type(e).__name__}: "
+                    f"{e}); the fallback, saving every value the backward reads, needs {format_bytes(needed)} "
+                    f"({needed} bytes), more than the budget of {format_bytes(limit)}. Please report this model; "
+                    "meanwhile a budget that large runs it.", ledger, needed) from e
+            return default_split(cg), fallback
+
+    def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
+        matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
+        for g in sorted(matches, key=lambda g: g.index != index):  # same position first
+            return set(g.saved)
+        raise PlanMismatch(
+            f"the plan was made for graph(s) {[g.fingerprint for g in self.plan.graphs]}, but the model "
+            f"traced to graph {gp.fingerprint} ({len(gp.nodes)} nodes): the model, its input shapes or "
+            "dtypes, or the torch version differ. Plan again instead of re-applying this plan."
+        )
+
+    @property
+    def combined_plan(self) -> Plan | None:
+        return merge_plans(self.plans) if self.plans else None
+
+
+def plan_graphs(
+    profiles: list[GraphProfile],
+    budget: int | None,
+    ledger: Ledger,
+    device: DeviceSpec,
+    *,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+    gap: float = DEFAULT_GAP,
+) -> Decision:
+    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
+    budget = budget_or_memory(budget, device)
+    activations = budget - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars, held by no graph
+    try:
+        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
+            smallest = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver,
+                                     time_limit=time_limit)
+            raise Infeasible(smallest, "the fixed parts and optimizer.step()'s temporaries exceed the budget")
+        return solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
+                     time_limit=time_limit, gap=gap)
+    except Infeasible as e:
+        raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
+
+
+@contextlib.contextmanager
+def own_errors():
+    """Our errors (BudgetError, PlanMismatch) raised inside a backend reach the user unwrapped."""
+    try:
+        yield
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, (BudgetError, PlanMismatch)):
+            raise inner from None
+        raise
+
+
+
+class StaleCache(PlanMismatch):
+    """A cached plan that does not apply to the graph being traced: plan afresh."""
+
+
+class CapturePlanner(Planner):
+    """`optimize`'s planner: the plan cache in front of the solver, and forgiving once planning is done.
+
+    lookup(fingerprint) -> Plan | None is asked when the first graph arrives (fingerprints exist only
+    after tracing). Once `optimize` has returned (`strict = False`), a graph that no plan was made
+    for (a new input shape, eval mode) is planned on its own instead of raising PlanMismatch, and a
+    graph identical to one already planned (a recompile caused by a guard on Python state) reuses
+    that plan instead of solving again.
+    """
+
+    def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
+                 pre_pass: Callable | None = None, regions: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
+        self.regions = regions  # one graph per repeated block (autoremat.regions)
+        self.lookup = lookup
+        self.cached: Plan | None = None
+        self.strict = True
+
+    def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fp = fingerprint(cg.joint)
+        if self.plan is None and self.lookup is not None and not self.profiles:
+            self.plan = self.cached = self.lookup(fp)
+        if self.cached is not None and self.plan is self.cached:
+            try:
+                return super().__call__(cg)
+            except Exception as e:  # a cache entry is never trusted: any failure means plan afresh
+                raise StaleCache(f"cached plan does not apply: {type(e).__name__}: {e}") from None
+        if self.plan is None and self.strict:
+            return self._capture(cg)
+        known = [g.fingerprint for p in ([self.plan] if self.plan else []) + self.plans for g in p.graphs]
+        if not self.strict and fp not in known and self.plan is not None:
+            log.warning("autoremat: graph %s is new (input shapes or mode changed): planning it on its own", fp)
+            return self._with_plan(None, cg)
+        if self.plan is None and fp in known:
+            # An identical repeated block (regions), or a recompile caused by a guard on Python state
+            # (then verification notes it, and dynamo runs eagerly past its recompile limit).
+            log.info("autoremat: graph %s is identical to one planned already: reusing its plan", fp)
+            return self._with_plan(next(p for p in self.plans if fp in {g.fingerprint for g in p.graphs}), cg)
+        return super().__call__(cg)
+
+    def _capture(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The first trace: profile the graph and run it unplanned (saving what the backward reads).
+
+        The graphs of a step share its budget, and a graph cannot know the ones after it (graph
+        breaks, regions), so nothing is solved here: `optimize` plans every graph jointly once the
+        whole step has been seen, then compiles again with that plan.
+        """
+        self._profile(cg)
+        return default_split(cg)
+
+    def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        kept, self.plan = self.plan, plan
+        try:
+            return super().__call__(cg)
+        finally:
+            self.plan = kept
+
+
+class CaptureError(ValueError):
+    """torch.compile captured no graph of the training step, so nothing could be planned."""
+
+
+def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
+    """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
+    if planner.profiles:
+        return
+    reasons = [r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]][-3:]
+    raise CaptureError(
+        f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
+        "budget could not be held: dynamo ran the whole forward eagerly. A graph break inside a loop (e.g. "
+        "torch._dynamo.graph_break() or an unsupported call in `for block in self.blocks:`) makes dynamo skip the "
+        "frame. Remove the break, or move it out of the loop." + (f" Graph breaks seen: {reasons}" if reasons else ""))
+
+
+def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
+    """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
+    cached, profiles = planner.cached, planner.profiles
+    if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
+        return None
+    try:
+        _, tl, cost = evaluate(profiles, [set(g.saved) for g in cached.graphs], dev.alloc_granularity)
+    except Exception:  # names that are not in the graph, a value nobody may recompute
+        return None
+    if ledger.fixed + max(tl.peak, ledger.optimizer_step) + SLACK > budget:
+        return None
+    plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
+    plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
+    ledger.activations = tl.peak
+    plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
+    return plan
+
+
+class Restore:
+    """Leave no trace of a planning step: buffers (BatchNorm stats), gradients and RNG as they were."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.grads = [p.grad for p in self.model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), self.buffers):
+                b.copy_(saved)
+        for p, g in zip(self.model.parameters(), self.grads):
+            p.grad = g
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def describe(args: tuple, kwargs: dict) -> str:
+    def one(a: Any) -> str:
+        return f"Tensor{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+
+
+def _original_error(e: BaseException) -> BaseException | None:
+    """The user-level exception dynamo wrapped (e.g. a shape mismatch in a matmul), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if not type(e).__module__.startswith("torch._dynamo"):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _DropFakeTensorLog(logging.Filter):
+    """Fake-tensor propagation logs a full traceback before re-raising; we report the error ourselves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _DropFakeTensorLog()
+    logger.addFilter(quiet)
+    try:
+        yield
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        cause = _original_error(e)
+        why = f"{type(cause).__name__}: {cause}" if cause else str(e).splitlines()[0]
+        if cause is None:
+            m = re.search(r"got (\w+)\('(.*?)'\)", str(e))
+            why = f"{m.group(1)}: {m.group(2)}" if m else why
+        raise ValueError(f"example_inputs do not fit the model: {type(model).__name__} cannot run on "
+                         f"({describe(args, kwargs)}): {why}") from None
+    finally:
+        logger.removeFilter(quiet)
+
+
+def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
+    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
+                                                regions=planner.regions))
+    with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
+        out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
+    del out
+    _reshard(model)
+    return compiled
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """A forward with no backward leaves FSDP2's gathered parameters in place; put the shards back."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts):
+    """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan."""
+    profiles = planner.profiles
+    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                  sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
+    decision = plan_graphs(profiles, budget, ledger, dev, **opts)
+    plan = build_plan(profiles, decision, ledger, budget, dev.name)
+    progress.info("compiling the planned step")
+    if len(profiles) > 1:
+        plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
+                          "jointly under one budget")
+    applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
+                       regions=planner.regions, **opts)
+    compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+    return plan, compiled, applier
