@@ -30,6 +30,7 @@ from autoremat.capture import CapturedGraph, aot_backend
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import Decision, checkpoint_blocks, evaluate, save_all
 from autoremat.ledger import Ledger, parameter_bytes, storage_key
+from autoremat.measure import StepWindow
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.planner import Planner, budget_or_memory, plan_graphs
 from autoremat.profile import GraphProfile
@@ -87,6 +88,11 @@ class StepPlanner(Planner):
         self._applied: frozenset[str] = frozenset()
         self._uses = 0
         self._dev: DeviceSpec | None = self.device
+        self.verified: set[tuple[_Use, ...]] = set()  # planned steps a real run measured within the budget
+        self._window: StepWindow | None = None  # measuring the step under way
+        self._where: torch.device | None = None  # the device the step's tensors are on
+        self._said_unverified = False
+        self._refusal: BudgetError | None = None  # a planned step measured over the budget and not re-planned
 
     def run(self, use: _Use, args: tuple) -> Any:
         """One call of a compiled graph: place it in its step, compile it if needed, check it, run it."""
@@ -94,6 +100,10 @@ class StepPlanner(Planner):
             return self._compiled(use, None, args)[0](*args)
         if self.backward_seen:
             self._end_step()
+        if self._refusal is not None:
+            raise self._refusal
+        if not self.step:
+            self._open_window()
         call = _Call(use, self._planned(use))
         self.step.append(call)
         try:
@@ -116,6 +126,56 @@ class StepPlanner(Planner):
 
     def _saw_backward(self, grad: torch.Tensor) -> None:
         self.backward_seen = True
+        if self._window is not None:
+            self._window.close_after_backward()
+
+    def _open_window(self) -> None:
+        """A planned step not yet measured is about to run: measure it to the end of its backward."""
+        if self._window is not None:  # the last one never finished a backward
+            self._window.cancel()
+            self._window = None
+        if not [s for s in self.steps if s not in self.verified] or self._where is None:
+            return
+        if self._where.type != "cuda":  # see measure.StepWindow: only the CUDA allocator's counters will do
+            if not self._said_unverified:
+                self._said_unverified = True
+                log.info("autoremat: the torch.compile backend verifies planned steps on CUDA only; on %s use "
+                         "autoremat.optimize, which measures a step itself", self._where.type)
+            return
+        params = [p for ref, _ in self._param_bytes.values() if (p := ref()) is not None]
+        self._window = StepWindow(self._where, params, self._check_measured)
+
+    def _check_measured(self, activations: int) -> None:
+        """The end of a measured backward (`activations`: its measured peak above the fixed bytes): the
+        step fits, or is planned again with the gap reserved, or the next step is refused."""
+        self._window = None
+        calls, key = self.step, tuple(c.use for c in self.step)
+        if key not in self.steps:
+            return  # not a planned step (its first run, at frugal plans, was checked call by call)
+        ledger, limit = self._ledger(calls), budget_or_memory(self.budget, self._dev)
+        if ledger.fixed + activations <= limit:
+            self.verified.add(key)
+            return
+        predicted = self._need(calls, self.steps[key])[2].peak
+        gap = activations - predicted
+        log.warning("autoremat: a planned step measured %s over its prediction (memory outside the graphs, or "
+                    "scratch the model did not see); planning it again with that reserved", format_bytes(gap))
+        ledger.inputs += gap
+        profiles = [c.use.gp for c in calls]
+        try:
+            decision = plan_graphs(profiles, self.budget, ledger, self._dev, solver=self.solver,
+                                   time_limit=self.time_limit, gap=self.gap)
+        except BudgetError as e:
+            self._refusal = BudgetError(
+                f"budget {format_bytes(limit)} ({limit} bytes) was not met on a real step: it measured "
+                f"{format_bytes(ledger.fixed - gap + activations)} against a prediction of "
+                f"{format_bytes(ledger.fixed - gap + predicted)}, and with the difference reserved no plan fits "
+                f"({str(e).splitlines()[0]})", e.ledger, e.smallest_budget)
+            return
+        self.steps[key] = [frozenset(s) for s in decision.saved]
+        plan = build_plan(profiles, decision, ledger, self.budget or 0, self._dev.name)
+        plan.notes.append(f"re-planned after a real step measured {gap} B over the prediction")
+        self.step_plans.append(plan)
 
     def _planned(self, use: _Use) -> frozenset[str] | None:
         at = len(self.step)
@@ -132,6 +192,7 @@ class StepPlanner(Planner):
         for a in args:
             if not isinstance(a, torch.Tensor):
                 continue
+            self._where = self._where or a.device
             if isinstance(a, torch.nn.Parameter) or (a.is_leaf and a.requires_grad):
                 kept = self._param_bytes.get(id(a))
                 if kept is None or kept[0]() is not a:
@@ -146,6 +207,9 @@ class StepPlanner(Planner):
     def _compiled(self, use: _Use, saved: frozenset[str] | None, args: tuple) -> tuple[Callable, frozenset[str]]:
         """The compiled step for `saved` (None: frugal) and the saved set it really uses; compiles on a miss."""
         if saved not in use.compiled:
+            if self._window is not None:  # compiling allocates, and calibration runs a profiler of its own:
+                self._window.cancel()     # this run says nothing about the plan; the next one is measured
+                self._window = None
             self._request, count = (use, saved), len(self.profiles)
             try:
                 fn = self.compile_fn(use.gm, list(args))  # real inputs: static shapes

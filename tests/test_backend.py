@@ -242,3 +242,71 @@ def test_real_model_near_its_floor():
     _, m = measure_peak(lambda: step(compiled), baseline_objs=(model, ids, labels))
     fixed = 4 * sum(p.numel() * p.element_size() for p in model.parameters()) + ids.nbytes + labels.nbytes
     assert fixed + m.delta_peak_bytes <= budget
+
+
+@torch._dynamo.disable
+def _eager_gate(x: torch.Tensor) -> torch.Tensor:
+    """Outside every graph: autograd saves x and sigmoid(x), which no graph's plan sees."""
+    return torch.sigmoid(x) * x
+
+
+class EagerBetween(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Block(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(_eager_gate(self.a(x))).square().mean()
+
+
+def _steps(compiled, x, n: int) -> None:
+    for _ in range(n):
+        compiled(x).backward()
+
+
+def _measured(compiled, model, x) -> int:
+    """One steady-state step's activation bytes, as the backend's CUDA window (measure.StepWindow)
+    hands them to the planner at the end of a backward: the CPU has no such window, so the test
+    measures the same step with the profiler and gives the planner the figure."""
+    _, m = measure_peak(lambda: compiled(x).backward(), baseline_objs=(model, x))
+    return m.delta_peak_bytes
+
+
+def test_a_planned_step_measured_over_the_budget_is_planned_again_with_the_gap_reserved():
+    torch.manual_seed(0)
+    model, x = EagerBetween(), torch.randn(BATCH, TOKENS, D)
+    roomy = autoremat.backend(budget=10**12)
+    _steps(torch.compile(model, backend=roomy), x, 2)
+    # The step is checked call by call on its first run, at each call's most frugal plan; above that,
+    # saving everything fits on paper, and only the gate's hidden tensors break the budget.
+    budget = max(roomy.planner.step_plans[-1].predicted_peak, roomy.planner.smallest_budget) + 1024
+    torch._dynamo.reset()
+    be = autoremat.backend(budget=budget)
+    compiled = torch.compile(model, backend=be)
+    _steps(compiled, x, 3)  # 1: each call checked; 2: planned jointly, compiled; 3: runs the joint plan
+    fixed = Ledger.from_dict(be.planner.step_plans[-1].ledger).fixed
+    over = _measured(compiled, model, x)
+    assert fixed + over > budget, "the gate's hidden tensors should break the joint plan's budget"
+    be.planner._check_measured(over)
+    assert any("over the prediction" in n for n in be.planner.step_plans[-1].notes)
+    _steps(compiled, x, 1)  # compiles the new plan
+    within = _measured(compiled, model, x)
+    assert fixed + within <= budget
+    be.planner._check_measured(within)
+    assert be.planner.verified
+
+
+def test_a_planned_step_that_cannot_hold_what_it_measured_is_refused():
+    torch.manual_seed(0)
+    model, x = EagerBetween(), torch.randn(BATCH, TOKENS, D)
+    probe = autoremat.backend(budget=10**12)
+    _steps(torch.compile(model, backend=probe), x, 1)
+    torch._dynamo.reset()
+    # The first run's floor, each call at its most frugal plan: the joint plan fits under it with little
+    # to spare, not with the gate's hidden tensors on top.
+    be = autoremat.backend(budget=probe.planner.smallest_budget)
+    compiled = torch.compile(model, backend=be)
+    _steps(compiled, x, 3)
+    be.planner._check_measured(_measured(compiled, model, x))
+    with pytest.raises(autoremat.BudgetError, match="not met on a real step"):
+        compiled(x).backward()
