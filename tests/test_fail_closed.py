@@ -163,10 +163,14 @@ def test_a_larger_batch_that_cannot_fit_raises():
         om(_x(batch=256)).backward()
 
 
-def test_many_shapes_warn_once_past_the_recompile_limit(caplog, monkeypatch):
+def test_many_shapes_warn_once_past_the_recompile_limit(caplog):
     """Each shape has its own compiled step (dynamo's recompile limit never sends one to eager
     unplanned); past the limit's count of shapes, a warning says what each new one costs."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    with torch._dynamo.config.patch(recompile_limit=2):  # config.patch: monkeypatch would delete the option
+        _many_shapes(caplog)
+
+
+def _many_shapes(caplog) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Block(16), nn.Tanh())
     om = autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(2, 16),), verify=False)

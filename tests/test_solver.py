@@ -21,7 +21,7 @@ from autoremat.plan import Ledger, build_plan
 from autoremat.profile import profile_graph
 from examples import models
 
-backend_module = importlib.import_module("autoremat.backend")  # autoremat.backend is also a function
+planner_module = importlib.import_module("autoremat.planner")  # where every face calls the solver
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +148,13 @@ def test_smallest_peak_path_when_greedy_does_not_fit_either(stack, monkeypatch):
 
 def test_gap_and_time_limit_reach_the_solver(monkeypatch):
     seen = {}
-    real = backend_module.solve
+    real = planner_module.solve
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(backend_module, "solve", spy)
+    monkeypatch.setattr(planner_module, "solve", spy)
     torch.manual_seed(0)
     model, ex = models.mlp(batch=256, width=32, depth=3)
     base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False).plan
