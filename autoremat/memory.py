@@ -295,6 +295,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         saved_alive.append(list(sched.saved))
         release_at(scope)
     tl.boundary = heap.live
+    passed_on = _passed_on(graphs)
     for scope in reversed(range(n)):
         (g, sched), saved = graphs[scope], saved_alive[scope]
         heap.scope = scope
@@ -303,7 +304,10 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
             heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
         # Saved values were counted once each by the forward; the backward now owns those
         # references, and gradients are held until the graph returns them.
-        held = set(g.grad_outputs) | set(g.fw_outputs) | (set(tangents) if TANGENTS_HELD else set())
+        # A forward output that only later regions read (not the caller) is theirs, not held: if this
+        # backward saved it, it dies at its last use here, after those regions' backwards.
+        caller_held = set(g.fw_outputs) - passed_on[scope]
+        held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
         _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
@@ -311,6 +315,20 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
                 heap.drop(p.storage)
         release_at(2 * n - 1 - scope)
     return tl
+
+
+def _passed_on(graphs: list[tuple[GraphProfile, Schedule]]) -> list[set[str]]:
+    """Per graph, its forward outputs that only later regions read: neither the caller nor the user holds them."""
+    position = {g.index: i for i, (g, _) in enumerate(graphs)}
+    passed: list[set[str]] = [set() for _ in graphs]
+    for j, (g, _) in enumerate(graphs):
+        for index, output in g.sources.values():
+            k = position.get(index)
+            if k is not None and k < j and output < len(graphs[k][0].user_outputs):
+                name = graphs[k][0].user_outputs[output]
+                if name is not None and name not in graphs[k][0].exported:
+                    passed[k].add(name)
+    return passed
 
 
 def handed_over(graphs: list[tuple[GraphProfile, Schedule]]) -> dict[int, list[tuple[int, str]]]:

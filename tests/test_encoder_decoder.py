@@ -28,7 +28,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 def _t5() -> tuple[torch.nn.Module, dict]:
     config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=D_FF, num_layers=1, num_decoder_layers=1, num_heads=4,
                       relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.1,
-                      decoder_start_token_id=0, pad_token_id=0)
+                      decoder_start_token_id=0, pad_token_id=0, use_cache=False)
     torch.manual_seed(0)
     model = T5ForConditionalGeneration(config)  # training mode: dropout is on
     inputs = {"input_ids": torch.randint(1, 64, (2, ENCODER_TOKENS // 2)), "labels": torch.randint(1, 64, (2, 8))}
