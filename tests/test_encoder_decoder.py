@@ -13,6 +13,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 import autoremat
 from autoremat.measure import measure_peak
 from autoremat.plan import Ledger
+from tests.budgets import budget_range
 
 D_FF, ENCODER_TOKENS = 64, 2 * 12
 # Recomputation only reorders fp32 rounding. The longest chain behind a gradient element is about a
@@ -41,20 +42,6 @@ def _grads(model: torch.nn.Module, fn, inputs: dict) -> tuple[torch.Tensor, list
     loss = fn(**inputs).loss
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-
-def _budget_range(model: torch.nn.Module, inputs: dict) -> tuple[int, int]:
-    big = autoremat.optimize(model, budget=10**12, example_inputs=inputs, verify=False)
-    fixed = Ledger.from_dict(big.plan.ledger).fixed
-    hi = fixed + big.plan.baseline_peak
-    with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=fixed + 1, example_inputs=inputs, verify=False)
-    lo = err.value.smallest_budget
-    try:  # the verified plan may reserve scratch the memory model missed: that raises the floor
-        autoremat.optimize(model, budget=lo, example_inputs=inputs)
-    except autoremat.BudgetError as verified:
-        lo = verified.smallest_budget
-    return lo, max(lo, hi)
 
 
 def _check_budget(model: torch.nn.Module, inputs: dict, state: dict, ref_loss, ref,
@@ -103,7 +90,8 @@ def test_t5_three_budgets():
     model, inputs = _t5()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref_loss, ref = _grads(model, model, inputs)
-    lo, hi = _budget_range(model, inputs)
+    lo, hi = budget_range(model, inputs)
+    hi = max(lo, hi)
     peaks = [_check_budget(model, inputs, state, ref_loss, ref, int(lo + frac * (hi - lo)))[1]
              for frac in (1.0, 0.5, 0.0)]
     assert peaks == sorted(peaks, reverse=True), peaks  # smaller budget, never a larger peak

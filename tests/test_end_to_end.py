@@ -8,6 +8,7 @@ import torch
 import autoremat
 from autoremat.measure import measure_peak
 from examples import models
+from tests.budgets import budget_range
 from tests.tolerances import assert_close_for, batch_depth
 
 MODELS = ["mlp", "transformer_stack", "convnet", "dict_output", "gpt2", "llama"]
@@ -16,20 +17,6 @@ SIZES = {"mlp": {"batch": 1024}}  # at batch 64 the MLP's peak is its gradients:
 
 def _call(model, ex):
     return models.loss_of(model(*ex) if isinstance(ex, tuple) else model(**ex))
-
-
-def _budget_range(model, ex):
-    big = autoremat.optimize(model, budget=10**12, example_inputs=ex, verify=False)
-    ledger = autoremat.plan.Ledger.from_dict(big.plan.ledger)
-    hi = ledger.fixed + big.plan.baseline_peak
-    with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, verify=False)
-    lo = err.value.smallest_budget
-    try:  # the verified plan may reserve scratch the memory model missed: that raises the floor
-        autoremat.optimize(model, budget=lo, example_inputs=ex)
-    except autoremat.BudgetError as verified:
-        lo = verified.smallest_budget
-    return lo, hi
 
 
 def _grads(model, ex, fn, seed=1):
@@ -46,7 +33,7 @@ def test_budgets_hold_and_gradients_are_exact(name):
     model, ex = getattr(models, name)(**SIZES.get(name, {}))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref_loss, ref = _grads(model, ex, model)
-    lo, hi = _budget_range(model, ex)
+    lo, hi = budget_range(model, ex)
     assert lo <= hi + 1024  # equal when recomputation cannot lower the peak (reported with 1 KiB slack)
     hi = max(lo, hi)
     peaks = []
@@ -79,7 +66,7 @@ def test_dropout_is_never_recomputed_with_fresh_randomness():
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=64, seq=32, dropout=0.5)
     _, ref = _grads(model, ex, model)
-    lo, hi = _budget_range(model, ex)
+    lo, hi = budget_range(model, ex)
     om = autoremat.optimize(model, budget=lo + (hi - lo) // 20, example_inputs=ex)
     assert om.plan.graphs[0].recomputed, "a tight budget should recompute something"
     _, grads = _grads(model, ex, om)
@@ -107,7 +94,7 @@ def test_batchnorm_running_stats_update_once_per_step():
     torch.manual_seed(0)
     model, ex = models.convnet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    lo, hi = _budget_range(model, ex)
+    lo, hi = budget_range(model, ex)
     om = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex)
     for k, v in model.state_dict().items():  # planning left no trace
         torch.testing.assert_close(v, before[k])
@@ -170,7 +157,7 @@ def test_budget_errors_name_the_smallest_budget():
 def test_plan_round_trips_and_reapplies(tmp_path):
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=64, seq=16)
-    lo, hi = _budget_range(model, ex)
+    lo, hi = budget_range(model, ex)
     om = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex)
     path = tmp_path / "plan.json"
     om.plan.save(path)

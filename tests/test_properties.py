@@ -20,6 +20,7 @@ from autoremat.capture import capture
 from autoremat.measure import measure_peak
 from autoremat.plan import Ledger
 from autoremat.profile import profile_graph
+from tests.budgets import budget_range
 
 # No shrinking in CI: a failure is reported as drawn (shrinking costs minutes); regression cases are below.
 settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True, print_blob=True,
@@ -124,27 +125,14 @@ def _grads(model, fn, x):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _budget_range(model, ex):
-    big = autoremat.optimize(model, budget=10**12, example_inputs=ex, verify=False)
-    fixed = Ledger.from_dict(big.plan.ledger).fixed
-    hi = fixed + big.plan.baseline_peak
-    with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=fixed + 1, example_inputs=ex, verify=False)
-    lo = err.value.smallest_budget
-    try:  # the verified plan may reserve scratch the memory model missed: that raises the floor
-        autoremat.optimize(model, budget=lo, example_inputs=ex)
-    except autoremat.BudgetError as verified:
-        lo = verified.smallest_budget
-    return lo, max(lo, hi)
-
-
 def check(kinds, frozen, shape, frac, seed):
     torch.manual_seed(seed)
     model = Grammar(kinds, shape[2], frozen)
     x = torch.randn(*shape)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref_loss, ref = _grads(model, model, x)
-    lo, hi = _budget_range(model, (x,))
+    lo, hi = budget_range(model, (x,))
+    hi = max(lo, hi)
     budget = int(lo + frac * (hi - lo))
     model.load_state_dict(state)
     om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
