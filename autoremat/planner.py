@@ -216,7 +216,6 @@ def own_errors():
         raise
 
 
-
 class StaleCache(PlanMismatch):
     """A cached plan that does not apply to the graph being traced: plan afresh."""
 
@@ -225,10 +224,11 @@ class CapturePlanner(Planner):
     """`optimize`'s planner: the plan cache in front of the solver, and forgiving once planning is done.
 
     lookup(fingerprint) -> Plan | None is asked when the first graph arrives (fingerprints exist only
-    after tracing). Once `optimize` has returned (`strict = False`), a graph that no plan was made
-    for (a new input shape, eval mode) is planned on its own instead of raising PlanMismatch, and a
-    graph identical to one already planned (a recompile caused by a guard on Python state) reuses
-    that plan instead of solving again.
+    after tracing). The first trace only profiles (`_capture`). Once `optimize` has returned
+    (`strict = False`), a graph identical to one already planned (an identical block, or a recompile
+    caused by a guard on Python state) reuses that plan, and a graph that no plan was made for (the
+    same input shape traced to another graph by such a recompile: new shapes get a pipeline of their
+    own, see api.RematModule) is planned on its own rather than raising PlanMismatch.
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
@@ -253,7 +253,8 @@ class CapturePlanner(Planner):
             return self._capture(cg)
         known = [g.fingerprint for p in ([self.plan] if self.plan else []) + self.plans for g in p.graphs]
         if not self.strict and fp not in known and self.plan is not None:
-            log.warning("autoremat: graph %s is new (input shapes or mode changed): planning it on its own", fp)
+            log.warning("autoremat: graph %s is new (dynamo recompiled the step to another graph, e.g. on a guard on "
+                        "Python state): planning it on its own, unverified", fp)
             return self._with_plan(None, cg)
         if self.plan is None and fp in known:
             # An identical repeated block (regions), or a recompile caused by a guard on Python state
