@@ -149,9 +149,23 @@ def measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         _, m = measure_peak(step, device=where, baseline_bytes=0)
-    if len(planner.profiles) != traced:
-        return None
-    return m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
+    measured = None if len(planner.profiles) != traced else (
+        m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes)
+    return _agreed(measured, where)
+
+
+def _agreed(measured: int | None, where: torch.device) -> int | None:
+    """Under torch.distributed every rank must take the same decision (keep, re-plan or refuse): one
+    rank refusing while the others train would leave them waiting in a collective (seen: FSDP2 on a
+    loaded CPU, where the two ranks measured differently). The largest measurement decides for all."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return measured
+    if torch.distributed.get_world_size() == 1:
+        return measured
+    value = torch.tensor([-1 if measured is None else measured], dtype=torch.int64,
+                         device=where if where.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return None if value.item() < 0 else int(value.item())
 
 
 def loss_of(out: Any) -> torch.Tensor:
