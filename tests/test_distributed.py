@@ -39,9 +39,10 @@ MODEL = dict(n_layer=2, d=64, seq=16, batch=4)
 # save-everything peak (~2.4 MB): the planner has to recompute something.
 BUDGET = "2.3MB"
 # The fsdp ledger pays for a gathered block and its prefetched neighbour. Under FSDP2 on CPU the
-# verification step measures ~0.6 MB more than the graphs predict (memory outside them that the model
-# does not see) and re-plans with it reserved; at 2.45MB that leaves nothing and optimize refuses.
-FSDP_BUDGET = "3.1MB"
+# verification step measures 0.4-0.6 MB more than the graphs predict (memory outside them that the
+# model does not see), and that varies by ~0.1 MB from run to run; optimize re-plans with it reserved.
+# At 2.45MB that leaves nothing and optimize refuses; at 3.1MB a re-planned step sometimes measured over.
+FSDP_BUDGET = "3.3MB"
 BUCKET_MB = 0.1  # DDP gradient buckets of 100 KiB: the 400 KB model spans several
 
 
