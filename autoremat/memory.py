@@ -279,7 +279,11 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
     heap = _Heap(granularity)
     tl = Timeline()
     saved_alive: list[list[str]] = []
-    release = handed_over(graphs)
+    handoffs = region_handoffs([g for g, _ in graphs])
+    release = handed_over(graphs, handoffs)
+    passed_on: list[set[str]] = [set() for _ in graphs]  # outputs only later regions read: no caller holds them
+    for k, name in handoffs:
+        passed_on[k].add(name)
     n = len(graphs)
 
     def release_at(moment: int) -> None:
@@ -295,7 +299,6 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         saved_alive.append(list(sched.saved))
         release_at(scope)
     tl.boundary = heap.live
-    passed_on = _passed_on(graphs)
     for scope in reversed(range(n)):
         (g, sched), saved = graphs[scope], saved_alive[scope]
         heap.scope = scope
@@ -317,21 +320,24 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
     return tl
 
 
-def _passed_on(graphs: list[tuple[GraphProfile, Schedule]]) -> list[set[str]]:
-    """Per graph, its forward outputs that only later regions read: neither the caller nor the user holds them."""
-    position = {g.index: i for i, (g, _) in enumerate(graphs)}
-    passed: list[set[str]] = [set() for _ in graphs]
-    for j, (g, _) in enumerate(graphs):
-        for index, output in g.sources.values():
+def region_handoffs(profiles: list[GraphProfile]) -> dict[tuple[int, str], list[tuple[int, str]]]:
+    """The values regions hand later regions, and nobody else holds: {(producer's position, its output):
+    [(consumer's position, the consumer's primal)]}. A value the user also sees (`exported`) is not one."""
+    position = {g.index: i for i, g in enumerate(profiles)}
+    found: dict[tuple[int, str], list[tuple[int, str]]] = {}
+    for j, g in enumerate(profiles):
+        for primal, (index, output) in g.sources.items():
             k = position.get(index)
-            if k is not None and k < j and output < len(graphs[k][0].user_outputs):
-                name = graphs[k][0].user_outputs[output]
-                if name is not None and name not in graphs[k][0].exported:
-                    passed[k].add(name)
-    return passed
+            if k is None or k >= j or output >= len(profiles[k].user_outputs):
+                continue
+            name = profiles[k].user_outputs[output]
+            if name is not None and name not in profiles[k].exported:
+                found.setdefault((k, name), []).append((j, primal))
+    return found
 
 
-def handed_over(graphs: list[tuple[GraphProfile, Schedule]]) -> dict[int, list[tuple[int, str]]]:
+def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
+                handoffs: dict[tuple[int, str], list[tuple[int, str]]]) -> dict[int, list[tuple[int, str]]]:
     """When the values one region hands later regions die: {moment: [(graph position, output)]}.
 
     Moments count the forwards 0..n-1, then the backwards n..2n-1 (the last graph's first). A
@@ -340,26 +346,19 @@ def handed_over(graphs: list[tuple[GraphProfile, Schedule]]) -> dict[int, list[t
     Every other forward output is held to the end of the step, as the caller holds it.
     """
     n = len(graphs)
-    position = {g.index: i for i, (g, _) in enumerate(graphs)}
-    last: dict[tuple[int, str], int] = {}
-    for j, (g, sched) in enumerate(graphs):
-        if not g.sources:
-            continue
-        read_back = {i for name in sched.backward for i in g.nodes[name].inputs}
-        for primal, (index, output) in g.sources.items():
-            k = position.get(index)
-            if k is None or k >= j or output >= len(graphs[k][0].user_outputs):
-                continue
-            producer, producer_sched = graphs[k]
-            name = producer.user_outputs[output]
-            if (name is None or name in producer.exported or name in producer_sched.saved
-                    or producer.nodes[name].kind != "forward"):
-                continue
-            moment = 2 * n - 1 - j if primal in read_back else j
-            last[(k, name)] = max(last.get((k, name), -1), moment)
+    read_back: dict[int, set[str]] = {}  # per consumer: what its backward (recomputation included) reads
     moments: dict[int, list[tuple[int, str]]] = {}
-    for key, moment in last.items():
-        moments.setdefault(moment, []).append(key)
+    for (k, name), consumers in handoffs.items():
+        producer, producer_sched = graphs[k]
+        if name in producer_sched.saved or producer.nodes[name].kind != "forward":
+            continue  # its own backward holds it (released there), or it owns no storage of its own
+        last = -1
+        for j, primal in consumers:
+            if j not in read_back:
+                g, sched = graphs[j]
+                read_back[j] = {i for node in sched.backward for i in g.nodes[node].inputs}
+            last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
+        moments.setdefault(last, []).append((k, name))
     return moments
 
 
@@ -429,15 +428,7 @@ def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[
     """Per graph, its forward outputs' (bytes, position of the last region that reads them, or None
     if the caller holds them to the end of the step): an upper bound on `handed_over`, for the ILP,
     which cannot know yet what each region saves."""
-    position = {g.index: i for i, g in enumerate(graphs)}
-    last: dict[tuple[int, str], int] = {}
-    for j, g in enumerate(graphs):
-        for index, output in g.sources.values():
-            k = position.get(index)
-            if k is not None and k < j and output < len(graphs[k].user_outputs):
-                name = graphs[k].user_outputs[output]
-                if name is not None and name not in graphs[k].exported:
-                    last[(k, name)] = max(last.get((k, name), -1), j)
+    last = {key: max(j for j, _ in consumers) for key, consumers in region_handoffs(graphs).items()}
     spans = []
     for k, g in enumerate(graphs):
         roots = {g.nodes[o].storage: o for o in g.fw_outputs if g.nodes[o].storage}

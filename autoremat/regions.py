@@ -10,7 +10,7 @@ DDP's reducer and FSDP2 see every gradient as they do in eager mode.
 
 The cut is made on the dynamo graph, before AOTAutograd traces it (the way torch's DDPOptimizer
 cuts graphs into gradient buckets): nodes are grouped by the repeated block their nn.Module belongs
-to (`memory.block_of`), in graph order, with whatever runs before the first block (embeddings) and
+to (`block_of` below), in graph order, with whatever runs before the first block (embeddings) and
 after the last (final norm, head, loss) as regions of their own. Each region is then compiled by
 AOTAutograd on its own and reaches the planner as one more graph of the step; the planner already
 plans the graphs of a step jointly under one budget.
