@@ -21,7 +21,7 @@ from autoremat import mixed
 from autoremat.cache import PlanCache
 from autoremat.devices import get_device
 from autoremat.ledger import Ledger
-from autoremat.plan import SLACK, BudgetError, Plan, build_plan
+from autoremat.plan import SLACK, BudgetError, Plan
 from autoremat.planner import (
     CapturePlanner,
     Restore,
@@ -111,12 +111,10 @@ def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler
                                     notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
     reserve.inputs += gap
     progress.info("re-planning with %d bytes the memory model did not predict", gap)
-    decision = plan_graphs(planner.profiles, budget, reserve, dev, **opts)
-    new = build_plan(planner.profiles, decision, ledger, budget, dev.name)
-    new.notes += plan.notes + [f"re-planned with {gap} B reserved for memory the model did not predict"]
-    applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=new, pre_pass=planner.pre_pass,
-                       regions=planner.regions, **opts)
-    compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+    new, compiled, applier = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts,
+                                          reserve=reserve)
+    new.notes += [n for n in plan.notes if n not in new.notes]
+    new.notes.append(f"re-planned with {gap} B reserved for memory the model did not predict")
     again = measure_step(model, compiled, applier, args, kwargs, where)
     if again is not None and ledger.fixed + again > budget:
         raise BudgetError(

@@ -403,18 +403,23 @@ def _reshard(model: torch.nn.Module) -> None:
             m.reshard()
 
 
-def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts):
-    """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan."""
+def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts,
+                 reserve: Ledger | None = None):
+    """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan.
+
+    `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
+    model does not predict); the plan still reports `ledger`.
+    """
     profiles = planner.profiles
     progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
                   sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
-    decision = plan_graphs(profiles, budget, ledger, dev, **opts)
+    decision = plan_graphs(profiles, budget, reserve or ledger, dev, **opts)
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
     progress.info("compiling the planned step")
     if len(profiles) > 1:
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
     applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
-                       regions=planner.regions, **opts)
+                             regions=planner.regions, **opts)
     compiled = compile_and_trace(model, applier, compiler, args, kwargs)
     return plan, compiled, applier
