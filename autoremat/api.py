@@ -41,9 +41,6 @@ from autoremat.solver import DEFAULT_GAP
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
-# One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
-# and the CLI's spinner does (planning a large model takes seconds to minutes).
-progress = logging.getLogger("autoremat.progress")
 
 
 class RematModule(torch.nn.Module):
@@ -55,17 +52,14 @@ class RematModule(torch.nn.Module):
     `plans` lists them; `plan` is the one made for the example inputs.
     """
 
-    def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner,
-                 key: tuple | None = None, plan_shape: Callable[[tuple, dict], tuple] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner, key: tuple,
+                 plan_shape: Callable[[tuple, dict], tuple[Plan, Any, Planner]]) -> None:
         super().__init__()
         self.model = model
-        self.plan = plan
-        self._compiled = compiled
+        self.plan = plan  # the example inputs' plan
         self._planner = planner
-        self._plan_shape = plan_shape
-        self._shapes: dict[tuple, tuple[Plan, Any, Planner]] = {}
-        if key is not None:
-            self._shapes[key] = (plan, compiled, planner)
+        self._plan_shape = plan_shape  # the whole pipeline for another input shape
+        self._shapes: dict[tuple, tuple[Plan, Any, Planner]] = {key: (plan, compiled, planner)}
 
     @property
     def num_graphs(self) -> int:
@@ -74,23 +68,20 @@ class RematModule(torch.nn.Module):
     @property
     def plans(self) -> list[Plan]:
         """One plan per input shape planned so far, the example inputs' first."""
-        return [p for p, _, _ in self._shapes.values()] or [self.plan]
+        return [p for p, _, _ in self._shapes.values()]
 
     @property
     def _planners(self) -> list[Planner]:
-        return [planner for _, _, planner in self._shapes.values()] or [self._planner]
+        return [planner for _, _, planner in self._shapes.values()]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.model(*args, **kwargs)  # no backward, nothing to plan: run eagerly
-        compiled = self._compiled
-        if self._plan_shape is not None:
-            key = input_key(self.model, args, kwargs)
-            if key not in self._shapes:
-                self._shapes[key] = self._new_shape(args, kwargs)
-            compiled = self._shapes[key][1]
+        key = input_key(self.model, args, kwargs)
+        if key not in self._shapes:
+            self._shapes[key] = self._new_shape(args, kwargs)
         with own_errors():
-            return compiled(*args, **kwargs)
+            return self._shapes[key][1](*args, **kwargs)
 
     def _new_shape(self, args: tuple, kwargs: dict) -> tuple[Plan, Any, Planner]:
         limit = torch._dynamo.config.recompile_limit
