@@ -262,18 +262,6 @@ def _version() -> str:
         return "0+local"
 
 
-def merge_plans(plans: list[Plan]) -> Plan:
-    """One Plan for graphs that were planned one at a time (the torch.compile face)."""
-    if len(plans) == 1:
-        return plans[0]
-    worst = max(plans, key=lambda p: p.predicted_peak)
-    merged = Plan(**{**worst.__dict__, "graphs": [g for p in plans for g in p.graphs]})
-    merged.forward_time_s = sum(p.forward_time_s for p in plans)
-    merged.recompute_time_s = sum(p.recompute_time_s for p in plans)
-    merged.notes = worst.notes + [f"{len(plans)} graphs were planned one at a time, each under the whole budget"]
-    return merged
-
-
 class BudgetError(ValueError):
     """The budget is below the smallest one any plan fits in; says which budget would fit."""
 

@@ -26,7 +26,7 @@ from autoremat.heuristics import Decision, evaluate, save_all
 from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
 from autoremat.passes import split
-from autoremat.plan import SLACK, BudgetError, Plan, build_plan, merge_plans
+from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.profile import GraphProfile, calibrate_scratch, fingerprint, profile_graph
 from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
 from autoremat.units import format_bytes, parse_budget
@@ -174,10 +174,6 @@ class Planner:
             f"traced to graph {gp.fingerprint} ({len(gp.nodes)} nodes): the model, its input shapes or "
             "dtypes, or the torch version differ. Plan again instead of re-applying this plan."
         )
-
-    @property
-    def combined_plan(self) -> Plan | None:
-        return merge_plans(self.plans) if self.plans else None
 
 
 def plan_graphs(
