@@ -161,10 +161,8 @@ class StepPlanner(Planner):
         log.warning("autoremat: a planned step measured %s over its prediction (memory outside the graphs, or "
                     "scratch the model did not see); planning it again with that reserved", format_bytes(gap))
         ledger.inputs += gap
-        profiles = [c.use.gp for c in calls]
         try:
-            decision = plan_graphs(profiles, self.budget, ledger, self._dev, solver=self.solver,
-                                   time_limit=self.time_limit, gap=self.gap)
+            self.steps[key], plan = self._solve(calls, ledger)
         except BudgetError as e:
             self._refusal = BudgetError(
                 f"budget {format_bytes(limit)} ({limit} bytes) was not met on a real step: it measured "
@@ -172,8 +170,6 @@ class StepPlanner(Planner):
                 f"{format_bytes(ledger.fixed - gap + predicted)}, and with the difference reserved no plan fits "
                 f"({str(e).splitlines()[0]})", e.ledger, e.smallest_budget)
             return
-        self.steps[key] = [frozenset(s) for s in decision.saved]
-        plan = build_plan(profiles, decision, ledger, self.budget or 0, self._dev.name)
         plan.notes.append(f"re-planned after a real step measured {gap} B over the prediction")
         self.step_plans.append(plan)
 
@@ -231,12 +227,8 @@ class StepPlanner(Planner):
         key = tuple(c.use for c in calls)
         if not calls or key in self.steps:
             return
-        profiles, ledger = [c.use.gp for c in calls], self._ledger(calls)
         try:
-            decision = plan_graphs(profiles, self.budget, ledger, self._dev, solver=self.solver,
-                                   time_limit=self.time_limit, gap=self.gap)
-            saved = [frozenset(s) for s in decision.saved]
-            plan = build_plan(profiles, decision, ledger, self.budget or 0, self._dev.name)
+            saved, plan = self._solve(calls, self._ledger(calls))
         except BudgetError:  # the solver found no plan it trusts; the plans that just ran fit
             saved = [c.saved for c in calls]
             plan = self._plan_of(calls, saved, "as first run")
@@ -245,6 +237,14 @@ class StepPlanner(Planner):
         self._candidates = list(self.steps)
         self.step_plans.append(plan)
         log.info("autoremat planned a step of %d graph call(s) jointly: %s", len(calls), plan.summary().splitlines()[1])
+
+    def _solve(self, calls: list[_Call], ledger: Ledger) -> tuple[list[frozenset[str]], Plan]:
+        """The calls of one step planned jointly under what `ledger` leaves: saved sets and the plan."""
+        profiles = [c.use.gp for c in calls]
+        decision = plan_graphs(profiles, self.budget, ledger, self._dev, solver=self.solver,
+                               time_limit=self.time_limit, gap=self.gap)
+        return [frozenset(s) for s in decision.saved], build_plan(profiles, decision, ledger, self.budget or 0,
+                                                                  self._dev.name)
 
     def _check_step(self) -> None:
         """The step so far, each call with the plan it runs, must fit; else a BudgetError before the call runs."""
