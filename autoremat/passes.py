@@ -8,6 +8,7 @@ exactly `Schedule.forward` and `Schedule.backward`, the order the memory model s
 from __future__ import annotations
 
 import inspect
+import operator
 
 import torch
 import torch.fx as fx
@@ -16,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node
 
 from autoremat.capture import CapturedGraph
 from autoremat.memory import Schedule
+from autoremat.profile import BATCH_NORM_WITH_STATS
 
 _EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
 
@@ -36,7 +38,47 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
         kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
-    return reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
+    fw, bw = reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
+    batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
+    return fw, bw
+
+
+_BATCH_NORM_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
+
+
+def batch_norm_without_running_stats(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """Recompute each training-mode batch norm of the backward without its running stats.
+
+    A recomputed `_native_batch_norm_legit_functional` would read the running-stat buffers, which
+    the runtime has updated in place since the forward (autograd's version check fails), and would
+    compute an update nobody uses. `_native_batch_norm_legit.no_stats` is the same kernel without
+    the update: from the same input it gives the same output, mean and rstd, bit for bit (see
+    `profile.recomputes_without_buffers`). The buffers, then read by nothing in the backward, are no
+    longer saved for it.
+    """
+    recomputed = [n for n in bw.graph.nodes if n.target is BATCH_NORM_WITH_STATS]
+    for n in recomputed:
+        x, weight, bias, _mean, _var, training, momentum, eps = n.args
+        if any(u.target is not operator.getitem or u.args[1] > 2 for u in n.users):
+            raise RuntimeError(f"autoremat internal error: the backward reads the running stats of {n.name}")
+        with bw.graph.inserting_before(n):
+            plain = bw.graph.call_function(_BATCH_NORM_NO_STATS, (x, weight, bias, training, momentum, eps))
+        plain.meta = {**n.meta, "val": tuple(n.meta["val"][:3])}
+        n.replace_all_uses_with(plain)
+        bw.graph.erase_node(n)
+    if not recomputed:
+        return
+    unread = {p.name for p in bw.graph.find_nodes(op="placeholder") if not p.users and p.name.startswith("primals")}
+    for p in [p for p in bw.graph.find_nodes(op="placeholder") if p.name in unread]:
+        bw.graph.erase_node(p)
+    out = next(iter(fw.graph.find_nodes(op="output")))
+    outs = list(out.args[0])
+    kept = outs[:num_fwd_outputs] + [o for o in outs[num_fwd_outputs:]
+                                     if not (isinstance(o, fx.Node) and o.name in unread)]
+    out.args = (tuple(kept),)
+    for gm in (fw, bw):
+        gm.graph.lint()
+        gm.recompile()
 
 
 def _check_same_nodes(gm: fx.GraphModule, order: list[str], what: str) -> None:

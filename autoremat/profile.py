@@ -136,6 +136,17 @@ def recompute_ban(node: fx.Node) -> str:
     return ""
 
 
+BATCH_NORM_WITH_STATS = torch.ops.aten._native_batch_norm_legit_functional.default
+
+
+def recomputes_without_buffers(node: fx.Node) -> bool:
+    """A training-mode batch norm reads the running stats only to update them: its output, mean and
+    rstd come from the batch alone. `passes.split` recomputes it as `_native_batch_norm_legit.no_stats`
+    on the same input, the same kernel minus the update, so the recomputed output is the forward's bit
+    for bit and the running stats are still updated once, by the forward."""
+    return node.target is BATCH_NORM_WITH_STATS and bool(node.args[5])
+
+
 def _flops(node: fx.Node) -> tuple[float, bool]:
     t = node.target
     if not isinstance(t, torch._ops.OpOverload):
@@ -223,11 +234,11 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             prof.tuple_parent = n.args[0].name
         if n.op == "call_function":
             prof.recompute_ban = recompute_ban(n)
-            if not prof.recompute_ban and mutated & set(prof.inputs):
+            if not prof.recompute_ban and mutated & set(prof.inputs) and not recomputes_without_buffers(n):
                 # The runtime writes the new value into the buffer after the forward, so a
                 # backward recomputation would read the updated buffer (and trip autograd's
-                # version check): e.g. BatchNorm reading its running stats.
-                prof.recompute_ban = "reads a buffer the forward updates (e.g. BatchNorm running stats)"
+                # version check).
+                prof.recompute_ban = "reads a buffer the forward updates"
             flops, matmul = _flops(n)
             moved = sum(_dense_bytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
             moved += sum(_dense_bytes(t) for t in _tensors(val))

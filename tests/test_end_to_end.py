@@ -106,6 +106,32 @@ def test_batchnorm_running_stats_update_once_per_step():
         torch.testing.assert_close(v, e, msg=k)
 
 
+def test_batchnorm_outputs_are_recomputed_exactly_and_stats_update_once():
+    """At its smallest budget a BatchNorm net recomputes batch norm in the backward (from the batch, without
+    the running stats): gradients and running stats equal eager's, so the stats were updated once, by the
+    forward (a second update would move them by a momentum step, far outside rounding)."""
+    torch.manual_seed(0)
+    model, ex = models.convnet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    eager = models.convnet()[0]
+    eager.load_state_dict(before)
+    lo, _ = budget_range(model, ex)
+    model.load_state_dict(before)
+    om = autoremat.optimize(model, budget=lo, example_inputs=ex)
+    recomputed = {n for g in om.plan.graphs for n in g.recomputed}
+    assert any(n.startswith("_native_batch_norm_legit_functional") for n in recomputed), sorted(recomputed)[:20]
+    model.load_state_dict(before)
+    _, grads = _grads(model, ex, om)
+    _, ref = _grads(eager, ex, eager)
+    for g, r in zip(grads, ref, strict=True):
+        assert_close_for(g, r, depth=batch_depth(ex))
+    for (k, v), (_, e) in zip(model.state_dict().items(), eager.state_dict().items()):
+        if v.is_floating_point():
+            assert_close_for(v, e, depth=batch_depth(ex), msg=k)
+        else:
+            assert torch.equal(v, e), k  # num_batches_tracked: one step
+
+
 def test_frozen_parameters_get_no_gradient():
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=64, seq=16)
