@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition
 
-from autoremat.regions import LINKS, RegionLinks, compile_regions
+from autoremat.regions import LINKS, RegionLinks, compile_regions, release_gradients, with_stand_ins
 
 
 @dataclass
@@ -180,7 +180,8 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     AOTAutograd traces it: the precision stage casts there.
     """
     counter = itertools.count()
-    compiling: dict[str, RegionLinks | None] = {"links": None}  # the region AOTAutograd is compiling now
+    # The region AOTAutograd is compiling now, and the parameters whose gradients it releases early.
+    compiling: dict[str, Any] = {"links": None, "released": []}
 
     def partition_fn(
         joint: fx.GraphModule,
@@ -190,6 +191,10 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         static_lifetime_input_indices: list[int] | None = None,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        links = compiling["links"]
+        if links is not None and compiler == "eager":  # Inductor lowers aten ops only, not our Python call
+            compiling["released"] = release_gradients(joint, num_fwd_outputs,
+                                                      set(static_lifetime_input_indices or []), links.shared)
         cg = CapturedGraph(
             joint=joint,
             num_fwd_outputs=num_fwd_outputs,
@@ -220,11 +225,13 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         aot = inner
 
         def one_region(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            compiling["links"] = gm.meta.get(LINKS)
+            compiling["links"], compiling["released"] = gm.meta.get(LINKS), []
             try:
-                return aot(gm, example_inputs)
+                compiled = aot(gm, example_inputs)
+                released = compiling["released"]
             finally:
-                compiling["links"] = None
+                compiling["links"], compiling["released"] = None, []
+            return with_stand_ins(compiled, released) if released else compiled
 
         inner = functools.partial(compile_regions, compile_one=one_region)
     if pre_pass is None:

@@ -132,7 +132,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
 
     recomputed: set[str] = set()
     needed_bw: set[str] = set()
-    stack = list(g.grad_outputs)
+    stack = [*g.grad_outputs, *g.released]
     while stack:
         name = stack.pop()
         p = nodes[name]

@@ -28,6 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
+from autoremat.regions import accumulate_grad
 
 # Namespaces whose ops we know to be pure functions of their inputs.
 PURE_NAMESPACES = {"aten", "prims"}
@@ -61,6 +62,8 @@ class GraphProfile:
     nodes: dict[str, NodeProfile]  # in the joint graph's order
     fw_outputs: list[str]  # what the forward returns to the user (incl. buffer updates)
     grad_outputs: list[str]  # gradient outputs of the backward (None entries dropped)
+    # backward nodes that hand a parameter's gradient to autograd as soon as it exists (regions.accumulate_grad)
+    released: list[str] = field(default_factory=list)
     index: int = 0  # position among the graphs of one step (graph breaks)
     fingerprint: str = ""
     device: str = "cpu"
@@ -100,6 +103,8 @@ def _target_name(node: fx.Node) -> str:
     t = node.target
     if t is operator.getitem:
         return "getitem"
+    if not isinstance(t, torch._ops.OpOverload) and hasattr(t, "__qualname__"):
+        return f"{t.__module__}.{t.__qualname__}"  # a Python function: no address in the fingerprint
     return str(t)
 
 
@@ -265,6 +270,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         nodes=nodes,
         fw_outputs=fw_outputs,
         grad_outputs=grad_outputs,
+        released=[n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is accumulate_grad],
         index=cg.index,
         fingerprint=fingerprint(gm),
         device=dev.name,

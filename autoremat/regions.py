@@ -6,7 +6,9 @@ of gradients alive on top of the `.grad` buffers (measured: 18.1 MiB against eag
 6-block stack at a tiny batch). Cut into one graph per repeated block (a transformer layer, a
 residual stage), each block's backward returns its own gradients as soon as it finishes, and
 autograd accumulates them there, through its own AccumulateGrad nodes: post-accumulate-grad hooks,
-DDP's reducer and FSDP2 see every gradient as they do in eager mode.
+DDP's reducer and FSDP2 see every gradient as they do in eager mode. Inside a region, each weight
+gradient is handed to that same AccumulateGrad node as soon as it is computed (`release_gradients`),
+so not even one block's gradients are alive together.
 
 The cut is made on the dynamo graph, before AOTAutograd traces it (the way torch's DDPOptimizer
 cuts graphs into gradient buckets): nodes are grouped by the repeated block their nn.Module belongs
@@ -21,10 +23,11 @@ from __future__ import annotations
 import operator
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.utils.weak
 from torch.fx.passes.split_module import split_module
 
 
@@ -118,6 +121,7 @@ class RegionLinks:
     sources: list[tuple[int, int] | None]  # per input: (producing region's position, its output index)
     outputs: int  # how many values this region returns
     exported: set[int]  # indices of the outputs the dynamo graph itself returns (the user sees them)
+    shared: set[int] = field(default_factory=set)  # indices of inputs another region reads too (tied weights)
 
 
 def _link(cut: fx.GraphModule) -> None:
@@ -131,9 +135,84 @@ def _link(cut: fx.GraphModule) -> None:
         if not any(u in produced for u in call.users):
             produced[call] = (position[call], 0)
     returned = {produced[a] for a in cut.graph.find_nodes(op="output")[0].all_input_nodes if a in produced}
+    readers = {p: sum(u in position for u in p.users) for p in cut.graph.find_nodes(op="placeholder")}
     for call in calls:
         sub = getattr(cut, str(call.target))
         sub.meta = dict(sub.meta)  # propagate_metadata gave every region the one dict of the whole graph
         outputs = max([o for (r, o) in produced.values() if r == position[call]], default=-1) + 1
         sub.meta[LINKS] = RegionLinks(position[call], [produced.get(a) for a in call.args], outputs,
-                                      {o for (r, o) in returned if r == position[call]})
+                                      {o for (r, o) in returned if r == position[call]},
+                                      {i for i, a in enumerate(call.args) if readers.get(a, 0) > 1})
+
+
+# --------------------------------------------------------------------------------------------
+# gradients that leave a region's backward as soon as they are computed
+
+# A parameter's detached stand-in, passed to a region's compiled step -> the parameter itself.
+_OWNER: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictionary()
+
+
+@torch.fx.node.has_side_effect
+def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor) -> None:
+    """Give one parameter's gradient to autograd now, in the middle of a region's backward.
+
+    `torch.autograd.backward` on the parameter itself runs autograd's own AccumulateGrad node for
+    it, through the engine (re-entrantly, as reentrant checkpointing does): `.grad` is added to in
+    place, and tensor hooks, post-accumulate-grad hooks and node hooks (DDP's reducer) fire as in
+    eager mode. The region then returns no gradient for the parameter: it was given its stand-in,
+    which has no autograd edge, so AccumulateGrad runs once per backward.
+    """
+    torch.autograd.backward(_OWNER[stand_in], grad)
+
+
+def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[int], shared: set[int]) -> list[int]:
+    """Rewrite a region's joint graph so that each parameter gradient leaves as soon as it exists.
+
+    A compiled region's backward returns its gradients when it ends, so all of one block's weight
+    gradients are alive together at its end (3 MiB for a d=256 transformer block, 800 MB for a 7B
+    layer) where eager mode accumulates each as soon as it is computed. After the rewrite, an
+    `accumulate_grad` node follows each parameter's gradient and the graph returns None for it;
+    the memory model sees the gradient die there. Returns the primal indices rewritten: the
+    caller passes stand-ins for those parameters (`with_stand_ins`).
+
+    Left as they are: parameters another region reads too (a tied embedding: eager mode sums its
+    gradients before one AccumulateGrad, and so must we); and in a region with no other input that
+    needs a gradient (the first block: its input is data), the smallest parameter, so that autograd
+    still differentiates the region at all.
+    """
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    out = joint.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    grads = outs[num_fwd_outputs:]
+    if len(grads) != len(primals):
+        return []
+    released = [i for i, g in enumerate(grads) if isinstance(g, fx.Node) and i in static and i not in shared]
+    if not any(isinstance(g, fx.Node) and i not in released for i, g in enumerate(grads)):
+        anchor = min(released, key=lambda i: primals[i].meta["val"].numel(), default=None)
+        released = [i for i in released if i != anchor]
+    for i in released:
+        with joint.graph.inserting_after(grads[i]):
+            node = joint.graph.call_function(accumulate_grad, (primals[i], grads[i]))
+        node.meta["val"] = None
+        outs[num_fwd_outputs + i] = None
+    out.args = (tuple(outs),)
+    joint.graph.lint()
+    joint.recompile()
+    return released
+
+
+def with_stand_ins(compiled: Callable, released: list[int]) -> Callable:
+    """`compiled` (a region rewritten by `release_gradients`) called with a detached stand-in for each
+    released parameter, so that its gradient reaches the parameter only through `accumulate_grad`."""
+    def run(*args: object) -> object:
+        if torch.is_grad_enabled():
+            args = list(args)
+            for i in released:
+                param = args[i]
+                if isinstance(param, torch.Tensor) and param.requires_grad:
+                    stand_in = param.detach()
+                    _OWNER[stand_in] = param
+                    args[i] = stand_in
+        return compiled(*args)
+
+    return run

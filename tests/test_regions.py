@@ -1,4 +1,4 @@
-"""Regions: a graph per repeated block, so each block's gradients reach `.grad` when its backward ends.
+"""Regions: a graph per repeated block, whose weight gradients reach `.grad` as soon as each is computed.
 
 Checked on real steps: autograd's own accumulation still runs (a post-accumulate-grad hook fires
 once per parameter per backward), gradients are eager's, the duplicate gradient set is gone from
@@ -93,6 +93,20 @@ def test_gradients_no_longer_leave_all_at_once():
                                                                                      om.plan.activation_peak)
     saved = peaks[False] - peaks[True]
     assert saved >= all_grads - 2 * per_block, (peaks, all_grads, per_block)
+
+
+def test_each_gradient_leaves_as_soon_as_it_is_computed():
+    """Inside a block's backward each weight gradient goes to `.grad` when it exists (regions.accumulate_grad),
+    not when the block's backward ends: at four tokens, where gradients are the step's memory, the steady-state
+    peak is below one block's gradients (holding a block's gradients to its end measured 257,448 B here against
+    199,936 B of gradients per block), and the plan predicts it."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=4, d=64, n_head=4, seq=4, batch=1, dropout=0.1)
+    per_block = min(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    peak = _steady(om, model, ex)
+    assert peak < per_block, (peak, per_block)
+    assert abs(peak - om.plan.activation_peak) <= 0.05 * peak, (peak, om.plan.activation_peak)
 
 
 @pytest.mark.parametrize("frac", [0.5, 0.0])
