@@ -31,6 +31,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import default_partition
 
 from autoremat.regions import LINKS, RegionLinks, compile_regions, release_gradients, with_stand_ins
+from autoremat.rng_replay import replay_random_draws
 
 
 @dataclass
@@ -191,8 +192,10 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         static_lifetime_input_indices: list[int] | None = None,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
+            replay_random_draws(joint)
         links = compiling["links"]
-        if links is not None and compiler == "eager":  # Inductor lowers aten ops only, not our Python call
+        if links is not None and compiler == "eager":
             compiling["released"] = release_gradients(joint, num_fwd_outputs,
                                                       set(static_lifetime_input_indices or []), links.shared)
         cg = CapturedGraph(

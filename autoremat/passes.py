@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node
 from autoremat.capture import CapturedGraph
 from autoremat.memory import Schedule
 from autoremat.profile import BATCH_NORM_WITH_STATS
+from autoremat.rng_replay import forward_draws_once
 
 _EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
 
@@ -40,6 +41,7 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
     fw, bw = reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
     batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
+    forward_draws_once(fw)
     return fw, bw
 
 

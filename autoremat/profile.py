@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.regions import accumulate_grad
+from autoremat.rng_replay import is_draw, is_replay
 
 # Namespaces whose ops we know to be pure functions of their inputs.
 PURE_NAMESPACES = {"aten", "prims"}
@@ -125,6 +126,10 @@ def recompute_ban(node: fx.Node) -> str:
     t = node.target
     if t is operator.getitem:
         return ""
+    if is_draw(t):
+        return "random op: recomputing it would draw fresh randomness (its draw is replayed instead)"
+    if is_replay(t):
+        return ""  # replays a saved generator state: the same draw every time
     if not isinstance(t, torch._ops.OpOverload):
         return f"unsupported op {t!r} (not an ATen op): saved, never recomputed"
     ns = t.namespace

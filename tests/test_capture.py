@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autoremat.capture
+from autoremat import rng_replay
 from autoremat.capture import LAYOUT_DECOMPOSITIONS, _native_dropout, capture
 from autoremat.profile import calibrate_scratch, profile_graph
 from examples import models
@@ -28,11 +29,18 @@ def test_dropout_decomposition_is_bit_exact_with_eager(shape, transpose, p):
     assert mask.dtype == torch.bool and torch.equal(mask, eager != 0)
 
 
-def test_dropout_mask_is_saved_not_the_output():
+def test_dropout_is_a_replayable_mask_not_the_fused_op():
+    """Dropout is a bool mask drawn by bernoulli (with the generator state saved before the draw) and a
+    replay of that draw from the state (autoremat.rng_replay), never the fused native_dropout."""
     model, ex = models.transformer_stack(n_layer=1, d=32, seq=8, dropout=0.2)
     (g,) = capture(model, ex)
-    ops = [str(n.target) for n in g.joint.graph.nodes if n.op == "call_function"]
-    assert "aten.bernoulli.p" in ops and "aten.native_dropout.default" not in ops
+    calls = [n for n in g.joint.graph.nodes if n.op == "call_function"]
+    assert not any(n.target is torch.ops.aten.native_dropout.default for n in calls)
+    draws = [n for n in calls if rng_replay.is_draw(n.target)]
+    replays = [n for n in calls if rng_replay.is_replay(n.target)]
+    assert len(draws) == len(replays) == 3  # attention probabilities and both residual branches
+    assert all(n.args[0] is torch.ops.aten.bernoulli.p for n in draws)
+    assert all(r.args[0].args[0] in draws for r in replays)  # each replays a saved state
 
 
 def test_meta_models_trace_their_loss_backward():
