@@ -37,6 +37,15 @@ from autoremat.planner import (
 from autoremat.solver import smallest_peak
 from autoremat.units import format_bytes
 
+# precision="auto": tries of the joint dtype ILP before falling back to fp32 (or all-bf16).
+AUTO_TRIES = 3
+# When the ILP's dtypes do not fit once traced, the next try asks for this share of the activation
+# cap: the mixed graphs need more than the fp32-traced rows saw (casts, 16-bit copies).
+AUTO_CAP_SHRINK = 0.95
+# When the mixed plan's measured error is above autocast's, the next try divides the tolerance by
+# this: the per-call errors add up to more than their sum on the example batch suggested.
+AUTO_TOLERANCE_DIVISOR = 4
+
 
 def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
            opts, compiler, args, kwargs, verify, where, fp32_ops, regions) -> tuple[Plan, Any, CapturePlanner]:
@@ -206,7 +215,7 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
         if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
             cap = min(cap, fp32[0].activation_peak)
         result, why = None, "the joint ILP found no dtypes within the budget"
-        for attempt in range(3):
+        for attempt in range(AUTO_TRIES):
             dtypes = mixed.auto_dtypes(an, cap, tol, dev, **opts)
             if dtypes is not None and not any(dtypes):
                 why = "the joint ILP chose fp32 for every call (16-bit is not faster here and not needed to fit)"
@@ -217,14 +226,14 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
                 result = build(min(budget, ledger.fixed + cap + SLACK), dtypes, store, fields)
             except BudgetError:
                 result, why = None, "the ILP's dtypes did not fit once traced"
-                cap = int(cap * 0.95)  # the mixed graphs need more than the fp32-traced rows saw
+                cap = int(cap * AUTO_CAP_SHRINK)
                 continue
             errors = precision_errors(model, result[1], args, kwargs, where)
             result[0].precision.update(errors)
             if as_accurate_as_autocast(errors):
                 break
             why = f"after {attempt + 1} tries the mixed plan's error was still above autocast's"
-            result, tol = None, tol / 4
+            result, tol = None, tol / AUTO_TOLERANCE_DIVISOR
         if result is None and fp32 is not None:
             result = fp32
             result[0].notes.append(f"precision='auto' kept every call in fp32: {why}")
