@@ -38,6 +38,7 @@ from autoremat.planner import (
 )
 from autoremat.precision import FP32_KEPT
 from autoremat.solver import DEFAULT_GAP
+from autoremat.torch_internals import recompile_limit, tree_flatten, tree_leaves
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
@@ -84,7 +85,7 @@ class RematModule(torch.nn.Module):
             return self._shapes[key][1](*args, **kwargs)
 
     def _new_shape(self, args: tuple, kwargs: dict) -> tuple[Plan, Any, Planner]:
-        limit = torch._dynamo.config.recompile_limit
+        limit = recompile_limit()
         if len(self._shapes) == limit:
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
@@ -99,7 +100,7 @@ class RematModule(torch.nn.Module):
 def input_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What a plan depends on besides the model: input shapes, dtypes, devices, non-tensor values,
     and training mode (dropout and BatchNorm trace differently in eval)."""
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    leaves, spec = tree_flatten((args, kwargs))
 
     def one(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
@@ -150,7 +151,7 @@ def _check_options(time_limit: float, gap: float, solver: str) -> None:
 
 
 def _model_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    for t in [*model.parameters(), *torch.utils._pytree.tree_leaves((args, kwargs))]:
+    for t in [*model.parameters(), *tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")

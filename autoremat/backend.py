@@ -35,6 +35,7 @@ from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.planner import Planner, budget_or_memory, plan_graphs
 from autoremat.profile import GraphProfile
 from autoremat.solver import DEFAULT_GAP, smallest_peak
+from autoremat.torch_internals import dynamo_compile_id, recompile_limit, tree_leaves
 from autoremat.units import format_bytes
 
 log = logging.getLogger("autoremat")
@@ -117,7 +118,7 @@ class StepPlanner(Planner):
             self._new_step()
             raise
         out = fn(*args)
-        for t in torch.utils._pytree.tree_leaves(out):
+        for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._produced.add(storage_key(t)[0])
                 if t.grad_fn is not None:  # the step's forward ends when a backward reaches an output
@@ -378,17 +379,17 @@ class _Backend:
 
     def _warn_at_recompile_limit(self, gm: fx.GraphModule) -> None:
         """Past torch._dynamo.config.recompile_limit dynamo runs the code eagerly: no plan, no budget."""
-        cid, limit = gm.meta.get("dynamo_compile_id"), torch._dynamo.config.recompile_limit
-        if cid is None or cid.frame_compile_id + 1 < limit or cid.frame_id in self._warned:
+        cid, limit = dynamo_compile_id(gm), recompile_limit()
+        if cid is None or cid[1] + 1 < limit or cid[0] in self._warned:
             return
-        self._warned.add(cid.frame_id)
+        self._warned.add(cid[0])
         log.warning(
             "autoremat: dynamo has compiled frame %d %d times, its recompile limit (torch._dynamo.config."
             "recompile_limit). Another recompile of that code (e.g. a new input shape under dynamic=False) "
             "runs it eagerly, without a plan, and the step's memory is then not held to the budget. Leave "
             "dynamic at its default (autoremat plans each new shape of a dynamic graph itself), raise the "
             "limit, or set torch._dynamo.config.fail_on_recompile_limit_hit = True to make that an error.",
-            cid.frame_id, limit)
+            cid[0], limit)
 
 
 def backend(

@@ -27,10 +27,19 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition
 
 from autoremat.regions import LINKS, RegionLinks, compile_regions
+from autoremat.torch_internals import (
+    OpOverload,
+    OpOverloadPacket,
+    aot_autograd,
+    composite_with_meta_kernel,
+    default_partition,
+    inductor_compilers,
+    mark_boxed_call,
+    meta_python_kernels_hidden,
+    set_boxed_codegen,
+)
 
 
 @dataclass
@@ -57,14 +66,14 @@ def boxed_eager(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     Without this a compiled step measured 259 MiB against 221 MiB eager on a 12-block
     transformer; with it, 221 MiB.
     """
-    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    set_boxed_codegen(gm)
     gm.recompile()
     forward = gm.forward
 
     def run(args: list) -> Any:
         return forward(args)
 
-    run._boxed_call = True  # type: ignore[attr-defined]
+    mark_boxed_call(run)
     return run
 
 
@@ -120,7 +129,7 @@ def _contiguous_format(t: torch.Tensor) -> torch.memory_format:
     return torch.contiguous_format
 
 
-def _in_kernel_layout(op: torch._ops.OpOverload, inputs: list[int],
+def _in_kernel_layout(op: OpOverload, inputs: list[int],
                       kernel_format: Callable[[torch.Tensor], torch.memory_format]) -> Callable:
     """`op` traced on inputs laid out as its kernel lays out its output, so that traced strides are real.
 
@@ -204,15 +213,13 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         inner = aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
                              decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
     elif compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-
+        fw_compiler, bw_compiler, inductor_table = inductor_compilers()
         # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
         inner = aot_autograd(
-            fw_compiler=compile_fx_inner,
-            bw_compiler=functools.partial(compile_fx_inner, is_backward=True),
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
             partition_fn=partition_fn,
-            decompositions={**select_decomp_table(), **DECOMPOSITIONS},
+            decompositions={**inductor_table, **DECOMPOSITIONS},
         )
     else:
         raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
@@ -268,19 +275,16 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
 
 
 @functools.cache
-def _composite_ops_with_meta_kernels() -> tuple[torch._ops.OpOverload, ...]:
+def _composite_ops_with_meta_kernels() -> tuple[OpOverload, ...]:
     """aten ops that decompose on a real device but have a Python kernel of their own on meta."""
-    import torch._meta_registrations  # noqa: F401  # registers the Python meta kernels
-
     found = []
     for name in dir(torch.ops.aten):
         packet = getattr(torch.ops.aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+        if not isinstance(packet, OpOverloadPacket):
             continue
         for overload in packet.overloads():
             op = getattr(packet, overload)
-            if (torch._C.DispatchKey.Meta in op.py_kernels
-                    and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")):
+            if composite_with_meta_kernel(op):
                 found.append(op)
     return tuple(found)
 
@@ -295,15 +299,8 @@ def meta_traces_like_real() -> Iterator[None]:
     predicted a tenth of the real peak. Hiding those kernels while tracing makes the op decompose
     as it does on CPU and CUDA, backward included.
     """
-    hidden = [(op, op.py_kernels.pop(torch._C.DispatchKey.Meta)) for op in _composite_ops_with_meta_kernels()]
-    for op, _ in hidden:
-        op._dispatch_cache.clear()
-    try:
+    with meta_python_kernels_hidden(_composite_ops_with_meta_kernels()):
         yield
-    finally:
-        for op, kernel in hidden:
-            op.py_kernels[torch._C.DispatchKey.Meta] = kernel
-            op._dispatch_cache.clear()
 
 
 def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:

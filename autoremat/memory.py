@@ -18,17 +18,16 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
-import torch
-
 from autoremat.profile import GraphProfile
 from autoremat.regions import block_of
+from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf
 # The gradients a compiled backward receives for the forward's outputs (its tangents): torch 2.13
 # boxes them (autograd.Function.boxed_grads_call), so each dies after its last use in the graph;
 # torch 2.11 keeps them in the argument tuple until the backward returns (measured: a held [2,64,256]
 # logits tangent added 128 KiB to a Llama step's peak on 2.11, none on 2.13).
-TANGENTS_HELD = not hasattr(torch.autograd.Function, "boxed_grads_call")
+TANGENTS_HELD = not TANGENTS_BOXED
 
 
 class PlanError(ValueError):

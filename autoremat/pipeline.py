@@ -35,6 +35,7 @@ from autoremat.planner import (
     require_graphs,
 )
 from autoremat.solver import smallest_peak
+from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
 
 # precision="auto": tries of the joint dtype ILP before falling back to fp32 (or all-bf16).
@@ -177,7 +178,7 @@ def _agreed(measured: int | None, where: torch.device) -> int | None:
 
 def loss_of(out: Any) -> torch.Tensor:
     """Something to call backward on: the output if scalar, else the sum of every float output."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if len(leaves) == 1 and leaves[0].numel() == 1:
         return leaves[0]
     if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):

@@ -29,6 +29,15 @@ from autoremat.passes import split
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.profile import GraphProfile, calibrate_scratch, fingerprint, profile_graph
 from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.torch_internals import (
+    FAKE_TENSOR_LOGGER,
+    BackendCompilerFailed,
+    TorchRuntimeError,
+    arg_tree_leaves,
+    graph_break_reasons,
+    is_dynamo_error,
+    is_primal,
+)
 from autoremat.units import format_bytes, parse_budget
 
 log = logging.getLogger("autoremat")
@@ -44,8 +53,8 @@ class PlanMismatch(ValueError):
 def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Ledger:
     """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state."""
     nodes = list(cg.joint.graph.nodes)
-    primals = [n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")]
-    outs = list(torch.utils._pytree.arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
+    primals = [n for n in nodes if is_primal(n)]
+    outs = list(arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
     grads = outs[cg.num_fwd_outputs:]
     static = set(cg.static_input_indices)
 
@@ -205,7 +214,7 @@ def own_errors():
     """Our errors (BudgetError, PlanMismatch) raised inside a backend reach the user unwrapped."""
     try:
         yield
-    except torch._dynamo.exc.BackendCompilerFailed as e:
+    except BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, (BudgetError, PlanMismatch)):
             raise inner from None
@@ -285,7 +294,7 @@ def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
     """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
     if planner.profiles:
         return
-    reasons = [r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]][-3:]
+    reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
     raise CaptureError(
         f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
         "budget could not be held: dynamo ran the whole forward eagerly. A graph break inside a loop (e.g. "
@@ -346,7 +355,7 @@ def _original_error(e: BaseException) -> BaseException | None:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if not type(e).__module__.startswith("torch._dynamo"):
+        if not is_dynamo_error(e):
             return e
         e = e.__cause__ or e.__context__
     return None
@@ -361,12 +370,12 @@ class _DropFakeTensorLog(logging.Filter):
 
 @contextlib.contextmanager
 def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _DropFakeTensorLog()
     logger.addFilter(quiet)
     try:
         yield
-    except torch._dynamo.exc.TorchRuntimeError as e:
+    except TorchRuntimeError as e:
         cause = _original_error(e)
         why = f"{type(cause).__name__}: {cause}" if cause else str(e).splitlines()[0]
         if cause is None:

@@ -39,6 +39,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autoremat.torch_internals import C_NN_LINEAR, tree_leaves, tree_map
+
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller becomes zero
@@ -46,7 +48,7 @@ FP16_SAFETY = 8.0  # fp16 is forbidden once a value comes within this factor of 
 FP16_UNDERFLOW_SHARE = 1e-3  # ... or when more than this share of nonzero outputs flush to zero
 
 _MATMULS = {
-    torch._C._nn.linear, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
+    C_NN_LINEAR, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
     torch.baddbmm, torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
     F.scaled_dot_product_attention,
 }
@@ -134,7 +136,7 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         if n.name in self.names and isinstance(out, torch.Tensor) and out.is_floating_point():
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_float(a)]
+            flat = [a for a in tree_leaves((args, kwargs)) if _is_float(a)]
             max_abs = max([out.detach().abs().max().item() if out.numel() else 0.0]
                           + [a.detach().abs().max().item() for a in flat if a.numel()])
             nonzero = out.detach() != 0
@@ -142,7 +144,7 @@ class _Recorder(fx.Interpreter):
             share = tiny.sum().item() / max(1, nonzero.sum().item())
             errs = {}
             for key, dtype in LOW.items():
-                low_args, low_kwargs = torch.utils._pytree.tree_map(
+                low_args, low_kwargs = tree_map(
                     lambda a, d=dtype: a.detach().to(d) if _is_float(a) else a, (args, kwargs))
                 with torch.random.fork_rng(devices=[out.device] if out.device.type == "cuda" else []):
                     low = getattr(self, n.op)(n.target, low_args, low_kwargs)

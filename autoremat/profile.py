@@ -22,12 +22,21 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
+from autoremat.torch_internals import (
+    OpOverload,
+    StorageWeakRef,
+    arg_tree_leaves,
+    is_mutable_op,
+    is_primal,
+    is_tangent,
+    mutated_input_indices,
+    tree_map,
+    unset_fake_temporarily,
+)
 
 # Namespaces whose ops we know to be pure functions of their inputs.
 PURE_NAMESPACES = {"aten", "prims"}
@@ -120,7 +129,7 @@ def recompute_ban(node: fx.Node) -> str:
     t = node.target
     if t is operator.getitem:
         return ""
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return f"unsupported op {t!r} (not an ATen op): saved, never recomputed"
     ns = t.namespace
     if ns in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
@@ -129,7 +138,7 @@ def recompute_ban(node: fx.Node) -> str:
         return f"custom op {t}: saved, never recomputed"
     if torch.Tag.nondeterministic_seeded in t.tags:
         return "random op: recomputing it would draw fresh randomness"
-    if t._schema.is_mutable:
+    if is_mutable_op(t):
         return "mutates an input"
     if torch.Tag.nondeterministic_bitwise in t.tags and "index_put" in t.name():
         return "nondeterministic: recomputation may differ bitwise"
@@ -138,7 +147,7 @@ def recompute_ban(node: fx.Node) -> str:
 
 def _flops(node: fx.Node) -> tuple[float, bool]:
     t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return 0.0, False
     fn = flop_registry.get(t.overloadpacket) or flop_registry.get(t)
     if fn is None:
@@ -151,7 +160,7 @@ def _flops(node: fx.Node) -> tuple[float, bool]:
 
 
 def pytree_map_vals(tree):
-    return torch.utils._pytree.tree_map(
+    return tree_map(
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree
     )
 
@@ -161,19 +170,19 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
     dev = get_device(device if device is not None else cg.device)
     gm = cg.joint
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    primals = [n for n in placeholders if n.name.startswith("primals")]
+    primals = [n for n in placeholders if is_primal(n)]
     static = {primals[i].name for i in cg.static_input_indices if i < len(primals)}
 
     # Backward = everything downstream of a tangent; the rest is computable from the primals.
     backward: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.name.startswith("tangents"):
+        if is_tangent(n):
             backward.add(n)
         elif any(a in backward for a in n.all_input_nodes):
             backward.add(n)
 
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = list(torch.utils._pytree.arg_tree_leaves(*out_node.args))
+    outs = list(arg_tree_leaves(*out_node.args))
     fw_outputs = [o.name for o in outs[: cg.num_fwd_outputs] if isinstance(o, fx.Node)]
     grad_outputs = [o.name for o in outs[cg.num_fwd_outputs :] if isinstance(o, fx.Node)]
 
@@ -186,7 +195,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             continue
         val = n.meta.get("val")
         if n.op == "placeholder":
-            kind = "tangent" if n.name.startswith("tangents") else ("param" if n.name in static else "input")
+            kind = "tangent" if is_tangent(n) else ("param" if n.name in static else "input")
         elif n.op == "get_attr":
             # A lifted tensor constant (`_tensor_constant0`): an attribute of the graph module, held
             # from compilation on. Like a parameter it is never computed, always there, and not part
@@ -290,13 +299,8 @@ def _constant_notes(gm: fx.GraphModule) -> list[str]:
 
 def _mutated_primals(out_node: fx.Node, primals: list[fx.Node], static: set[str], grad_outputs_all: list) -> set[str]:
     """Names of the primals the forward mutates (returned as extra outputs, copied back by the runtime)."""
-    descs = out_node.meta.get("desc")
-    if descs:
-        idx = {
-            d.mutated_input.idx
-            for d in descs
-            if type(d).__name__ == "InputMutationAOTOutput" and hasattr(d.mutated_input, "idx")
-        }
+    idx = mutated_input_indices(out_node)
+    if idx is not None:
         return {primals[i].name for i in idx if i < len(primals)}
     # No descriptors: assume every buffer (a static input without a gradient) may be mutated.
     return {p.name for i, p in enumerate(primals)
@@ -353,7 +357,7 @@ def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.
     with unset_fake_temporarily():
         for n in cg.joint.graph.nodes:
             prof = gp.nodes.get(n.name)
-            if n.op != "call_function" or prof is None or not isinstance(n.target, torch._ops.OpOverload):
+            if n.op != "call_function" or prof is None or not isinstance(n.target, OpOverload):
                 continue
             if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
                 continue
@@ -407,7 +411,7 @@ def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str
 
     out_bytes = [0]
     try:
-        args, kwargs = torch.utils._pytree.tree_map(
+        args, kwargs = tree_map(
             lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
         )
 
