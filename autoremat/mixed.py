@@ -20,6 +20,7 @@ from autoremat import precision as P
 from autoremat.capture import capture
 from autoremat.devices import DeviceSpec
 from autoremat.dtypes import dtype_choices
+from autoremat.passes.dtypes import apply_dtypes
 from autoremat.profile import GraphProfile, profile_graph
 from autoremat.solver import choose_dtypes
 
@@ -115,6 +116,6 @@ def pre_pass(dtypes: list[dict[str, str]], fp32_ops: Iterable[str] = P.FP32_KEPT
 
     def apply(index: int, gm: fx.GraphModule, inputs: list) -> None:
         if dtypes:
-            P.apply_dtypes(gm, dtypes[index % len(dtypes)], fp32_ops)
+            apply_dtypes(gm, dtypes[index % len(dtypes)], fp32_ops)
 
     return apply

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autoremat.capture
-from autoremat.capture import LAYOUT_DECOMPOSITIONS, _native_dropout, capture
+from autoremat.capture import capture
+from autoremat.passes.decompositions import LAYOUT_DECOMPOSITIONS, _native_dropout
 from autoremat.profile import calibrate_scratch, profile_graph
 from examples import models
 

@@ -7,12 +7,16 @@ exactly `Schedule.forward` and `Schedule.backward`, the order the memory model s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.fx as fx
 
-from autoremat.capture import CapturedGraph
-from autoremat.memory import Schedule
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
+
+if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage (capture imports passes)
+    from autoremat.capture import CapturedGraph
+    from autoremat.memory import Schedule
 
 
 def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
