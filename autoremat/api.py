@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autoremat import mixed
+from autoremat import precision_plan
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
@@ -36,7 +36,7 @@ from autoremat.planner import (
     own_errors,
     require_graphs,
 )
-from autoremat.precision import FP32_KEPT
+from autoremat.precision_measure import FP32_KEPT
 from autoremat.solver import DEFAULT_GAP
 from autoremat.torch_internals import recompile_limit, tree_flatten, tree_leaves
 from autoremat.units import parse_budget
@@ -244,7 +244,7 @@ def optimize(
     build_here = builder(args, kwargs, ledger)
     if plan is not None:
         dtypes = plan.precision.get("dtypes") or []
-        pre = mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
+        pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
         applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                                  pre_pass=pre, regions=regions, **opts)
         compiled = compile_and_trace(model, applier, compiler, args, kwargs)
@@ -272,8 +272,8 @@ def optimize(
 
 
 def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:
-    if precision not in mixed.MODES:
-        raise ValueError(f"precision must be one of {', '.join(mixed.MODES)}, got {precision!r}")
+    if precision not in precision_plan.MODES:
+        raise ValueError(f"precision must be one of {', '.join(precision_plan.MODES)}, got {precision!r}")
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not math.isfinite(tolerance) or tolerance < 0):
         raise ValueError(f"tolerance must be a finite number >= 0 (a summed relative error), got {tolerance!r}")

@@ -72,9 +72,9 @@ from dataclasses import dataclass
 
 import pulp
 
-from autoremat.dtypes import DtypeChoices
 from autoremat.ilp_data import base_size, block_twins, owned_size, static_profile
 from autoremat.memory import INF, Lifetimes, lifetimes, output_spans
+from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
 
 # Weight of saved bytes in the budgeted objective: small enough never to outweigh recompute time,

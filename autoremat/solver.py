@@ -24,9 +24,9 @@ import warnings
 
 import pulp
 
-from autoremat.dtypes import DtypeChoices
 from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
 from autoremat.ilp import IlpModel, IlpResult
+from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",

@@ -2,7 +2,7 @@
 
 `apply_dtypes(gm, dtypes)` casts the inputs of the chosen calls, lets the low dtype flow through the
 ops that follow (type promotion decides, as in eager), and casts back to fp32 in front of every
-`FP32_KEPT` call. It is applied to each dynamo graph before AOTAutograd traces it (mixed.pre_pass),
+`FP32_KEPT` call. It is applied to each dynamo graph before AOTAutograd traces it (precision_plan.pre_pass),
 so the joint graph, its profile and its plan see the 16-bit values.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx as fx
 
-from autoremat.precision import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
+from autoremat.precision_measure import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
 
 
 def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[str] = FP32_KEPT) -> int:

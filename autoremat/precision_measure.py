@@ -17,7 +17,7 @@ reach the optimizer in fp32.
 The rewrite that runs the chosen calls in 16 bits is a graph pass: passes/dtypes.py (`apply_dtypes`).
 
     >>> import torch, torch.nn as nn
-    >>> from autoremat.precision import castable, measure
+    >>> from autoremat.precision_measure import castable, measure
     >>> seen = {}
     >>> def backend(gm, inputs):
     ...     seen.update(measure(gm, inputs, castable(gm)))
