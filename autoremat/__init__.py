@@ -1,7 +1,7 @@
 """autoremat: fit a model's training step into a byte budget by choosing what to recompute.
 
 Pipeline, each stage importing only earlier ones:
-capture (+ regions) -> profile -> memory (+ ledger, optimizers) -> heuristics -> ilp -> solver -> plan
+capture (+ regions) -> profile -> memory (+ lifetimes, ledger, optimizers) -> decision -> heuristics -> ilp -> solver -> plan
 -> planner -> pipeline -> faces: api / fit / backend / cli
 The graph passes (passes/) and torch_internals import no stage (passes/dtypes.py reads precision's
 call helpers), so any stage may use them: capture applies the decompositions, the planner the split.

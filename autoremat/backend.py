@@ -27,8 +27,9 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph, aot_backend
+from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
-from autoremat.heuristics import Decision, checkpoint_blocks, evaluate, save_all
+from autoremat.heuristics import checkpoint_blocks, save_all
 from autoremat.ledger import Ledger, parameter_bytes, storage_key
 from autoremat.measure import StepWindow
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan

@@ -73,7 +73,8 @@ from dataclasses import dataclass
 import pulp
 
 from autoremat.ilp_data import base_size, block_twins, owned_size, static_profile
-from autoremat.memory import INF, Lifetimes, lifetimes, output_spans
+from autoremat.lifetimes import Lifetimes, lifetimes, output_spans
+from autoremat.memory import INF
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
 

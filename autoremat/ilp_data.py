@@ -4,8 +4,10 @@ identical repeated blocks whose decisions may be shared."""
 
 from __future__ import annotations
 
-from autoremat.memory import TANGENTS_HELD, Lifetimes, _Heap, _run, block_of, forward_slots
+from autoremat.lifetimes import Lifetimes
+from autoremat.memory import TANGENTS_HELD, _Heap, _run, forward_slots
 from autoremat.profile import GraphProfile
+from autoremat.regions import block_of
 
 
 def block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:

@@ -21,8 +21,9 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph, aot_backend, compile_fresh, default_split
+from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
-from autoremat.heuristics import Decision, evaluate, save_all
+from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
 from autoremat.passes import split

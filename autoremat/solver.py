@@ -24,7 +24,8 @@ import warnings
 
 import pulp
 
-from autoremat.heuristics import Decision, block_mode_plans, checkpoint_blocks, evaluate, greedy, save_all
+from autoremat.decision import Decision, evaluate
+from autoremat.heuristics import block_mode_plans, checkpoint_blocks, greedy, save_all
 from autoremat.ilp import IlpModel, IlpResult
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
