@@ -293,7 +293,7 @@ class IlpModel:
         for v in life.fw_pos:
             if v not in recomputed_bytes:
                 continue  # owns no bytes
-            last, first = life.ln[v], life.start[v]
+            last, first = life.last_read[v], life.start[v]
             if last == -INF:
                 continue  # never read in the backward: a save only costs forward memory
             last_step = min(int(last), len(bw_static) - 1)

@@ -18,14 +18,14 @@ from autoremat.regions import block_of
 class Lifetimes:
     fw_pos: dict[str, int]  # forward-side nodes in joint order
     bw_pos: dict[str, int]  # backward nodes in joint order
-    fn: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
+    first_read: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
     start: dict[str, float]  # earliest position a recomputed v can be computed at (recomputed users drag it)
-    ln: dict[str, float]  # last backward position at which v is read (upper bound)
+    last_read: dict[str, float]  # last backward position at which v is read (upper bound)
     needed: set[str]  # forward-side values a backward node reads directly
     follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
 
 
-def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
+def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
     nodes = g.nodes
     fw = [n for n, p in nodes.items() if p.kind == "forward"]
     bw = [n for n, p in nodes.items() if p.kind == "backward"]
@@ -59,21 +59,21 @@ def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
         return bool(nodes[w].storage) and nodes[w].storage != w
 
     follows: dict[str, set[str]] = {}
-    fn: dict[str, float] = {}
+    first_read: dict[str, float] = {}
     start: dict[str, float] = {}
-    ln: dict[str, float] = {}
+    last_read: dict[str, float] = {}
     for v in reversed(fw):  # users come later in joint order, so they are done already
         fw_users = [w for w in users[v] if w in fw_pos]
-        pt = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
-        fn[v] = min([direct_first[v], *(fn[w] for w in pt)])
+        pass_through = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
+        first_read[v] = min([direct_first[v], *(first_read[w] for w in pass_through)])
         # A recomputed user drags v to its own start; we allow that inside one repeated block (a
         # checkpoint-like segment) and account for it, and forbid it across blocks.
-        same = {w for w in fw_users if drag and block_of(nodes[w].module) == block_of(nodes[v].module)}
-        follows[v] = pt | same
-        start[v] = min([fn[v], *(start[w] for w in follows[v])])
-        later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
-        ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
-    return Lifetimes(fw_pos, bw_pos, fn, start, ln, needed, follows)
+        same = {w for w in fw_users if block_drag and block_of(nodes[w].module) == block_of(nodes[v].module)}
+        follows[v] = pass_through | same
+        start[v] = min([first_read[v], *(start[w] for w in follows[v])])
+        later = ((last_read[w] if is_alias(w) else first_read[w]) for w in fw_users)
+        last_read[v] = max([direct_last[v], *(t for t in later if t != INF)])
+    return Lifetimes(fw_pos, bw_pos, first_read, start, last_read, needed, follows)
 
 
 def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[tuple[int, int | None]]]:

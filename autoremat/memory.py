@@ -47,7 +47,6 @@ class Step:
     phase: str  # "forward" | "backward"
     node: str
     during: int  # live bytes while the node runs (inputs, output and its temporaries)
-    after: int  # live bytes once the node's dead inputs are freed
 
 
 @dataclass
@@ -269,7 +268,7 @@ def _run(
                 release(a)
         if name not in last_use:
             release(name)
-        steps.append(Step(g.index, phase, name, during, heap.live))
+        steps.append(Step(g.index, phase, name, during))
 
 
 def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> Timeline:

@@ -18,7 +18,7 @@ import hashlib
 import operator
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -82,9 +82,6 @@ class GraphProfile:
 
     def forward_side(self) -> list[str]:
         return [n for n, p in self.nodes.items() if p.kind == "forward"]
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _tensors(val) -> list[torch.Tensor]:
