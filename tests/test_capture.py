@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import autoremat.capture
 from autoremat.capture import capture
 from autoremat.passes.decompositions import LAYOUT_DECOMPOSITIONS, _native_dropout
-from autoremat.profile import calibrate_scratch, profile_graph
+from autoremat.profile import profile_graph
+from autoremat.scratch import calibrate_scratch
 from examples import models
 
 
