@@ -1,9 +1,9 @@
-r"""The save/recompute ILP of one training step, written the way its formulation reads.
+"""The save/recompute ILP of one training step, written the way its formulation reads.
 
 The step runs graphs 1..G (dynamo graphs or regions): their forwards in order, then their backwards
 in reverse. `solver.py` decides which models to build and solves them; this module is the model.
 
-Data, per graph (memory.py computes it):
+Data, per graph (computed by ilp_data.py, lifetimes.py and memory.py):
   F            forward-side nodes, in joint order; N in F those a backward node reads directly
   in(v)        v's forward-side inputs (parameters and step inputs are always there)
   size_v       bytes v owns, rounded up to the allocator's granularity (0 for a view or an output)
