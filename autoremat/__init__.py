@@ -1,8 +1,10 @@
 """autoremat: fit a model's training step into a byte budget by choosing what to recompute.
 
 Pipeline, each stage importing only earlier ones:
-capture (+ regions) -> profile -> memory (+ ledger, optimizers) -> heuristics -> solver -> passes -> plan
+capture (+ regions) -> profile -> memory (+ lifetimes, ledger, optimizers) -> decision -> heuristics -> ilp -> solver -> plan
 -> planner -> pipeline -> faces: api / fit / backend / cli
+The graph passes (passes/) and torch_internals import no stage (passes/dtypes.py reads precision's
+call helpers), so any stage may use them: capture applies the decompositions, the planner the split.
 
 The public names below are imported on first use (PEP 562), so that `import autoremat` and
 `autoremat --help` do not pay for importing torch.

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from autoremat import mixed
+from autoremat import precision_plan
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
@@ -36,8 +36,9 @@ from autoremat.planner import (
     own_errors,
     require_graphs,
 )
-from autoremat.precision import FP32_KEPT
+from autoremat.precision_measure import FP32_KEPT
 from autoremat.solver import DEFAULT_GAP
+from autoremat.torch_internals import recompile_limit, tree_flatten, tree_leaves
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
@@ -84,7 +85,7 @@ class RematModule(torch.nn.Module):
             return self._shapes[key][1](*args, **kwargs)
 
     def _new_shape(self, args: tuple, kwargs: dict) -> tuple[Plan, Any, Planner]:
-        limit = torch._dynamo.config.recompile_limit
+        limit = recompile_limit()
         if len(self._shapes) == limit:
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
@@ -99,7 +100,7 @@ class RematModule(torch.nn.Module):
 def input_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     """What a plan depends on besides the model: input shapes, dtypes, devices, non-tensor values,
     and training mode (dropout and BatchNorm trace differently in eval)."""
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    leaves, spec = tree_flatten((args, kwargs))
 
     def one(a: Any) -> Any:
         if isinstance(a, torch.Tensor):
@@ -150,7 +151,7 @@ def _check_options(time_limit: float, gap: float, solver: str) -> None:
 
 
 def _model_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
-    for t in [*model.parameters(), *torch.utils._pytree.tree_leaves((args, kwargs))]:
+    for t in [*model.parameters(), *tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
             return t.device
     return torch.device("cpu")
@@ -243,7 +244,7 @@ def optimize(
     build_here = builder(args, kwargs, ledger)
     if plan is not None:
         dtypes = plan.precision.get("dtypes") or []
-        pre = mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
+        pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
         applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                                  pre_pass=pre, regions=regions, **opts)
         compiled = compile_and_trace(model, applier, compiler, args, kwargs)
@@ -271,8 +272,8 @@ def optimize(
 
 
 def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:
-    if precision not in mixed.MODES:
-        raise ValueError(f"precision must be one of {', '.join(mixed.MODES)}, got {precision!r}")
+    if precision not in precision_plan.MODES:
+        raise ValueError(f"precision must be one of {', '.join(precision_plan.MODES)}, got {precision!r}")
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not math.isfinite(tolerance) or tolerance < 0):
         raise ValueError(f"tolerance must be a finite number >= 0 (a summed relative error), got {tolerance!r}")

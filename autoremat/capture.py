@@ -27,11 +27,21 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import default_partition
 
+from autoremat.passes.decompositions import DECOMPOSITIONS, LAYOUT_DECOMPOSITIONS
+from autoremat.passes.rng_replay import replay_random_draws
 from autoremat.regions import LINKS, RegionLinks, compile_regions, release_gradients, with_stand_ins
-from autoremat.rng_replay import replay_random_draws
+from autoremat.torch_internals import (
+    OpOverload,
+    OpOverloadPacket,
+    aot_autograd,
+    composite_with_meta_kernel,
+    default_partition,
+    inductor_compilers,
+    mark_boxed_call,
+    meta_python_kernels_hidden,
+    set_boxed_codegen,
+)
 
 
 @dataclass
@@ -58,14 +68,14 @@ def boxed_eager(gm: fx.GraphModule, example_inputs: Any) -> Callable:
     Without this a compiled step measured 259 MiB against 221 MiB eager on a 12-block
     transformer; with it, 221 MiB.
     """
-    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+    set_boxed_codegen(gm)
     gm.recompile()
     forward = gm.forward
 
     def run(args: list) -> Any:
         return forward(args)
 
-    run._boxed_call = True  # type: ignore[attr-defined]
+    mark_boxed_call(run)
     return run
 
 
@@ -77,99 +87,6 @@ def _graph_device(gm: fx.GraphModule) -> str:
     return "cpu"
 
 
-def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
-    """Dropout as a random bool mask and a masked scale, so that the output can be recomputed.
-
-    The mask is the only random value (1 byte per element, always saved); the output becomes a
-    pure function of the input and the mask. On CPU this reproduces eager's dropout draw for draw:
-    eager fills a noise tensor laid out like the input (`bernoulli_`, in memory order), divides it
-    by 1 - p and multiplies; we draw the mask in the input's memory order, then compute the same
-    products (checked bit for bit, transposed inputs too; where eager's x * 0 gives -0.0 or NaN for
-    a dropped element, this gives +0.0). CUDA's fused kernel draws differently: left
-    alone there, so dropout outputs are saved rather than recomputed on GPUs.
-    """
-    if x.device.type not in ("cpu", "meta") or train is False or p == 0 or x.numel() == 0:
-        return NotImplemented
-    if p >= 1:
-        return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
-    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost in memory first
-    if not x.permute(order).is_contiguous():
-        return NotImplemented  # overlapping or gapped layout: keep the fused op (saved, not recomputed)
-    drawn = torch.ops.aten.bernoulli.p(torch.empty([x.shape[d] for d in order], dtype=torch.bool, device=x.device),
-                                       1 - p)
-    mask = drawn.permute([order.index(d) for d in range(x.dim())])
-    # Eager multiplies by a noise tensor of 0 and 1 / (1 - p), the latter computed by the same div
-    # kernel as `scale` here: x * scale where kept is the same product, bit for bit. Selecting with
-    # the mask, rather than multiplying by a float copy of it, leaves the backward needing only the
-    # bool mask (where's gradient), never a float noise tensor (measured: a saved or recomputed
-    # float noise cost a full-size tensor at the attention backward's peak).
-    scale = torch.div(torch.ones((), dtype=x.dtype, device=x.device), 1 - p)
-    return torch.where(mask, torch.mul(x, scale), 0), mask
-
-
-def _batch_norm_format(t: torch.Tensor) -> torch.memory_format:
-    """The layout batch norm's kernels give their output: `input.suggest_memory_format()` (dense
-    channels-last stays channels-last, anything else becomes contiguous)."""
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
-        return torch.channels_last
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d):
-        return torch.channels_last_3d
-    return torch.contiguous_format
-
-
-def _contiguous_format(t: torch.Tensor) -> torch.memory_format:
-    return torch.contiguous_format
-
-
-def _in_kernel_layout(op: torch._ops.OpOverload, inputs: list[int],
-                      kernel_format: Callable[[torch.Tensor], torch.memory_format]) -> Callable:
-    """`op` traced on inputs laid out as its kernel lays out its output, so that traced strides are real.
-
-    Some kernels choose their output's layout otherwise than their fake-tensor rule (on CPU, checked
-    in tests/test_capture.py): batch norm returns `empty_like(input, input.suggest_memory_format())`,
-    contiguous for a transposed (N, C, L) input, where the fake tensor keeps the transposed strides
-    (and in the backward grad_out's); layer norm's backward returns a contiguous grad_input where
-    the fake tensor follows a transposed grad_out. A view the graph takes of such an output fails at
-    run time, or, turned into a reshape, copies bytes the memory model never saw (issue 12: 14%
-    under-predicted). Copying `inputs` (positions; the first decides the layout) into that layout
-    first makes fake and real strides agree; the copy is an ordinary graph node that the memory
-    model counts, and the kernel would otherwise have made it or worked around it internally.
-    """
-    def decomposition(*args: Any, **kwargs: Any) -> Any:
-        fmt = kernel_format(args[inputs[0]])
-        if all(args[i].is_contiguous(memory_format=fmt) for i in inputs):
-            return NotImplemented  # already in the kernel's layout: trace the op itself
-        args = list(args)
-        for i in inputs:
-            args[i] = args[i].contiguous(memory_format=fmt)
-        return op(*args, **kwargs)
-
-    return decomposition
-
-
-def _dropout_backward_as_on_cpu(grad: torch.Tensor, mask: torch.Tensor, scale: float) -> Any:
-    """native_dropout_backward as the CPU kernel computes it, `grad * mask * scale`
-    (aten/src/ATen/native/Dropout.cpp): its output keeps grad's layout, where the fake-tensor rule
-    returns a contiguous tensor. Traced as those two multiplications, the fake strides are the
-    real ones, and the kernel's grad-sized intermediate becomes a node the memory model sees."""
-    if grad.device.type not in ("cpu", "meta"):
-        return NotImplemented  # CUDA runs a fused kernel of its own
-    return torch.mul(torch.mul(grad, mask), scale)
-
-
-_aten = torch.ops.aten
-# The eager compiler runs these ops as traced; inductor lowers them itself and picks its own strides.
-LAYOUT_DECOMPOSITIONS = {
-    **{op: _in_kernel_layout(op, [0], _batch_norm_format)
-       for op in (_aten._native_batch_norm_legit_functional.default, _aten._native_batch_norm_legit_no_training.default,
-                  _aten._native_batch_norm_legit.no_stats)},
-    _aten.native_batch_norm_backward.default: _in_kernel_layout(_aten.native_batch_norm_backward.default, [1, 0],
-                                                                _batch_norm_format),
-    _aten.native_layer_norm_backward.default: _in_kernel_layout(_aten.native_layer_norm_backward.default, [1, 0],
-                                                                _contiguous_format),
-    _aten.native_dropout_backward.default: _dropout_backward_as_on_cpu,
-}
-DECOMPOSITIONS = {torch.ops.aten.native_dropout.default: _native_dropout}
 
 
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
@@ -212,15 +129,13 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         inner = aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
                              decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
     elif compiler == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
-        from torch._inductor.decomposition import select_decomp_table
-
+        fw_compiler, bw_compiler, inductor_table = inductor_compilers()
         # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
         inner = aot_autograd(
-            fw_compiler=compile_fx_inner,
-            bw_compiler=functools.partial(compile_fx_inner, is_backward=True),
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
             partition_fn=partition_fn,
-            decompositions={**select_decomp_table(), **DECOMPOSITIONS},
+            decompositions={**inductor_table, **DECOMPOSITIONS},
         )
     else:
         raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
@@ -278,19 +193,16 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
 
 
 @functools.cache
-def _composite_ops_with_meta_kernels() -> tuple[torch._ops.OpOverload, ...]:
+def _composite_ops_with_meta_kernels() -> tuple[OpOverload, ...]:
     """aten ops that decompose on a real device but have a Python kernel of their own on meta."""
-    import torch._meta_registrations  # noqa: F401  # registers the Python meta kernels
-
     found = []
     for name in dir(torch.ops.aten):
         packet = getattr(torch.ops.aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
+        if not isinstance(packet, OpOverloadPacket):
             continue
         for overload in packet.overloads():
             op = getattr(packet, overload)
-            if (torch._C.DispatchKey.Meta in op.py_kernels
-                    and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")):
+            if composite_with_meta_kernel(op):
                 found.append(op)
     return tuple(found)
 
@@ -305,15 +217,8 @@ def meta_traces_like_real() -> Iterator[None]:
     predicted a tenth of the real peak. Hiding those kernels while tracing makes the op decompose
     as it does on CPU and CUDA, backward included.
     """
-    hidden = [(op, op.py_kernels.pop(torch._C.DispatchKey.Meta)) for op in _composite_ops_with_meta_kernels()]
-    for op, _ in hidden:
-        op._dispatch_cache.clear()
-    try:
+    with meta_python_kernels_hidden(_composite_ops_with_meta_kernels()):
         yield
-    finally:
-        for op, kernel in hidden:
-            op.py_kernels[torch._C.DispatchKey.Meta] = kernel
-            op._dispatch_cache.clear()
 
 
 def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:

@@ -142,9 +142,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise
         print(f"autoremat: planning on meta tensors failed ({type(e).__name__}: {_first_line(e)}); "
               "planning again with real CPU tensors", file=sys.stderr)
-        import torch
+        from autoremat.torch_internals import dynamo_reset
 
-        torch._dynamo.reset()
+        dynamo_reset()
         model, inputs = build(factory, name, kwargs, "cpu")
         with Progress("capturing the step and solving (real CPU tensors)"):
             opt_model = _optimize(model, budget, inputs, args, device)

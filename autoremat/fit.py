@@ -26,6 +26,7 @@ from autoremat.api import RematModule, _model_device, optimize
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger
 from autoremat.plan import BudgetError, Plan
+from autoremat.torch_internals import tree_map
 from autoremat.units import format_bytes, parse_budget
 
 
@@ -108,7 +109,7 @@ def _batched(sample: Any, batch: int, device: torch.device | str | None = None) 
             return torch.empty((batch, *t.shape), dtype=t.dtype, device="meta")
         return t.unsqueeze(0).repeat(batch, *([1] * t.dim()))
 
-    return torch.utils._pytree.tree_map(one, sample)
+    return tree_map(one, sample)
 
 
 def _as_example_inputs(inputs: Any) -> Any:

@@ -1,44 +1,18 @@
-"""Plans found without an ILP, and the plan arithmetic the solver shares with them.
+"""Plans found without an ILP, for the ILP (solver.py) to beat.
 
-`evaluate` replays a plan in the exact simulator. `save_all` recomputes nothing. `checkpoint_blocks`
-saves only what crosses a repeated block (checkpointing), `block_mode_plans` searches a family of
-per-block modes (save / selective / checkpoint), and `greedy` turns saved values into recomputed ones
-while the simulated peak shrinks. The ILP (solver.py) starts from these and must beat them.
+`save_all` recomputes nothing. `checkpoint_blocks` saves only what crosses a repeated block
+(checkpointing), `block_mode_plans` searches a family of per-block modes (save / selective /
+checkpoint), and `greedy` turns saved values into recomputed ones while the simulated peak shrinks. The ILP (solver.py) starts from these and must beat them.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
-from autoremat.memory import Schedule, Timeline, block_of, lifetimes, make_schedule, simulate
+from autoremat.decision import Decision, evaluate
+from autoremat.lifetimes import lifetimes
 from autoremat.profile import GraphProfile
-
-
-@dataclass
-class Decision:
-    saved: list[set[str]]  # per graph
-    schedules: list[Schedule]
-    timeline: Timeline
-    recompute_time_s: float
-    status: str  # "optimal" | "time_limit" | "greedy" | "save_all"
-    path: str  # which route produced it: "ilp", "ilp+tighten", "greedy"
-    solve_time_s: float = 0.0
-    rounds: int = 0
-    solver: str = ""
-    notes: list[str] = field(default_factory=list)
-    granularity: int = 1
-
-    @property
-    def peak(self) -> int:
-        return self.timeline.peak
-
-
-def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1):
-    schedules = [make_schedule(g, s) for g, s in zip(graphs, saved)]
-    timeline = simulate(list(zip(graphs, schedules)), granularity)
-    cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
-    return schedules, timeline, cost
+from autoremat.regions import block_of
 
 
 def save_all(graphs: list[GraphProfile]) -> list[set[str]]:

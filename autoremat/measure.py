@@ -39,7 +39,8 @@ from typing import Any, Self
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from autoremat.torch_internals import allocation_events, is_traceable_wrapper_subclass, profiler_enabled, queue_callback
 
 METHOD_PROFILER = "profiler"
 METHOD_CUDA = "cuda_max_memory_allocated"
@@ -130,31 +131,17 @@ def live_tensor_bytes(*objs: Any, device: str | torch.device | None = None) -> i
 
 
 def _profiler_active() -> bool:
-    return bool(torch._C._autograd._profiler_enabled())
+    return profiler_enabled()
 
 
 def _allocation_deltas(prof: profile, device: torch.device) -> list[tuple[int, int]]:
     """(start_time_ns, signed bytes) for each allocation (+) / free (-) the profiler saw on device."""
-    kineto_results = prof.profiler.kineto_results if prof.profiler is not None else None
-    if kineto_results is None:
-        raise RuntimeError(
-            "profiler produced no results (was it stopped by someone else?)"
-        )
-    alloc_tag = torch._C._profiler._EventType.Allocation
     out: list[tuple[int, int]] = []
-    # allocation events are nested under the op that made them, so walk the whole tree;
-    # iteratively, since the depth is up to the callers' nesting
-    stack = list(kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == alloc_tag:
-            ef = node.extra_fields
-            d = ef.device
-            if d.type == device.type and (
-                device.index is None or d.index == device.index
-            ):
-                out.append((node.start_time_ns, int(ef.alloc_size)))
-        stack.extend(node.children)
+    for start_ns, nbytes, d in allocation_events(prof):
+        if d.type == device.type and (
+            device.index is None or d.index == device.index
+        ):
+            out.append((start_ns, nbytes))
     return out
 
 
@@ -341,7 +328,7 @@ class StepWindow:
     def close_after_backward(self) -> None:
         if not self.queued:
             self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._done)
+            queue_callback(self._done)
 
     def cancel(self) -> None:
         """The step never reached the end of a backward (an exception, a forward without one)."""

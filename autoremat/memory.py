@@ -18,17 +18,15 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
-import torch
-
 from autoremat.profile import GraphProfile
-from autoremat.regions import block_of
+from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf
 # The gradients a compiled backward receives for the forward's outputs (its tangents): torch 2.13
 # boxes them (autograd.Function.boxed_grads_call), so each dies after its last use in the graph;
 # torch 2.11 keeps them in the argument tuple until the backward returns (measured: a held [2,64,256]
 # logits tangent added 128 KiB to a Llama step's peak on 2.11, none on 2.13).
-TANGENTS_HELD = not hasattr(torch.autograd.Function, "boxed_grads_call")
+TANGENTS_HELD = not TANGENTS_BOXED
 
 
 class PlanError(ValueError):
@@ -49,7 +47,6 @@ class Step:
     phase: str  # "forward" | "backward"
     node: str
     during: int  # live bytes while the node runs (inputs, output and its temporaries)
-    after: int  # live bytes once the node's dead inputs are freed
 
 
 @dataclass
@@ -271,7 +268,7 @@ def _run(
                 release(a)
         if name not in last_use:
             release(name)
-        steps.append(Step(g.index, phase, name, during, heap.live))
+        steps.append(Step(g.index, phase, name, during))
 
 
 def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> Timeline:
@@ -360,77 +357,3 @@ def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
             last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
         moments.setdefault(last, []).append((k, name))
     return moments
-
-
-@dataclass
-class Lifetimes:
-    fw_pos: dict[str, int]  # forward-side nodes in joint order
-    bw_pos: dict[str, int]  # backward nodes in joint order
-    fn: dict[str, float]  # first backward position at which v is read, directly or via pass-through users
-    start: dict[str, float]  # earliest position a recomputed v can be computed at (recomputed users drag it)
-    ln: dict[str, float]  # last backward position at which v is read (upper bound)
-    needed: set[str]  # forward-side values a backward node reads directly
-    follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
-
-
-def lifetimes(g: GraphProfile, drag: bool = False) -> Lifetimes:
-    nodes = g.nodes
-    fw = [n for n, p in nodes.items() if p.kind == "forward"]
-    bw = [n for n, p in nodes.items() if p.kind == "backward"]
-    fw_pos = {n: i for i, n in enumerate(fw)}
-    bw_pos = {n: i for i, n in enumerate(bw)}
-    users: dict[str, list[str]] = {n: [] for n in nodes}
-    for n, p in nodes.items():
-        for i in p.inputs:
-            users[i].append(n)
-    direct_first: dict[str, float] = {}
-    direct_last: dict[str, float] = {}
-    needed: set[str] = set()
-    grad_set = set(g.grad_outputs)
-    # A backward view of a forward value keeps its storage alive until the view's last use.
-    alias_last: dict[str, int] = {}
-    for w in bw:
-        root = nodes[w].storage
-        if root and root != w and root in fw_pos:
-            last = max([bw_pos[u] for u in users[w] if u in bw_pos] + [bw_pos[w]])
-            alias_last[root] = max(alias_last.get(root, -1), last)
-    for v in fw:
-        bpos = [bw_pos[u] for u in users[v] if u in bw_pos] + ([alias_last[v]] if v in alias_last else [])
-        if v in grad_set:
-            bpos.append(len(bw))
-        direct_first[v] = min(bpos, default=INF)
-        direct_last[v] = max(bpos, default=-INF)
-        if bpos:
-            needed.add(v)
-
-    def is_alias(w: str) -> bool:
-        return bool(nodes[w].storage) and nodes[w].storage != w
-
-    follows: dict[str, set[str]] = {}
-    fn: dict[str, float] = {}
-    start: dict[str, float] = {}
-    ln: dict[str, float] = {}
-    for v in reversed(fw):  # users come later in joint order, so they are done already
-        fw_users = [w for w in users[v] if w in fw_pos]
-        pt = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
-        fn[v] = min([direct_first[v], *(fn[w] for w in pt)])
-        # A recomputed user drags v to its own start; we allow that inside one repeated block (a
-        # checkpoint-like segment) and account for it, and forbid it across blocks.
-        same = {w for w in fw_users if drag and block_of(nodes[w].module) == block_of(nodes[v].module)}
-        follows[v] = pt | same
-        start[v] = min([fn[v], *(start[w] for w in follows[v])])
-        later = ((ln[w] if is_alias(w) else fn[w]) for w in fw_users)
-        ln[v] = max([direct_last[v], *(t for t in later if t != INF)])
-    return Lifetimes(fw_pos, bw_pos, fn, start, ln, needed, follows)
-
-
-def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[tuple[int, int | None]]]:
-    """Per graph, its forward outputs' (bytes, position of the last region that reads them, or None
-    if the caller holds them to the end of the step): an upper bound on `handed_over`, for the ILP,
-    which cannot know yet what each region saves."""
-    last = {key: max(j for j, _ in consumers) for key, consumers in region_handoffs(graphs).items()}
-    spans = []
-    for k, g in enumerate(graphs):
-        roots = {g.nodes[o].storage: o for o in g.fw_outputs if g.nodes[o].storage}
-        spans.append([(_round(g.nodes[r].nbytes, granularity), last.get((k, o))) for r, o in roots.items()])
-    return spans

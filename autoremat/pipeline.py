@@ -5,7 +5,7 @@
     measured gap, or refuse with BudgetError: the budget never passes silently.
 
 `build` is that pipeline for given compute dtypes; `plan_precision` chooses the dtypes first
-(precision="bf16" / "fp16" / "auto", autoremat.mixed) and checks the result against fp32 and
+(precision="bf16" / "fp16" / "auto", autoremat.precision_plan) and checks the result against fp32 and
 torch.autocast on the example batch.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from autoremat import mixed
+from autoremat import precision_plan
 from autoremat.cache import PlanCache
 from autoremat.devices import get_device
 from autoremat.ledger import Ledger
@@ -35,13 +35,23 @@ from autoremat.planner import (
     require_graphs,
 )
 from autoremat.solver import smallest_peak
+from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
+
+# precision="auto": tries of the joint dtype ILP before falling back to fp32 (or all-bf16).
+AUTO_TRIES = 3
+# When the ILP's dtypes do not fit once traced, the next try asks for this share of the activation
+# cap: the mixed graphs need more than the fp32-traced rows saw (casts, 16-bit copies).
+AUTO_CAP_SHRINK = 0.95
+# When the mixed plan's measured error is above autocast's, the next try divides the tolerance by
+# this: the per-call errors add up to more than their sum on the example batch suggested.
+AUTO_TOLERANCE_DIVISOR = 4
 
 
 def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
            opts, compiler, args, kwargs, verify, where, fp32_ops, regions) -> tuple[Plan, Any, CapturePlanner]:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it."""
-    pre = mixed.pre_pass(dtypes, fp32_ops) if any(dtypes) else None
+    pre = precision_plan.pre_pass(dtypes, fp32_ops) if any(dtypes) else None
     key: list[str] = []
     lookup = None
     if store is not None:
@@ -168,7 +178,7 @@ def _agreed(measured: int | None, where: torch.device) -> int | None:
 
 def loss_of(out: Any) -> torch.Tensor:
     """Something to call backward on: the output if scalar, else the sum of every float output."""
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
     if len(leaves) == 1 and leaves[0].numel() == 1:
         return leaves[0]
     if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
@@ -186,10 +196,10 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
     or gradient error is above autocast's, the tolerance is cut and the dtypes chosen again.
     """
     with Restore(model), torch.enable_grad():
-        an = mixed.analyse(model, args, kwargs, dev, fp32_ops, measure=where.type != "meta")
+        an = precision_plan.analyse(model, args, kwargs, dev, fp32_ops, measure=where.type != "meta")
     info: dict[str, Any] = {"mode": mode}
     if mode in ("bf16", "fp16"):
-        dtypes, unsafe = mixed.fixed_dtypes(an, mode)
+        dtypes, unsafe = precision_plan.fixed_dtypes(an, mode)
         plan, compiled, planner = build(budget, dtypes, store, fields)
         if unsafe:
             plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
@@ -206,8 +216,8 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
         if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
             cap = min(cap, fp32[0].activation_peak)
         result, why = None, "the joint ILP found no dtypes within the budget"
-        for attempt in range(3):
-            dtypes = mixed.auto_dtypes(an, cap, tol, dev, **opts)
+        for attempt in range(AUTO_TRIES):
+            dtypes = precision_plan.auto_dtypes(an, cap, tol, dev, **opts)
             if dtypes is not None and not any(dtypes):
                 why = "the joint ILP chose fp32 for every call (16-bit is not faster here and not needed to fit)"
                 break
@@ -217,19 +227,19 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
                 result = build(min(budget, ledger.fixed + cap + SLACK), dtypes, store, fields)
             except BudgetError:
                 result, why = None, "the ILP's dtypes did not fit once traced"
-                cap = int(cap * 0.95)  # the mixed graphs need more than the fp32-traced rows saw
+                cap = int(cap * AUTO_CAP_SHRINK)
                 continue
             errors = precision_errors(model, result[1], args, kwargs, where)
             result[0].precision.update(errors)
             if as_accurate_as_autocast(errors):
                 break
             why = f"after {attempt + 1} tries the mixed plan's error was still above autocast's"
-            result, tol = None, tol / 4
+            result, tol = None, tol / AUTO_TOLERANCE_DIVISOR
         if result is None and fp32 is not None:
             result = fp32
             result[0].notes.append(f"precision='auto' kept every call in fp32: {why}")
         elif result is None:  # fp32 does not fit: autocast's choice, every castable call in bf16
-            result = build(budget, mixed.fixed_dtypes(an, "bf16")[0], store, fields)  # BudgetError if not
+            result = build(budget, precision_plan.fixed_dtypes(an, "bf16")[0], store, fields)  # BudgetError if not
             errors = precision_errors(model, result[1], args, kwargs, where)
             result[0].precision.update(errors)
             result[0].notes.append("precision='auto': fp32 does not fit and the joint ILP's dtypes did not fit or "
@@ -241,7 +251,7 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
         info["dtypes_chosen_by"] = "ilp (joint with save/recompute)" if plan.precision.get("dtypes") else "fp32"
     stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
     picked = plan.precision.get("dtypes") or []
-    info["error_estimate"] = mixed.error_estimate(an, picked) if an.stats and any(an.stats) else None
+    info["error_estimate"] = precision_plan.error_estimate(an, picked) if an.stats and any(an.stats) else None
     info["calls"] = stats
     plan.precision = {**info, **plan.precision}
     if where.type != "meta" and "loss_rel_err" not in plan.precision and picked:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from autoremat.heuristics import Decision, evaluate, save_all
+from autoremat.decision import Decision, evaluate
+from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger
 from autoremat.memory import Schedule, Timeline
 from autoremat.profile import GraphProfile

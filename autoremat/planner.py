@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,14 +20,23 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph, aot_backend, compile_fresh, default_split
+from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
-from autoremat.heuristics import Decision, evaluate, save_all
+from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
 from autoremat.passes import split
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
-from autoremat.profile import GraphProfile, calibrate_scratch, fingerprint, profile_graph
+from autoremat.profile import GraphProfile, fingerprint, profile_graph
+from autoremat.scratch import calibrate_scratch
 from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.torch_internals import (
+    BackendCompilerFailed,
+    arg_tree_leaves,
+    graph_break_reasons,
+    is_primal,
+)
+from autoremat.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
 from autoremat.units import format_bytes, parse_budget
 
 log = logging.getLogger("autoremat")
@@ -44,8 +52,8 @@ class PlanMismatch(ValueError):
 def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Ledger:
     """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state."""
     nodes = list(cg.joint.graph.nodes)
-    primals = [n for n in nodes if n.op == "placeholder" and n.name.startswith("primals")]
-    outs = list(torch.utils._pytree.arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
+    primals = [n for n in nodes if is_primal(n)]
+    outs = list(arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
     grads = outs[cg.num_fwd_outputs:]
     static = set(cg.static_input_indices)
 
@@ -205,7 +213,7 @@ def own_errors():
     """Our errors (BudgetError, PlanMismatch) raised inside a backend reach the user unwrapped."""
     try:
         yield
-    except torch._dynamo.exc.BackendCompilerFailed as e:
+    except BackendCompilerFailed as e:
         inner = getattr(e, "inner_exception", None)
         if isinstance(inner, (BudgetError, PlanMismatch)):
             raise inner from None
@@ -285,7 +293,7 @@ def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
     """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
     if planner.profiles:
         return
-    reasons = [r.splitlines()[0] for r in torch._dynamo.utils.counters["graph_break"]][-3:]
+    reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
     raise CaptureError(
         f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
         "budget could not be held: dynamo ran the whole forward eagerly. A graph break inside a loop (e.g. "
@@ -311,92 +319,14 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
     return plan
 
 
-class Restore:
-    """Leave no trace of a planning step: buffers (BatchNorm stats), gradients and RNG as they were."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
-
-    def __enter__(self) -> None:
-        self.buffers = [b.detach().clone() for b in self.model.buffers()]
-        self.grads = [p.grad for p in self.model.parameters()]
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def __exit__(self, *exc: object) -> None:
-        with torch.no_grad():
-            for b, saved in zip(self.model.buffers(), self.buffers):
-                b.copy_(saved)
-        for p, g in zip(self.model.parameters(), self.grads):
-            p.grad = g
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-
-def describe(args: tuple, kwargs: dict) -> str:
-    def one(a: Any) -> str:
-        return f"Tensor{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
-
-    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
-
-
-def _original_error(e: BaseException) -> BaseException | None:
-    """The user-level exception dynamo wrapped (e.g. a shape mismatch in a matmul), if any."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if not type(e).__module__.startswith("torch._dynamo"):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-class _DropFakeTensorLog(logging.Filter):
-    """Fake-tensor propagation logs a full traceback before re-raising; we report the error ourselves."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("failed while attempting to run meta")
-
-
-@contextlib.contextmanager
-def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    quiet = _DropFakeTensorLog()
-    logger.addFilter(quiet)
-    try:
-        yield
-    except torch._dynamo.exc.TorchRuntimeError as e:
-        cause = _original_error(e)
-        why = f"{type(cause).__name__}: {cause}" if cause else str(e).splitlines()[0]
-        if cause is None:
-            m = re.search(r"got (\w+)\('(.*?)'\)", str(e))
-            why = f"{m.group(1)}: {m.group(2)}" if m else why
-        raise ValueError(f"example_inputs do not fit the model: {type(model).__name__} cannot run on "
-                         f"({describe(args, kwargs)}): {why}") from None
-    finally:
-        logger.removeFilter(quiet)
-
-
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
     compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
                                                 regions=planner.regions))
     with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
         out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     del out
-    _reshard(model)
+    reshard(model)
     return compiled
-
-
-def _reshard(model: torch.nn.Module) -> None:
-    """A forward with no backward leaves FSDP2's gathered parameters in place; put the shards back."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts,

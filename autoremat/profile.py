@@ -17,19 +17,27 @@ from __future__ import annotations
 import hashlib
 import operator
 import re
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.flop_counter import flop_registry
 
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
+from autoremat.passes.remat import BATCH_NORM_WITH_STATS
+from autoremat.passes.rng_replay import is_draw, is_replay
 from autoremat.regions import accumulate_grad
-from autoremat.rng_replay import is_draw, is_replay
+from autoremat.torch_internals import (
+    OpOverload,
+    StorageWeakRef,
+    arg_tree_leaves,
+    is_mutable_op,
+    is_primal,
+    is_tangent,
+    mutated_input_indices,
+    tree_map,
+)
 
 # Namespaces whose ops we know to be pure functions of their inputs.
 PURE_NAMESPACES = {"aten", "prims"}
@@ -78,9 +86,6 @@ class GraphProfile:
     def forward_side(self) -> list[str]:
         return [n for n, p in self.nodes.items() if p.kind == "forward"]
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def _tensors(val) -> list[torch.Tensor]:
     if isinstance(val, torch.Tensor):
@@ -104,7 +109,7 @@ def _target_name(node: fx.Node) -> str:
     t = node.target
     if t is operator.getitem:
         return "getitem"
-    if not isinstance(t, torch._ops.OpOverload) and hasattr(t, "__qualname__"):
+    if not isinstance(t, OpOverload) and hasattr(t, "__qualname__"):
         return f"{t.__module__}.{t.__qualname__}"  # a Python function: no address in the fingerprint
     return str(t)
 
@@ -130,7 +135,7 @@ def recompute_ban(node: fx.Node) -> str:
         return "random op: recomputing it would draw fresh randomness (its draw is replayed instead)"
     if is_replay(t):
         return ""  # replays a saved generator state: the same draw every time
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return f"unsupported op {t!r} (not an ATen op): saved, never recomputed"
     ns = t.namespace
     if ns in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
@@ -139,14 +144,11 @@ def recompute_ban(node: fx.Node) -> str:
         return f"custom op {t}: saved, never recomputed"
     if torch.Tag.nondeterministic_seeded in t.tags:
         return "random op: recomputing it would draw fresh randomness"
-    if t._schema.is_mutable:
+    if is_mutable_op(t):
         return "mutates an input"
     if torch.Tag.nondeterministic_bitwise in t.tags and "index_put" in t.name():
         return "nondeterministic: recomputation may differ bitwise"
     return ""
-
-
-BATCH_NORM_WITH_STATS = torch.ops.aten._native_batch_norm_legit_functional.default
 
 
 def recomputes_without_buffers(node: fx.Node) -> bool:
@@ -159,7 +161,7 @@ def recomputes_without_buffers(node: fx.Node) -> bool:
 
 def _flops(node: fx.Node) -> tuple[float, bool]:
     t = node.target
-    if not isinstance(t, torch._ops.OpOverload):
+    if not isinstance(t, OpOverload):
         return 0.0, False
     fn = flop_registry.get(t.overloadpacket) or flop_registry.get(t)
     if fn is None:
@@ -172,7 +174,7 @@ def _flops(node: fx.Node) -> tuple[float, bool]:
 
 
 def pytree_map_vals(tree):
-    return torch.utils._pytree.tree_map(
+    return tree_map(
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree
     )
 
@@ -182,19 +184,19 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
     dev = get_device(device if device is not None else cg.device)
     gm = cg.joint
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    primals = [n for n in placeholders if n.name.startswith("primals")]
+    primals = [n for n in placeholders if is_primal(n)]
     static = {primals[i].name for i in cg.static_input_indices if i < len(primals)}
 
     # Backward = everything downstream of a tangent; the rest is computable from the primals.
     backward: set[fx.Node] = set()
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and n.name.startswith("tangents"):
+        if is_tangent(n):
             backward.add(n)
         elif any(a in backward for a in n.all_input_nodes):
             backward.add(n)
 
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outs = list(torch.utils._pytree.arg_tree_leaves(*out_node.args))
+    outs = list(arg_tree_leaves(*out_node.args))
     fw_outputs = [o.name for o in outs[: cg.num_fwd_outputs] if isinstance(o, fx.Node)]
     grad_outputs = [o.name for o in outs[cg.num_fwd_outputs :] if isinstance(o, fx.Node)]
 
@@ -207,7 +209,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             continue
         val = n.meta.get("val")
         if n.op == "placeholder":
-            kind = "tangent" if n.name.startswith("tangents") else ("param" if n.name in static else "input")
+            kind = "tangent" if is_tangent(n) else ("param" if n.name in static else "input")
         elif n.op == "get_attr":
             # A lifted tensor constant (`_tensor_constant0`): an attribute of the graph module, held
             # from compilation on. Like a parameter it is never computed, always there, and not part
@@ -312,13 +314,8 @@ def _constant_notes(gm: fx.GraphModule) -> list[str]:
 
 def _mutated_primals(out_node: fx.Node, primals: list[fx.Node], static: set[str], grad_outputs_all: list) -> set[str]:
     """Names of the primals the forward mutates (returned as extra outputs, copied back by the runtime)."""
-    descs = out_node.meta.get("desc")
-    if descs:
-        idx = {
-            d.mutated_input.idx
-            for d in descs
-            if type(d).__name__ == "InputMutationAOTOutput" and hasattr(d.mutated_input, "idx")
-        }
+    idx = mutated_input_indices(out_node)
+    if idx is not None:
         return {primals[i].name for i in idx if i < len(primals)}
     # No descriptors: assume every buffer (a static input without a gradient) may be mutated.
     return {p.name for i, p in enumerate(primals)
@@ -336,112 +333,3 @@ def fingerprint(gm: fx.GraphModule) -> str:
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, -1))
         h.update(repr((n.op, _target_name(n), args, shapes)).encode())
     return h.hexdigest()[:16]
-
-
-def _materialize(val, device: torch.device):
-    """A real tensor shaped like the fake `val` (random floats, zero integers: always valid indices)."""
-    if not isinstance(val, torch.Tensor):
-        return val
-    t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=device)
-    flat = torch.empty(0, dtype=val.dtype, device=device).set_(t.untyped_storage())  # fill every byte once
-    if flat.is_floating_point() or flat.is_complex():
-        flat.normal_()
-    else:
-        flat.zero_()
-    return t
-
-
-def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.0) -> int:
-    """Measure each op's temporary memory once on real tensors of the traced shapes.
-
-    Some kernels allocate beyond their outputs (a CPU convolution's column buffer, a GELU
-    backward on an expanded gradient, SDPA's per-thread blocks); the memory model needs that to
-    predict the true peak. Each distinct (op, shapes, arguments) runs once under the profiler; the
-    scratch is its allocation peak minus the bytes of its outputs. An op that cannot be measured
-    (it fails on made-up inputs, or the `budget_s` seconds are spent) is never counted as 0: it
-    gets `scratch_estimate`, and `gp.notes` says which ops and why. The run also checks that each
-    kernel lays out its output as the fake tensor did; a view of an output laid out otherwise would
-    copy unseen or fail, so `gp.notes` names such ops too. Returns how many distinct ops were
-    measured. Graphs traced on the meta device have no real memory and are skipped.
-    """
-    if cg.device == "meta":
-        return 0
-    device = torch.device(cg.device)
-    scratch: dict[str, int] = {}  # by (op, argument signature)
-    unmeasured: dict[str, str] = {}  # op -> why its scratch was estimated
-    relaid: set[str] = set()  # ops whose real output strides differ from the traced ones
-    deadline, count = time.perf_counter() + budget_s, 0
-    # We are inside AOTAutograd's tracing: step out of its fake-tensor mode to run real kernels.
-    with unset_fake_temporarily():
-        for n in cg.joint.graph.nodes:
-            prof = gp.nodes.get(n.name)
-            if n.op != "call_function" or prof is None or not isinstance(n.target, torch._ops.OpOverload):
-                continue
-            if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
-                continue
-            key = repr((str(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _sig(a.meta.get("val")))))
-            if key not in scratch:
-                measured = _measure_op(n, device, relaid) if time.perf_counter() < deadline else "timeout"
-                if isinstance(measured, str):
-                    unmeasured.setdefault(str(n.target), measured)
-                    measured = scratch_estimate(n)
-                else:
-                    count += 1
-                scratch[key] = measured
-            prof.transient_bytes += scratch[key]
-    if unmeasured:
-        by_reason: dict[str, list[str]] = {}
-        for op, reason in sorted(unmeasured.items()):
-            by_reason.setdefault(reason, []).append(op)
-        why = {"timeout": f"the {budget_s:g} s calibration budget was spent"}
-        ops = "; ".join(f"{', '.join(names)} ({why.get(reason, reason)})" for reason, names in by_reason.items())
-        gp.notes.append(f"kernel scratch not measured for {len(unmeasured)} op(s), estimated as a copy of each "
-                        f"input and output instead: {ops}")
-    if relaid:
-        gp.notes.append(f"the real output strides of {', '.join(sorted(relaid))} differ from the traced ones: a "
-                        "view of such an output copies memory the plan does not predict, or fails. Please report "
-                        "this model")
-    return count
-
-
-def scratch_estimate(n: fx.Node) -> int:
-    """Scratch assumed for an op that could not be measured: room for a contiguous copy of each of
-    its tensor inputs and outputs. Every scratch we measured (the property grammar's ops, T5's)
-    fits in it, a convolution's column buffer most tightly. An estimate, said to be one, never a silent 0."""
-    tensors = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + _tensors(n.meta.get("val"))
-    return sum(_dense_bytes(t) for t in tensors)
-
-
-def _sig(val) -> object:
-    if isinstance(val, torch.Tensor):
-        return (tuple(val.shape), tuple(val.stride()), str(val.dtype))
-    return repr(val)
-
-
-def _layout(tensors: list[torch.Tensor]) -> list[tuple]:
-    return [tuple((size, stride) for size, stride in zip(t.shape, t.stride()) if size > 1) for t in tensors]
-
-
-def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str:
-    """The op's scratch in bytes, or why it could not be measured; adds the op to `relaid` if its
-    real output strides differ from the traced ones."""
-    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
-
-    out_bytes = [0]
-    try:
-        args, kwargs = torch.utils._pytree.tree_map(
-            lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
-        )
-
-        def run() -> None:
-            out = n.target(*args, **kwargs)
-            if _layout(_tensors(out)) != _layout(_tensors(n.meta.get("val"))):
-                relaid.add(str(n.target))
-            storages = {t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(out)}
-            out_bytes[0] = sum(storages.values())
-            del out
-
-        _, m = measure_peak(run, device=device, baseline_bytes=0)
-    except Exception as e:  # e.g. an op that rejects made-up data (bernoulli of p outside [0, 1])
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else 'no message'}"
-    return max(0, m.delta_peak_bytes - out_bytes[0])

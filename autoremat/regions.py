@@ -25,10 +25,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 import torch.fx as fx
 import torch.utils.weak
 from torch.fx.passes.split_module import split_module
+
+from autoremat.torch_internals import compile_submodules, copy_split_metadata, ddp_optimizer_active
 
 
 def block_of(module: str) -> str:
@@ -88,23 +89,16 @@ def partition(gm: fx.GraphModule) -> dict[fx.Node, int] | None:
 def compile_regions(gm: fx.GraphModule, example_inputs: list, compile_one: Callable) -> Callable:
     """Compile `gm` as one graph per region with `compile_one` (an AOTAutograd backend), or whole."""
     region = partition(gm)
-    context = torch._guards.TracingContext.try_get()
-    if region is None or getattr(context, "ddp_optimizer_ctx", None) is not None:
+    if region is None or ddp_optimizer_active():
         # DDP's own graph splitter (torch._dynamo.config.optimize_ddp) has already cut this graph into
         # gradient buckets, which hands gradients over bucket by bucket: cutting again would break it.
         return compile_one(gm, example_inputs)
-    from torch._dynamo.backends.distributed import SubmodCompiler, propagate_dynamo_source, propagate_metadata
-    from torch._dynamo.utils import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     cut = split_module(gm, None, lambda n: region[n], keep_original_order=True)
-    propagate_dynamo_source(gm, cut)
-    propagate_metadata(gm, cut)
+    copy_split_metadata(gm, cut)
     _link(cut)
-    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
     # The interpreter runs the cut graph on fake inputs, compiling each region as it reaches it
     # (with the outputs of the regions before it as example inputs) and swapping it in.
-    SubmodCompiler(cut, compile_one, fake_mode).run(*example_inputs)
+    compile_submodules(cut, compile_one, example_inputs)
     cut.recompile()
     return cut
 
@@ -138,7 +132,7 @@ def _link(cut: fx.GraphModule) -> None:
     readers = {p: sum(u in position for u in p.users) for p in cut.graph.find_nodes(op="placeholder")}
     for call in calls:
         sub = getattr(cut, str(call.target))
-        sub.meta = dict(sub.meta)  # propagate_metadata gave every region the one dict of the whole graph
+        sub.meta = dict(sub.meta)  # copy_split_metadata gave every region the one dict of the whole graph
         outputs = max([o for (r, o) in produced.values() if r == position[call]], default=-1) + 1
         sub.meta[LINKS] = RegionLinks(position[call], [produced.get(a) for a in call.args], outputs,
                                       {o for (r, o) in returned if r == position[call]},

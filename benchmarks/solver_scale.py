@@ -43,7 +43,7 @@ def measure(depth: int, d: int, seq: int, batch: int, time_limit: float, full_li
     budget = (lo + hi) // 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        ilp = solver._Model([gp], 1, drag=False)
+        ilp = solver.IlpModel([gp], 1, block_drag=False)
     variables, constraints = len(ilp.prob.variables()), len(ilp.prob.constraints) + len(ilp.rows)
     t0 = time.perf_counter()
     dec = solver.solve([gp], budget, time_limit=time_limit)

@@ -177,12 +177,12 @@ def _inconsistent(gm, order, what):
 
 def test_internal_error_falls_back_to_saving_everything(monkeypatch, caplog):
     """No real model should trigger this (HF T5's lifted constants are being fixed), so the check is forced."""
-    import autoremat.passes
+    import autoremat.passes.remat
 
     model, x = _model(Unrolled), torch.randn(BATCH, TOKENS, D)
     ref = _grads(model, model, x)
     floor = _floor(model, x)
-    monkeypatch.setattr(autoremat.passes, "_check_same_nodes", _inconsistent)
+    monkeypatch.setattr(autoremat.passes.remat, "_check_same_nodes", _inconsistent)
     with caplog.at_level(logging.ERROR, logger="autoremat"):
         # Near the floor, saving everything does not fit: refused, naming the internal error.
         _, compiled = _compile(model, int(NEAR * floor))
@@ -201,11 +201,11 @@ def test_internal_error_falls_back_to_saving_everything(monkeypatch, caplog):
 
 
 def test_internal_error_fallback_in_optimize(monkeypatch, caplog):
-    import autoremat.passes
+    import autoremat.passes.remat
 
     model, x = _model(OneGraph), torch.randn(4, 8, D)
     ref = _grads(model, model, x)
-    monkeypatch.setattr(autoremat.passes, "_check_same_nodes", _inconsistent)
+    monkeypatch.setattr(autoremat.passes.remat, "_check_same_nodes", _inconsistent)
     with caplog.at_level(logging.ERROR, logger="autoremat"):
         om = autoremat.optimize(model, budget=10**10, example_inputs=(x,), verify=False)
     for g, r in zip(_grads(model, om, x), ref, strict=True):

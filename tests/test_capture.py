@@ -9,9 +9,11 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autoremat.capture
-from autoremat import rng_replay
-from autoremat.capture import LAYOUT_DECOMPOSITIONS, _native_dropout, capture
-from autoremat.profile import calibrate_scratch, profile_graph
+from autoremat.capture import capture
+from autoremat.passes import rng_replay
+from autoremat.passes.decompositions import LAYOUT_DECOMPOSITIONS, _native_dropout
+from autoremat.profile import profile_graph
+from autoremat.scratch import calibrate_scratch
 from examples import models
 
 

@@ -277,12 +277,13 @@ def test_cuda_mlp_hand_count() -> None:
     assert abs(mp.delta_peak_bytes - m.delta_peak_bytes) <= 4096, (m, mp)
 
 
-# --- per-op scratch calibration (autoremat.profile.calibrate_scratch), which measures with measure_peak
+# --- per-op scratch calibration (autoremat.scratch.calibrate_scratch), which measures with measure_peak
 
 
 def _calibrated(model: nn.Module, x: torch.Tensor, **kwargs):
     from autoremat.capture import capture
-    from autoremat.profile import calibrate_scratch, profile_graph
+    from autoremat.profile import profile_graph
+    from autoremat.scratch import calibrate_scratch
 
     (cg,) = capture(model, (x,))
     gp = profile_graph(cg)
@@ -335,7 +336,7 @@ class Stochastic(nn.Module):
 
 
 def test_scratch_that_cannot_be_measured_is_estimated_and_said() -> None:
-    from autoremat.profile import scratch_estimate
+    from autoremat.scratch import scratch_estimate
 
     # bernoulli rejects the made-up normal floats calibration feeds it as probabilities
     cg, gp, scratch, _ = _calibrated(Stochastic(), torch.randn(4, 8))

@@ -237,7 +237,7 @@ def test_auto_on_meta_asks_for_real_inputs():
 def test_fp32_ops_override_makes_softmax_castable(stack):
     model, ex = stack
     default = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False)
-    kept = [op for op in autoremat.precision.FP32_KEPT if op != "softmax"]
+    kept = [op for op in autoremat.precision_measure.FP32_KEPT if op != "softmax"]
     unlocked = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False,
                                   fp32_ops=kept)
     assert not any("softmax" in c for c in default.plan.precision["dtypes"][0])

@@ -7,7 +7,7 @@ draws once (the random stream after a step is eager's), the backward's replay gi
 import torch
 
 import autoremat
-from autoremat import rng_replay
+from autoremat.passes import rng_replay
 from examples import models
 from tests.budgets import budget_range
 from tests.tolerances import assert_close_for

@@ -2,6 +2,7 @@
 modes, greedy, smallest peak) and Infeasible is forced and asserted by its name in Decision.path;
 options reach the solver; plans are deterministic."""
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -51,13 +52,13 @@ def test_optimal_path(stack):
 def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
     """What a solver returns when it stops at its limit with an incumbent: reported, and used."""
     gp, budget = _mid(stack)
-    real = solver._Model.solve
+    real = solver.IlpModel.solve
 
     def stopped_early(self, *args, **kwargs):
-        status, saved, predicted = real(self, *args, **kwargs)
-        return ("time_limit" if saved is not None else status), saved, predicted
+        result = real(self, *args, **kwargs)
+        return dataclasses.replace(result, status="time_limit") if result.saved is not None else result
 
-    monkeypatch.setattr(solver._Model, "solve", stopped_early)
+    monkeypatch.setattr(solver.IlpModel, "solve", stopped_early)
     d = solver.solve([gp], budget)
     assert d.status == "time_limit" and d.path.startswith("ilp") and d.peak <= budget
     plan = build_plan([gp], d, Ledger(0, 0, 0), budget, "cpu")
@@ -68,7 +69,7 @@ def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
 
 def _no_ilp(monkeypatch):
     """Every ILP solve, budgeted or min-peak, finds nothing: what a solver that gives up reports."""
-    monkeypatch.setattr(solver._Model, "solve", lambda self, *a, **k: ("infeasible", None, None))
+    monkeypatch.setattr(solver.IlpModel, "solve", lambda self, *a, **k: solver.IlpResult("infeasible"))
 
 
 class Unrepeated(nn.Module):
@@ -129,12 +130,12 @@ def test_infeasible_carries_the_checkpointing_plan_when_the_ilp_finds_nothing(st
 def test_smallest_peak_path_when_greedy_does_not_fit_either(stack, monkeypatch):
     """The budgeted ILPs find nothing, but the min-peak ILP does: its plan is used if it fits."""
     gp, hi, lo = stack
-    real = solver._Model.solve
+    real = solver.IlpModel.solve
 
     def only_min_peak(self, budget, backend, min_peak=False):
-        return real(self, budget, backend, min_peak=True) if min_peak else ("infeasible", None, None)
+        return real(self, budget, backend, min_peak=True) if min_peak else solver.IlpResult("infeasible")
 
-    monkeypatch.setattr(solver._Model, "solve", only_min_peak)
+    monkeypatch.setattr(solver.IlpModel, "solve", only_min_peak)
     greedy_peak = solver.evaluate([gp], solver.greedy([gp], 0))[1].peak
     blocks_peak = solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak
     floor = min(greedy_peak, blocks_peak)

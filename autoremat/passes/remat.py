@@ -7,44 +7,40 @@ exactly `Schedule.forward` and `Schedule.backward`, the order the memory model s
 
 from __future__ import annotations
 
-import inspect
 import operator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-from torch._functorch.partitioners import _extract_fwd_bwd_modules
-from torch.fx.experimental.proxy_tensor import is_sym_node
 
-from autoremat.capture import CapturedGraph
-from autoremat.memory import Schedule
-from autoremat.profile import BATCH_NORM_WITH_STATS
-from autoremat.rng_replay import forward_draws_once
+from autoremat.passes.rng_replay import forward_draws_once
+from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
 
-_EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
+if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage (capture imports passes)
+    from autoremat.capture import CapturedGraph
+    from autoremat.memory import Schedule
 
 
 def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Forward and backward GraphModules that save `schedule.saved` and recompute the rest."""
     joint = cg.joint
     by_name = {n.name: n for n in joint.graph.nodes}
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("primals")]
+    primals = [n for n in joint.graph.nodes if is_primal(n)]
     # Every primal is offered to the backward (parameters and inputs are alive anyway, and a
     # recomputed op may read them); the ones the backward does not read are pruned.
     saved = primals + [by_name[n] for n in schedule.saved]
     saved_sym = [n for n in saved if is_sym_node(n)]
     saved = [n for n in saved if not is_sym_node(n)]
-    kwargs = {"num_fwd_outputs": cg.num_fwd_outputs}
-    if "static_lifetime_input_nodes" in _EXTRACT_PARAMS:
-        kwargs["static_lifetime_input_nodes"] = {primals[i] for i in cg.static_input_indices if i < len(primals)}
-    if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
-        kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
-    fw, bw = _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
+    static = {primals[i] for i in cg.static_input_indices if i < len(primals)}
+    fw, bw = extract_fwd_bwd_modules(joint, saved, saved_sym, num_fwd_outputs=cg.num_fwd_outputs,
+                                     static_lifetime_input_nodes=static)
     fw, bw = reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
     batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
     forward_draws_once(fw)
     return fw, bw
 
 
+BATCH_NORM_WITH_STATS = torch.ops.aten._native_batch_norm_legit_functional.default
 _BATCH_NORM_NO_STATS = torch.ops.aten._native_batch_norm_legit.no_stats
 
 

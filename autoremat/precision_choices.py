@@ -1,6 +1,6 @@
 """What each compute-dtype choice changes in a joint graph traced in fp32: the ILP's inputs.
 
-precision.py decides which dynamo calls may run in 16 bits and how much error each adds; here each
+precision_measure.py decides which dynamo calls may run in 16 bits and how much error each adds; here each
 aten node of the fp32 joint graph is traced back to those calls (`from_node` provenance), so the
 solver knows which values become 16-bit with which calls (their *owners*), how much faster the ops
 get on the device, and what the casts cost.

@@ -1,4 +1,4 @@
-"""Per-op compute dtypes: which ops may run in bf16/fp16, how safe that is, and the graph rewrite.
+"""Per-op compute dtypes: which ops may run in bf16/fp16 and how safe that is.
 
 This stage works on the graph dynamo hands to a backend (torch-level calls such as `linear`,
 `matmul`, `softmax`), before AOTAutograd traces the training step. That is where a dtype is a
@@ -13,12 +13,11 @@ reach the optimizer in fp32.
 - `measure(gm, inputs)`: runs the fp32 graph once on the example batch and, per castable call, the
   largest magnitude it reads or writes, the share of its outputs that fp16 flushes to zero, and its
   relative error when it runs in bf16 or fp16 instead (inputs rounded, same op, compared in fp32).
-- `apply_dtypes(gm, dtypes)`: casts the inputs of the chosen calls, lets the low dtype flow through
-  the ops that follow (type promotion decides, as in eager), and casts back to fp32 in front of
-  every `FP32_KEPT` call.
+
+The rewrite that runs the chosen calls in 16 bits is a graph pass: passes/dtypes.py (`apply_dtypes`).
 
     >>> import torch, torch.nn as nn
-    >>> from autoremat.precision import castable, measure
+    >>> from autoremat.precision_measure import castable, measure
     >>> seen = {}
     >>> def backend(gm, inputs):
     ...     seen.update(measure(gm, inputs, castable(gm)))
@@ -39,6 +38,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autoremat.torch_internals import C_NN_LINEAR, tree_leaves, tree_map
+
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller becomes zero
@@ -46,7 +47,7 @@ FP16_SAFETY = 8.0  # fp16 is forbidden once a value comes within this factor of 
 FP16_UNDERFLOW_SHARE = 1e-3  # ... or when more than this share of nonzero outputs flush to zero
 
 _MATMULS = {
-    torch._C._nn.linear, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
+    C_NN_LINEAR, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
     torch.baddbmm, torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
     F.scaled_dot_product_attention,
 }
@@ -69,16 +70,16 @@ def call_name(node: fx.Node) -> str:
     return ""
 
 
-def _is_matmul(node: fx.Node) -> bool:
+def is_matmul(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target in _MATMULS) or (
         node.op == "call_method" and node.target in _MATMUL_METHODS)
 
 
-def _value(node) -> object:
+def traced_value(node) -> object:
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
-def _is_float(val) -> bool:
+def is_float(val) -> bool:
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
@@ -88,9 +89,9 @@ def castable(gm: fx.GraphModule, fp32_ops: Iterable[str] = FP32_KEPT) -> list[st
     kept = set(fp32_ops)
     out = []
     for n in gm.graph.nodes:
-        if n.op not in ("call_function", "call_method") or not _is_float(_value(n)):
+        if n.op not in ("call_function", "call_method") or not is_float(traced_value(n)):
             continue
-        if _is_matmul(n) or (call_name(n) in FP32_KEPT and call_name(n) not in kept):
+        if is_matmul(n) or (call_name(n) in FP32_KEPT and call_name(n) not in kept):
             out.append(n.name)
     return out
 
@@ -134,7 +135,7 @@ class _Recorder(fx.Interpreter):
         out = super().run_node(n)
         if n.name in self.names and isinstance(out, torch.Tensor) and out.is_floating_point():
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if _is_float(a)]
+            flat = [a for a in tree_leaves((args, kwargs)) if is_float(a)]
             max_abs = max([out.detach().abs().max().item() if out.numel() else 0.0]
                           + [a.detach().abs().max().item() for a in flat if a.numel()])
             nonzero = out.detach() != 0
@@ -142,8 +143,8 @@ class _Recorder(fx.Interpreter):
             share = tiny.sum().item() / max(1, nonzero.sum().item())
             errs = {}
             for key, dtype in LOW.items():
-                low_args, low_kwargs = torch.utils._pytree.tree_map(
-                    lambda a, d=dtype: a.detach().to(d) if _is_float(a) else a, (args, kwargs))
+                low_args, low_kwargs = tree_map(
+                    lambda a, d=dtype: a.detach().to(d) if is_float(a) else a, (args, kwargs))
                 with torch.random.fork_rng(devices=[out.device] if out.device.type == "cuda" else []):
                     low = getattr(self, n.op)(n.target, low_args, low_kwargs)
                 errs[key] = _rel_err(low.float(), out.detach())
@@ -167,51 +168,4 @@ def measure(gm: fx.GraphModule, inputs: list, names: Iterable[str]) -> dict[str,
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):
         rec.run(*args)
     return rec.stats
-
-
-def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[str] = FP32_KEPT) -> int:
-    """Rewrite `gm` so that each call named in `dtypes` computes in that dtype ("bf16"/"fp16").
-
-    Its floating inputs are cast, its output stays in the low dtype, later calls follow type
-    promotion, and every input of an `fp32_ops` call (or of a matmul left in fp32) that may be low
-    is cast back to fp32 first.
-    Returns the number of casts inserted.
-    """
-    low = {name: LOW[d] for name, d in dtypes.items() if d in LOW}
-    if not low:
-        return 0
-    kept = set(fp32_ops)
-    graph = gm.graph
-    maybe_low: set[fx.Node] = set()
-    casts = 0
-
-    def cast(node: fx.Node, arg, dtype: torch.dtype):
-        nonlocal casts
-        if not isinstance(arg, fx.Node) or not (_is_float(_value(arg)) or arg in maybe_low):
-            return arg
-        with graph.inserting_before(node):
-            casts += 1
-            return graph.call_method("to", (arg, dtype))
-
-    def recast(node: fx.Node, dtype: torch.dtype, only_low: bool) -> None:
-        def one(a):
-            return cast(node, a, dtype) if not only_low or a in maybe_low else a
-
-        node.args = fx.node.map_arg(node.args, one)
-        node.kwargs = fx.node.map_arg(node.kwargs, one)
-
-    for node in list(graph.nodes):
-        if node.op not in ("call_function", "call_method"):
-            continue
-        if node.name in low:
-            recast(node, low[node.name], only_low=False)
-            maybe_low.add(node)
-        elif call_name(node) in kept or _is_matmul(node):
-            # fp32 calls; matmuls do not promote mixed dtypes, so a fp32 one gets fp32 inputs too
-            recast(node, torch.float32, only_low=True)
-        elif any(a in maybe_low for a in node.all_input_nodes):
-            maybe_low.add(node)  # may be low: type promotion decides at run time
-    graph.lint()
-    gm.recompile()
-    return casts
 

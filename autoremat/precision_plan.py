@@ -1,7 +1,7 @@
 """Choose the compute dtype of every castable call for `optimize(..., precision=...)`.
 
-precision="bf16" or "fp16" runs every castable call (precision.castable) in that dtype; fp16 only
-where the example batch shows it is safe (precision.OpStats.fp16_safe), the rest stay fp32.
+precision="bf16" or "fp16" runs every castable call (precision_measure.castable) in that dtype; fp16 only
+where the example batch shows it is safe (precision_measure.OpStats.fp16_safe), the rest stay fp32.
 precision="auto" is the joint choice: the model is traced once in fp32 with each castable call
 measured on the example batch, then one ILP (solver.choose_dtypes) picks per call fp32, bf16 or
 fp16 together with save/recompute, under the memory budget and an error tolerance. The caller then
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autoremat import precision as P
+from autoremat import precision_measure as P
 from autoremat.capture import capture
 from autoremat.devices import DeviceSpec
-from autoremat.dtypes import dtype_choices
+from autoremat.passes.dtypes import apply_dtypes
+from autoremat.precision_choices import dtype_choices
 from autoremat.profile import GraphProfile, profile_graph
 from autoremat.solver import choose_dtypes
 
@@ -115,6 +116,6 @@ def pre_pass(dtypes: list[dict[str, str]], fp32_ops: Iterable[str] = P.FP32_KEPT
 
     def apply(index: int, gm: fx.GraphModule, inputs: list) -> None:
         if dtypes:
-            P.apply_dtypes(gm, dtypes[index % len(dtypes)], fp32_ops)
+            apply_dtypes(gm, dtypes[index % len(dtypes)], fp32_ops)
 
     return apply

@@ -1,0 +1,19 @@
+"""The graph passes: every rewrite of an FX graph autoremat makes, one module each.
+
+- `decompositions`: applied while AOTAutograd traces the joint graph (capture): dropout as a saved
+  bool mask and a recomputable masked scale; BatchNorm / LayerNorm / dropout backward traced in their
+  kernels' layouts.
+- `rng_replay`: each random draw of a joint graph saves the generator state before it, so the backward
+  may replay the draw instead of keeping its output (a dropout mask costs its state, not its bytes).
+- `dtypes`: the dtype rewrite of a dynamo graph for precision= (`apply_dtypes`), before tracing.
+- `remat`: the save/recompute split of a joint graph into forward and backward modules, in the
+  simulated order (`split`, `reorder`), once the plan is solved; a recomputed batch norm runs without
+  its running-stat update, and the forward draws each random value once.
+
+The passes take graphs and plans as arguments and import no pipeline stage but precision's call
+helpers, so every stage may use them: capture applies the decompositions, the planner the split.
+"""
+
+from autoremat.passes.remat import reorder, split
+
+__all__ = ["reorder", "split"]

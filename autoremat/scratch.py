@@ -1,0 +1,130 @@
+"""Kernel scratch, measured: the temporary memory each op allocates beyond its outputs.
+
+`calibrate_scratch` runs each distinct op of a profiled graph once on real tensors of the traced
+shapes and strides and records the scratch in the graph's profile; `scratch_estimate` is what an op
+that cannot be measured is counted at instead.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.fx as fx
+
+from autoremat.capture import CapturedGraph
+from autoremat.profile import GraphProfile, _dense_bytes, _nbytes, _tensors  # the bytes of a traced value, as profiled
+from autoremat.torch_internals import (
+    OpOverload,
+    tree_map,
+    unset_fake_temporarily,
+)
+
+
+def _materialize(val, device: torch.device):
+    """A real tensor shaped like the fake `val` (random floats, zero integers: always valid indices)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    t = torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=device)
+    flat = torch.empty(0, dtype=val.dtype, device=device).set_(t.untyped_storage())  # fill every byte once
+    if flat.is_floating_point() or flat.is_complex():
+        flat.normal_()
+    else:
+        flat.zero_()
+    return t
+
+
+def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.0) -> int:
+    """Measure each op's temporary memory once on real tensors of the traced shapes.
+
+    Some kernels allocate beyond their outputs (a CPU convolution's column buffer, a GELU
+    backward on an expanded gradient, SDPA's per-thread blocks); the memory model needs that to
+    predict the true peak. Each distinct (op, shapes, arguments) runs once under the profiler; the
+    scratch is its allocation peak minus the bytes of its outputs. An op that cannot be measured
+    (it fails on made-up inputs, or the `budget_s` seconds are spent) is never counted as 0: it
+    gets `scratch_estimate`, and `gp.notes` says which ops and why. The run also checks that each
+    kernel lays out its output as the fake tensor did; a view of an output laid out otherwise would
+    copy unseen or fail, so `gp.notes` names such ops too. Returns how many distinct ops were
+    measured. Graphs traced on the meta device have no real memory and are skipped.
+    """
+    if cg.device == "meta":
+        return 0
+    device = torch.device(cg.device)
+    scratch: dict[str, int] = {}  # by (op, argument signature)
+    unmeasured: dict[str, str] = {}  # op -> why its scratch was estimated
+    relaid: set[str] = set()  # ops whose real output strides differ from the traced ones
+    deadline, count = time.perf_counter() + budget_s, 0
+    # We are inside AOTAutograd's tracing: step out of its fake-tensor mode to run real kernels.
+    with unset_fake_temporarily():
+        for n in cg.joint.graph.nodes:
+            prof = gp.nodes.get(n.name)
+            if n.op != "call_function" or prof is None or not isinstance(n.target, OpOverload):
+                continue
+            if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
+                continue
+            key = repr((str(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _sig(a.meta.get("val")))))
+            if key not in scratch:
+                measured = _measure_op(n, device, relaid) if time.perf_counter() < deadline else "timeout"
+                if isinstance(measured, str):
+                    unmeasured.setdefault(str(n.target), measured)
+                    measured = scratch_estimate(n)
+                else:
+                    count += 1
+                scratch[key] = measured
+            prof.transient_bytes += scratch[key]
+    if unmeasured:
+        by_reason: dict[str, list[str]] = {}
+        for op, reason in sorted(unmeasured.items()):
+            by_reason.setdefault(reason, []).append(op)
+        why = {"timeout": f"the {budget_s:g} s calibration budget was spent"}
+        ops = "; ".join(f"{', '.join(names)} ({why.get(reason, reason)})" for reason, names in by_reason.items())
+        gp.notes.append(f"kernel scratch not measured for {len(unmeasured)} op(s), estimated as a copy of each "
+                        f"input and output instead: {ops}")
+    if relaid:
+        gp.notes.append(f"the real output strides of {', '.join(sorted(relaid))} differ from the traced ones: a "
+                        "view of such an output copies memory the plan does not predict, or fails. Please report "
+                        "this model")
+    return count
+
+
+def scratch_estimate(n: fx.Node) -> int:
+    """Scratch assumed for an op that could not be measured: room for a contiguous copy of each of
+    its tensor inputs and outputs. Every scratch we measured (the property grammar's ops, T5's)
+    fits in it, a convolution's column buffer most tightly. An estimate, said to be one, never a silent 0."""
+    tensors = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + _tensors(n.meta.get("val"))
+    return sum(_dense_bytes(t) for t in tensors)
+
+
+def _sig(val) -> object:
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), str(val.dtype))
+    return repr(val)
+
+
+def _layout(tensors: list[torch.Tensor]) -> list[tuple]:
+    return [tuple((size, stride) for size, stride in zip(t.shape, t.stride()) if size > 1) for t in tensors]
+
+
+def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str:
+    """The op's scratch in bytes, or why it could not be measured; adds the op to `relaid` if its
+    real output strides differ from the traced ones."""
+    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
+
+    out_bytes = [0]
+    try:
+        args, kwargs = tree_map(
+            lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
+        )
+
+        def run() -> None:
+            out = n.target(*args, **kwargs)
+            if _layout(_tensors(out)) != _layout(_tensors(n.meta.get("val"))):
+                relaid.add(str(n.target))
+            storages = {t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(out)}
+            out_bytes[0] = sum(storages.values())
+            del out
+
+        _, m = measure_peak(run, device=device, baseline_bytes=0)
+    except Exception as e:  # e.g. an op that rejects made-up data (bernoulli of p outside [0, 1])
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else 'no message'}"
+    return max(0, m.delta_peak_bytes - out_bytes[0])

@@ -1,0 +1,278 @@
+"""Every private PyTorch API autoremat uses, in one place, so a torch release that breaks one breaks here.
+
+No other module of autoremat touches `torch._*`, `torch.utils._*`, private attributes or private
+naming conventions of torch; they import what they need from this module, which imports nothing from
+autoremat. tests/test_torch_internals.py exercises each name below on the installed torch, so a
+release that moves or changes one fails a test named after it. Checked on torch 2.11.0 and 2.13.0
+(`.ci/run` runs that test on both).
+
+AOTAutograd (joint graphs, partitioning):
+  aot_autograd                 torch._dynamo.backends.common: the dynamo backend that traces a joint graph
+  default_partition            torch._functorch.partitioners: torch's save-what-the-backward-reads split,
+                               what the capture pass hands back while it only records graphs
+  extract_fwd_bwd_modules      torch._functorch.partitioners._extract_fwd_bwd_modules: cut a joint
+                               graph at a given set of saved values (passes.split); its keyword
+                               arguments differ between releases, so only those it takes are passed
+  set_boxed_codegen            torch.fx.graph._BoxedCodeGen: generated code takes one list and clears
+                               it, so saved tensors die after their last use (capture.boxed_eager)
+  mark_boxed_call              the `_boxed_call` attribute: AOTAutograd then calls a compiled function
+                               with one list of inputs (boxed), which it may clear
+  TANGENTS_BOXED               torch.autograd.Function.boxed_grads_call exists (2.13): a compiled
+                               backward's tangents die after their last use, not when it returns
+  is_primal, is_tangent        the joint graph's placeholder names `primals_*` / `tangents_*`
+  mutated_input_indices        the output node's meta["desc"]: the class name InputMutationAOTOutput
+                               and its `mutated_input.idx`, which forward outputs are input mutations
+  is_sym_node                  torch.fx.experimental.proxy_tensor: symbolic-size nodes are saved apart
+Dispatcher and ops:
+  OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
+  is_mutable_op                OpOverload._schema.is_mutable
+  meta_python_kernels_hidden   OpOverload.py_kernels[DispatchKey.Meta] and _dispatch_cache, with
+  composite_with_meta_kernel   torch._C._dispatch_has_kernel_for_dispatch_key and torch._meta_registrations:
+                               hide the Python meta kernels of composite ops so meta traces decompose
+                               like real devices (capture.meta_traces_like_real)
+  inductor_compilers           torch._inductor.compile_fx.compile_fx_inner, decomposition.select_decomp_table
+  C_NN_LINEAR                  torch._C._nn.linear: F.linear's builtin, as dynamo records it (precision)
+  arg_tree_leaves, tree_leaves, torch.utils._pytree: flatten and map nested inputs and outputs (the
+  tree_flatten, tree_map       output node's args, a step's arguments, a model's outputs)
+Fake tensors and storages:
+  unset_fake_temporarily, FakeTensorMode, detect_fake_mode   run real kernels while tracing (profile);
+                               the fake mode the region compiler runs in (regions)
+  StorageWeakRef               torch.multiprocessing.reductions: which values share one allocation
+  is_traceable_wrapper_subclass  torch.utils._python_dispatch: tensor subclasses (DTensor) in measure
+  FAKE_TENSOR_LOGGER           the logger name torch._subclasses.fake_tensor (its traceback is silenced)
+Dynamo:
+  recompile_limit, dynamo_reset, graph_break_reasons   torch._dynamo.config.recompile_limit,
+                               torch._dynamo.reset, torch._dynamo.utils.counters["graph_break"]
+  dynamo_compile_id            the graph's meta["dynamo_compile_id"] (frame_id, frame_compile_id)
+  BackendCompilerFailed, TorchRuntimeError, is_dynamo_error   torch._dynamo.exc and its module name
+  ddp_optimizer_active         torch._guards.TracingContext.try_get().ddp_optimizer_ctx: DDP's
+                               graph splitter has already cut this graph
+  copy_split_metadata,         torch._dynamo.backends.distributed: propagate_dynamo_source and
+  compile_submodules           propagate_metadata onto a split graph's submodules; SubmodCompiler to
+                               compile each region of it as the interpreter reaches it
+Profiler and autograd engine:
+  profiler_enabled             torch._C._autograd._profiler_enabled
+  allocation_events            torch._C._profiler._EventType.Allocation, prof.profiler.kineto_results
+                               and its experimental_event_tree(): (time, signed bytes, device) per event
+  queue_callback               torch.autograd.Variable._execution_engine.queue_callback: run at the
+                               end of the current backward
+
+Not listed, and used in place: the FX node meta keys torch.fx documents and every FX pass reads
+("val", "example_value", "nn_module_stack", "fwd_nn_module_stack", "from_node").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = [
+    "BackendCompilerFailed", "C_NN_LINEAR", "arg_tree_leaves", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
+    "StorageWeakRef", "TANGENTS_BOXED", "TorchRuntimeError", "aot_autograd", "allocation_events",
+    "composite_with_meta_kernel", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
+    "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "extract_fwd_bwd_modules", "graph_break_reasons",
+    "inductor_compilers", "is_dynamo_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
+    "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
+    "queue_callback", "recompile_limit", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map", "unset_fake_temporarily",
+]
+
+# -- AOTAutograd -------------------------------------------------------------------------------
+
+_EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
+
+
+def extract_fwd_bwd_modules(joint: fx.GraphModule, saved: list[fx.Node], saved_sym: list[fx.Node], *,
+                            num_fwd_outputs: int, static_lifetime_input_nodes: set[fx.Node]):
+    """Forward and backward modules of `joint` that hand `saved` (and `saved_sym`) from one to the other."""
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
+    if "static_lifetime_input_nodes" in _EXTRACT_PARAMS:
+        kwargs["static_lifetime_input_nodes"] = static_lifetime_input_nodes
+    if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
+        kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
+    return _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
+
+
+def set_boxed_codegen(gm: fx.GraphModule) -> None:
+    """Make `gm`'s generated forward take one list of inputs and clear it as it unpacks it."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+
+
+def mark_boxed_call(fn: Callable) -> None:
+    """Tell AOTAutograd that `fn` takes its inputs as one list (and may clear it)."""
+    fn._boxed_call = True  # type: ignore[attr-defined]
+
+
+TANGENTS_BOXED = hasattr(torch.autograd.Function, "boxed_grads_call")
+
+
+def is_primal(node: fx.Node) -> bool:
+    """A joint graph's forward input (parameter, buffer or step input): AOTAutograd names them primals_*."""
+    return node.op == "placeholder" and node.name.startswith("primals")
+
+
+def is_tangent(node: fx.Node) -> bool:
+    """A joint graph's incoming gradient of a forward output: AOTAutograd names them tangents_*."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
+def mutated_input_indices(output_node: fx.Node) -> set[int] | None:
+    """Indices of the primals the forward mutates, from the output node's descriptors; None when the
+    graph has none (the caller must then assume the worst)."""
+    descs = output_node.meta.get("desc")
+    if not descs:
+        return None
+    return {d.mutated_input.idx for d in descs
+            if type(d).__name__ == "InputMutationAOTOutput" and hasattr(d.mutated_input, "idx")}
+
+
+# -- dispatcher and ops ------------------------------------------------------------------------
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+C_NN_LINEAR = torch._C._nn.linear
+arg_tree_leaves = torch.utils._pytree.arg_tree_leaves
+tree_leaves = torch.utils._pytree.tree_leaves
+tree_flatten = torch.utils._pytree.tree_flatten
+tree_map = torch.utils._pytree.tree_map
+
+
+def is_mutable_op(op: OpOverload) -> bool:
+    return bool(op._schema.is_mutable)
+
+
+def composite_with_meta_kernel(op: OpOverload) -> bool:
+    """`op` decomposes (CompositeImplicitAutograd) on real devices but has a Python kernel on meta."""
+    import torch._meta_registrations  # noqa: F401  # registers the Python meta kernels
+
+    return (torch._C.DispatchKey.Meta in op.py_kernels
+            and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
+
+
+@contextlib.contextmanager
+def meta_python_kernels_hidden(ops: tuple[OpOverload, ...]) -> Iterator[None]:
+    """Remove the Python meta kernels of `ops` for the duration (the dispatcher then decomposes them)."""
+    hidden = [(op, op.py_kernels.pop(torch._C.DispatchKey.Meta)) for op in ops]
+    for op, _ in hidden:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in hidden:
+            op.py_kernels[torch._C.DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()
+
+
+
+def inductor_compilers() -> tuple[Callable, Callable, dict]:
+    """Inductor's forward and backward compilers for aot_autograd, and its decomposition table."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    return compile_fx_inner, functools.partial(compile_fx_inner, is_backward=True), select_decomp_table()
+
+
+# -- fake tensors ------------------------------------------------------------------------------
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def detect_fake_mode(inputs: list) -> FakeTensorMode | None:
+    from torch._dynamo.utils import detect_fake_mode as detect
+
+    return detect(inputs)
+
+
+# -- dynamo ------------------------------------------------------------------------------------
+
+def recompile_limit() -> int:
+    return torch._dynamo.config.recompile_limit
+
+
+def dynamo_reset() -> None:
+    torch._dynamo.reset()
+
+
+def graph_break_reasons() -> list[str]:
+    """The graph-break reasons dynamo has counted in this process, oldest first."""
+    return list(torch._dynamo.utils.counters["graph_break"])
+
+
+def dynamo_compile_id(gm: fx.GraphModule) -> tuple[int, int] | None:
+    """(frame id, how many times that frame was compiled before this graph), or None if unknown."""
+    cid = gm.meta.get("dynamo_compile_id")
+    return None if cid is None else (cid.frame_id, cid.frame_compile_id)
+
+
+def is_dynamo_error(e: BaseException) -> bool:
+    """An exception dynamo raised itself (wrapping the user's), not the user's own."""
+    return type(e).__module__.startswith("torch._dynamo")
+
+
+def ddp_optimizer_active() -> bool:
+    """DDP's graph splitter (torch._dynamo.config.optimize_ddp) is compiling the current graph."""
+    context = torch._guards.TracingContext.try_get()
+    return getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+def copy_split_metadata(gm: fx.GraphModule, cut: fx.GraphModule) -> None:
+    """Give the submodules of `cut` (a split_module of `gm`) the dynamo source and meta of `gm`; every
+    submodule gets the one meta dict of `gm`."""
+    from torch._dynamo.backends.distributed import propagate_dynamo_source, propagate_metadata
+
+    propagate_dynamo_source(gm, cut)
+    propagate_metadata(gm, cut)
+
+
+def compile_submodules(cut: fx.GraphModule, compile_one: Callable, example_inputs: list) -> None:
+    """Compile each submodule of `cut` with `compile_one` and swap it in, in order, on fake inputs.
+
+    dynamo's DDP optimizer does the same per gradient bucket: the interpreter runs the cut graph,
+    compiling each submodule as it reaches it (the outputs of those before it as example inputs).
+    """
+    from torch._dynamo.backends.distributed import SubmodCompiler
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    SubmodCompiler(cut, compile_one, fake_mode).run(*example_inputs)
+
+
+# -- profiler and autograd engine --------------------------------------------------------------
+
+def profiler_enabled() -> bool:
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def allocation_events(prof: torch.profiler.profile) -> Iterator[tuple[int, int, torch.device]]:
+    """(start time ns, signed bytes, device) of every allocation (+) and free (-) a stopped profiler saw."""
+    kineto_results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if kineto_results is None:
+        raise RuntimeError(
+            "profiler produced no results (was it stopped by someone else?)"
+        )
+    alloc_tag = torch._C._profiler._EventType.Allocation
+    # allocation events are nested under the op that made them, so walk the whole tree;
+    # iteratively, since the depth is up to the callers' nesting
+    stack = list(kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == alloc_tag:
+            ef = node.extra_fields
+            yield node.start_time_ns, int(ef.alloc_size), ef.device
+        stack.extend(node.children)
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the autograd engine finishes the backward it is running now."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

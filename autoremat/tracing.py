@@ -1,0 +1,99 @@
+"""Running a model's step once while planning it: no trace left, inputs checked, shards put back.
+
+`Restore` puts buffers (BatchNorm statistics), gradients and the RNG back as they were;
+`inputs_must_fit` turns dynamo's error for example inputs the model cannot take into one that says
+so (`describe` names the inputs); `reshard` puts FSDP2's shards back after a forward without backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from typing import Any
+
+import torch
+
+from autoremat.torch_internals import (
+    FAKE_TENSOR_LOGGER,
+    TorchRuntimeError,
+    is_dynamo_error,
+)
+
+
+class Restore:
+    """Leave no trace of a planning step: buffers (BatchNorm stats), gradients and RNG as they were."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.buffers = [b.detach().clone() for b in self.model.buffers()]
+        self.grads = [p.grad for p in self.model.parameters()]
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc: object) -> None:
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), self.buffers):
+                b.copy_(saved)
+        for p, g in zip(self.model.parameters(), self.grads):
+            p.grad = g
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
+def describe(args: tuple, kwargs: dict) -> str:
+    def one(a: Any) -> str:
+        return f"Tensor{list(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+
+
+def _original_error(e: BaseException) -> BaseException | None:
+    """The user-level exception dynamo wrapped (e.g. a shape mismatch in a matmul), if any."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if not is_dynamo_error(e):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+class _DropFakeTensorLog(logging.Filter):
+    """Fake-tensor propagation logs a full traceback before re-raising; we report the error ourselves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+    quiet = _DropFakeTensorLog()
+    logger.addFilter(quiet)
+    try:
+        yield
+    except TorchRuntimeError as e:
+        cause = _original_error(e)
+        why = f"{type(cause).__name__}: {cause}" if cause else str(e).splitlines()[0]
+        if cause is None:
+            m = re.search(r"got (\w+)\('(.*?)'\)", str(e))
+            why = f"{m.group(1)}: {m.group(2)}" if m else why
+        raise ValueError(f"example_inputs do not fit the model: {type(model).__name__} cannot run on "
+                         f"({describe(args, kwargs)}): {why}") from None
+    finally:
+        logger.removeFilter(quiet)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """A forward with no backward leaves FSDP2's gathered parameters in place; put the shards back."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -1,0 +1,304 @@
+"""Each private torch API autoremat relies on (autoremat/torch_internals.py), exercised on the installed torch.
+
+A torch release that moves, renames or changes one of them fails the test named after it. `.ci/run`
+runs this file on every torch version the package claims (2.11 and 2.13).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.split_module import split_module
+
+import autoremat.torch_internals as ti
+from autoremat.capture import _composite_ops_with_meta_kernels, boxed_eager, capture, default_split
+from autoremat.heuristics import save_all
+from autoremat.profile import profile_graph
+
+VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+class Net(nn.Module):
+    """Linear layers and a BatchNorm (its running statistics are buffers the forward mutates)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x)))).square().mean()
+
+
+@pytest.fixture(scope="module")
+def captured():
+    torch.manual_seed(0)
+    (cg,) = capture(Net(), (torch.randn(6, 8),))
+    return cg
+
+
+def _placeholders(cg):
+    return [n for n in cg.joint.graph.nodes if n.op == "placeholder"]
+
+
+def test_primals_and_tangents_naming(captured):
+    primals = [n for n in _placeholders(captured) if ti.is_primal(n)]
+    tangents = [n for n in _placeholders(captured) if ti.is_tangent(n)]
+    n_state = len(list(Net().parameters())) + len(list(Net().buffers()))
+    assert len(primals) == n_state + 1  # parameters, buffers and the input
+    assert len(tangents) == 1  # the scalar loss's incoming gradient
+    assert len(primals) + len(tangents) == len(_placeholders(captured))
+
+
+def test_aot_autograd_and_default_partition(captured):
+    fw, bw = default_split(captured)
+    assert isinstance(fw, fx.GraphModule) and isinstance(bw, fx.GraphModule)
+    assert sum(1 for n in bw.graph.nodes if n.op == "placeholder" and "tangents" in n.name) == 1
+
+
+def test_mutated_input_indices_name_the_batchnorm_buffers(captured):
+    out_node = next(n for n in captured.joint.graph.nodes if n.op == "output")
+    idx = ti.mutated_input_indices(out_node)
+    assert idx is not None, "AOTAutograd no longer attaches output descriptors (meta['desc'])"
+    primals = [n for n in _placeholders(captured) if ti.is_primal(n)]
+    static = {primals[i].name for i in captured.static_input_indices}
+    # BatchNorm1d updates running_mean, running_var and num_batches_tracked, all static inputs.
+    assert len(idx) == 3 and {primals[i].name for i in idx} <= static
+
+
+def test_extract_fwd_bwd_modules(captured):
+    gp = profile_graph(captured, "cpu")
+    (keep,) = save_all([gp])
+    by_name = {n.name: n for n in captured.joint.graph.nodes}
+    primals = [n for n in _placeholders(captured) if ti.is_primal(n)]
+    saved = primals + [by_name[v] for v in sorted(keep)]
+    fw, bw = ti.extract_fwd_bwd_modules(captured.joint, saved, [], num_fwd_outputs=captured.num_fwd_outputs,
+                                        static_lifetime_input_nodes={primals[i] for i in captured.static_input_indices})
+    fw_out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+    assert len(fw_out) >= captured.num_fwd_outputs + len(keep)
+    assert any(ti.is_tangent(n) for n in bw.graph.nodes)
+
+
+def test_boxed_codegen_clears_its_argument_list():
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    ti.set_boxed_codegen(gm)
+    gm.recompile()
+    args = [torch.ones(3)]
+    out = gm.forward(args)
+    assert args == [] and torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_boxed_call_reaches_aot_autograd_with_one_list():
+    seen = []
+
+    def compiler(gm, example_inputs):
+        run = boxed_eager(gm, example_inputs)  # marks itself with ti.mark_boxed_call
+
+        def spy(args):
+            seen.append(type(args))
+            return run(args)
+
+        ti.mark_boxed_call(spy)
+        return spy
+
+    f = torch.compile(lambda x: (x.sin() * 2).sum(), backend=ti.aot_autograd(fw_compiler=compiler, bw_compiler=compiler))
+    x = torch.randn(4, requires_grad=True)
+    f(x).backward()
+    assert seen == [list, list]  # forward and backward, each called with one list
+    assert torch.allclose(x.grad, 2 * x.detach().cos())
+
+
+def test_tangents_boxed_is_what_the_memory_model_assumes():
+    if VERSION == (2, 11):
+        assert not ti.TANGENTS_BOXED
+    elif VERSION >= (2, 13):
+        assert ti.TANGENTS_BOXED
+    assert isinstance(ti.TANGENTS_BOXED, bool)
+
+
+def test_is_sym_node():
+    gm = make_fx(lambda x: x.reshape(x.shape[0] * 2, -1), tracing_mode="symbolic")(torch.randn(4, 6))
+    assert any(ti.is_sym_node(n) for n in gm.graph.nodes)
+    static = make_fx(lambda x: x.reshape(8, -1))(torch.randn(4, 6))
+    assert not any(ti.is_sym_node(n) for n in static.graph.nodes)
+
+
+def test_op_overloads_and_mutability():
+    assert isinstance(torch.ops.aten.add.Tensor, ti.OpOverload)
+    assert isinstance(torch.ops.aten.add, ti.OpOverloadPacket)
+    assert ti.is_mutable_op(torch.ops.aten.add_.Tensor) and not ti.is_mutable_op(torch.ops.aten.add.Tensor)
+
+
+def test_meta_python_kernels_can_be_hidden_and_restored():
+    ops = _composite_ops_with_meta_kernels()
+    assert ops, "no composite op with a Python meta kernel found (capture.meta_traces_like_real has nothing to do)"
+    assert all(ti.composite_with_meta_kernel(op) for op in ops)
+    with ti.meta_python_kernels_hidden(ops):
+        assert not any(ti.composite_with_meta_kernel(op) for op in ops)
+    assert all(ti.composite_with_meta_kernel(op) for op in ops)
+
+
+def test_inductor_compilers_resolve():
+    fw, bw, table = ti.inductor_compilers()
+    assert callable(fw) and callable(bw)
+    assert torch.ops.aten.native_dropout.default in table or len(table) > 100
+
+
+def test_dynamo_records_linear_as_c_nn_linear():
+    targets = []
+
+    def look(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compile(nn.Linear(4, 3), backend=look, dynamic=False)(torch.randn(2, 4))
+    assert ti.C_NN_LINEAR in targets, targets
+
+
+def test_pytree():
+    a, b, c = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
+    assert ti.arg_tree_leaves([a, (b,)], {"k": c}) == [a, b, c]
+    assert ti.tree_leaves(((a, b), {"k": c})) == [a, b, c]
+    leaves, spec = ti.tree_flatten({"x": a, "y": [b, c]})
+    assert leaves == [a, b, c] and spec.num_leaves == 3
+    assert ti.tree_map(lambda t: t * 0, [a, (b,)])[1][0].sum() == 0
+
+
+def test_fake_tensors():
+    with ti.FakeTensorMode() as mode:
+        fake = torch.ones(2)
+        with ti.unset_fake_temporarily():
+            real = torch.ones(2)
+    assert ti.detect_fake_mode([fake]) is mode
+    assert ti.detect_fake_mode([real]) is None
+    assert real.sum().item() == 2.0
+    assert logging.getLogger(ti.FAKE_TENSOR_LOGGER) is logging.getLogger(torch._subclasses.fake_tensor.log.name)
+
+
+def test_storage_weak_ref_keys_shared_storage():
+    x = torch.arange(6.0)
+    assert ti.StorageWeakRef(x.view(2, 3).untyped_storage()) == ti.StorageWeakRef(x.untyped_storage())
+    assert ti.StorageWeakRef(x.clone().untyped_storage()) != ti.StorageWeakRef(x.untyped_storage())
+
+
+class _Wrapper(torch.Tensor):
+    """The smallest traceable wrapper subclass (the protocol DTensor implements)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, meta, outer_size, outer_stride):
+        return _Wrapper(inner_tensors["inner"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError
+
+
+def test_is_traceable_wrapper_subclass():
+    assert ti.is_traceable_wrapper_subclass(_Wrapper(torch.ones(2)))
+    assert not ti.is_traceable_wrapper_subclass(torch.ones(2))
+
+
+def test_dynamo_recompile_limit_reset_and_compile_id():
+    assert isinstance(ti.recompile_limit(), int) and ti.recompile_limit() >= 1
+    ti.dynamo_reset()
+    ids = []
+
+    def look(gm, example_inputs):
+        ids.append(ti.dynamo_compile_id(gm))
+        return gm.forward
+
+    f = torch.compile(lambda x: x * 2, backend=look, dynamic=False)
+    f(torch.ones(2))
+    f(torch.ones(3))  # a new shape: the same frame compiled a second time
+    assert len(ids) == 2 and ids[0][0] == ids[1][0] and [i[1] for i in ids] == [0, 1], ids
+
+
+def test_graph_break_reasons():
+    ti.dynamo_reset()
+
+    def f(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    torch.compile(f, backend="eager")(torch.ones(2))
+    reasons = ti.graph_break_reasons()
+    assert reasons and all(isinstance(r, str) and r.splitlines() for r in reasons)
+
+
+def test_dynamo_errors():
+    with pytest.raises(ti.TorchRuntimeError) as err:
+        torch.compile(lambda a, b: a @ b, backend="eager", dynamic=False)(torch.ones(2, 3), torch.ones(4, 5))
+    assert ti.is_dynamo_error(err.value) and not ti.is_dynamo_error(ValueError("user's own"))
+
+    def refuse(gm, example_inputs):
+        raise ValueError("planned refusal")
+
+    ti.dynamo_reset()
+    with pytest.raises(ti.BackendCompilerFailed) as err:
+        torch.compile(lambda x: x.cos(), backend=refuse)(torch.ones(2))
+    assert isinstance(getattr(err.value, "inner_exception", None), ValueError)
+
+
+def test_region_compilation_and_ddp_flag():
+    compiled, flags = [], []
+    assert not ti.ddp_optimizer_active()
+
+    def compile_one(gm, example_inputs):
+        compiled.append(len(example_inputs))
+        return gm.forward
+
+    def backend(gm, example_inputs):
+        flags.append(ti.ddp_optimizer_active())
+        calls = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+        half = {n: (0 if i < len(calls) // 2 else 1) for i, n in enumerate(calls)}
+        cut = split_module(gm, None, lambda n: half[n], keep_original_order=True)
+        ti.copy_split_metadata(gm, cut)
+        ti.compile_submodules(cut, compile_one, example_inputs)
+        cut.recompile()
+        return cut
+
+    f = torch.compile(lambda x: ((x + 1).sin() * 3).cos(), backend=backend, dynamic=False)
+    x = torch.randn(5)
+    assert torch.allclose(f(x), ((x + 1).sin() * 3).cos())
+    assert len(compiled) == 2 and flags == [False]
+
+
+def test_profiler_allocation_events():
+    assert not ti.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        assert ti.profiler_enabled()
+        t = torch.empty(1 << 20, dtype=torch.uint8)
+        del t
+    events = list(ti.allocation_events(prof))
+    sizes = [nbytes for _, nbytes, device in events if device.type == "cpu"]
+    assert (1 << 20) in sizes and -(1 << 20) in sizes, sizes[:10]
+
+
+def test_queue_callback_runs_at_the_end_of_the_backward():
+    order = []
+    x = torch.ones(3, requires_grad=True)
+    y = (x * 2).sum()
+
+    def hook(grad):
+        ti.queue_callback(lambda: order.append("end of backward"))
+        order.append("hook")
+        return grad
+
+    x.register_hook(hook)
+    y.backward()
+    assert order == ["hook", "end of backward"]
