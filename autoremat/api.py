@@ -37,6 +37,7 @@ from autoremat.planner import (
     require_graphs,
 )
 from autoremat.precision import FP32_KEPT
+from autoremat.progress import stages_on_stderr
 from autoremat.solver import DEFAULT_GAP
 from autoremat.units import parse_budget
 
@@ -53,8 +54,9 @@ class RematModule(torch.nn.Module):
     """
 
     def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner, key: tuple,
-                 plan_shape: Callable[[tuple, dict], tuple[Plan, Any, Planner]]) -> None:
+                 plan_shape: Callable[[tuple, dict], tuple[Plan, Any, Planner]], progress: bool = True) -> None:
         super().__init__()
+        self._progress = progress
         self.model = model
         self.plan = plan  # the example inputs' plan
         self._planner = planner
@@ -89,7 +91,7 @@ class RematModule(torch.nn.Module):
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
         log.warning("autoremat: new input shape (%s): planning it under the same budget", describe(args, kwargs))
-        with own_errors():
+        with own_errors(), stages_on_stderr(self._progress):
             plan, compiled, planner = self._plan_shape(args, kwargs)
         planner.strict = False
         plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")
@@ -176,6 +178,7 @@ def optimize(
     world_size: int = 1,
     sharding: str = "none",
     cache: bool | str | Path = False,
+    progress: bool = True,
 ) -> RematModule:
     """Plan `model`'s training step to fit `budget` and return a module that runs that plan.
 
@@ -210,64 +213,70 @@ def optimize(
     cache: False, True (plans kept in $AUTOREMAT_CACHE_DIR or ~/.cache/autoremat) or a directory:
         a second optimize of the same step under the same options reuses the plan, re-checked by
         the simulator, without solving (plan.solver["path"] == "cache").
+    progress: True: once planning has run for 2 s, write each stage to stderr (not when logging is
+        configured: the stages are INFO records on the `autoremat.progress` logger). False: silent.
 
     Raises `BudgetError` (with the ledger and the smallest budget that fits) if nothing fits, and
     TypeError / ValueError when example_inputs do not fit the model or an option is malformed.
     """
     budget_bytes = parse_budget(budget)
     _check_options(time_limit, gap, solver)
-    args, kwargs = _split_inputs(example_inputs)
-    _check_signature(model, args, kwargs)
-    where = _model_device(model, args, kwargs)
-    _check_precision(precision, tolerance, fp32_ops, where)
-    fp32_ops = tuple(fp32_ops)
-    dev = get_device(device if device is not None else where)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
+    with stages_on_stderr(progress):
+        args, kwargs = _split_inputs(example_inputs)
+        _check_signature(model, args, kwargs)
+        where = _model_device(model, args, kwargs)
+        _check_precision(precision, tolerance, fp32_ops, where)
+        fp32_ops = tuple(fp32_ops)
+        dev = get_device(device if device is not None else where)
 
-    def ledger_for(args: tuple, kwargs: dict) -> Ledger:
-        return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
-                                device_granularity=dev.alloc_granularity)
+        def ledger_for(args: tuple, kwargs: dict) -> Ledger:
+            return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
+                                    device_granularity=dev.alloc_granularity)
 
-    ledger = ledger_for(args, kwargs)
-    opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
-    store = PlanCache.open(cache) if plan is None else None
-    fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
-              "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
-              "compiler": compiler, "regions": regions, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
-              **opts}
+        ledger = ledger_for(args, kwargs)
+        opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
+        store = PlanCache.open(cache) if plan is None else None
+        fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
+                  "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
+                  "compiler": compiler, "regions": regions, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
+                  **opts}
 
-    def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
-        return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
-                                 kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
-                                 regions=regions)
+        def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
+            return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
+                                     kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
+                                     regions=regions)
 
-    build_here = builder(args, kwargs, ledger)
-    if plan is not None:
-        dtypes = plan.precision.get("dtypes") or []
-        pre = mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
-        applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
-                                 pre_pass=pre, regions=regions, **opts)
-        compiled = compile_and_trace(model, applier, compiler, args, kwargs)
-        require_graphs(model, applier)
-        traced = [p.fingerprint for p in applier.profiles]
-        if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
-            raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
-                               f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
-                               "again instead of re-applying this plan.")
-        plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
-        plan, planner = plan, applier
-    elif precision == "fp32":
-        plan, compiled, planner = build_here(budget_bytes, [], store, fields)
-    else:
-        plan, compiled, planner = plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev,
-                                                 opts, args, kwargs, where, fp32_ops, store, fields)
-    planner.strict = False
-    chosen = plan.precision.get("dtypes") or []
+        build_here = builder(args, kwargs, ledger)
+        if plan is not None:
+            dtypes = plan.precision.get("dtypes") or []
+            pre = mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
+            applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
+                                     pre_pass=pre, regions=regions, **opts)
+            compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+            require_graphs(model, applier)
+            traced = [p.fingerprint for p in applier.profiles]
+            if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
+                raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
+                                   f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
+                                   "again instead of re-applying this plan.")
+            plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
+            plan, planner = plan, applier
+        elif precision == "fp32":
+            plan, compiled, planner = build_here(budget_bytes, [], store, fields)
+        else:
+            plan, compiled, planner = plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev,
+                                                     opts, args, kwargs, where, fp32_ops, store, fields)
+        planner.strict = False
+        chosen = plan.precision.get("dtypes") or []
 
-    def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
-        """A new input shape: the whole pipeline again, with the dtypes already chosen."""
-        return builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
+        def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
+            """A new input shape: the whole pipeline again, with the dtypes already chosen."""
+            return builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
 
-    return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape)
+        return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,
+                           progress=progress)
 
 
 def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:
