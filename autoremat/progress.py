@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 LOGGER = "autoremat.progress"
 AFTER_S = 2.0  # planning shorter than this prints nothing
+_muted = 0  # > 0 inside `muted()`: the stages of inner planning runs are not shown
 
 
 class StageLines(logging.Handler):
@@ -51,6 +52,8 @@ class StageLines(logging.Handler):
                 self._write(f"{self.current} ...")
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _muted:
+            return
         with self.lock_:
             self.current = record.getMessage()
             if self.shown:
@@ -81,3 +84,15 @@ def stages_on_stderr(enabled: bool, after_s: float | None = None) -> Iterator[No
         logger.removeHandler(handler)
         logger.setLevel(saved_level)
         handler.finish()
+
+
+@contextlib.contextmanager
+def muted() -> Iterator[None]:
+    """Inner planning runs whose stages would only be noise (fit's meta candidates): the outer run
+    reports one line per candidate instead."""
+    global _muted
+    _muted += 1
+    try:
+        yield
+    finally:
+        _muted -= 1

@@ -1,4 +1,4 @@
-"""Write the benchmark figures quoted in README.md and benchmarks/README.md from benchmarks/results/.
+"""Write the benchmark figures quoted in README.md, benchmarks/README.md and docs/fit.md from benchmarks/results/.
 
 A quoted section sits between two comments, and everything between them is this script's:
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PAGES = [ROOT / "README.md", HERE / "README.md"]
+PAGES = [ROOT / "README.md", HERE / "README.md", ROOT / "docs" / "fit.md"]
 OPEN = re.compile(r"^<!-- report: (?P<kind>[\w-]+) (?P<args>.+?) -->$")
 CLOSE = "<!-- /report -->"
 MIB = 2**20

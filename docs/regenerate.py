@@ -98,7 +98,11 @@ def find_blocks(page: Path) -> list[Block]:
         block = Block(page, i + 1, [], slow="slow" in opts)
         if "head" in opts:
             block.head = int(opts[opts.index("head") + 1])
+        first = m.group("opts")
         while i < len(lines) and (m := MARK.match(lines[i])):
+            if m.group("opts") != first:
+                raise ValueError(f"{page}:{i + 1}: the marks of one block share their options ({first!r}); "
+                                 "a mark with other options needs a block of its own")
             block.commands.append(m.group("command"))
             i += 1
         if block.commands == ["python"]:

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -62,6 +63,7 @@ def corpus_chunks(seq: int, count: int, offset: int = 0) -> list[dict[str, torch
 
 def gpt2(n_layer: int, n_embd: int, seq: int) -> torch.nn.Module:
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=256, n_positions=seq,
+                        bos_token_id=0, eos_token_id=0,  # ids in the byte vocabulary (GPT-2's 50256 is not)
                         use_cache=False)  # no KV cache in training: the step captures as one graph per block
     model = GPT2LMHeadModel(config)
     model.loss_type = "ForCausalLM"
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         p.error(f"--budget-fraction must be in [0, 1], got {args.budget_fraction}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()  # the save/load bars, for logs
     train = corpus_chunks(args.seq, args.batch * args.steps)
     evals = corpus_chunks(args.seq, 4 * args.batch, offset=args.batch * args.steps)
     model = gpt2(args.n_layer, args.n_embd, args.seq)

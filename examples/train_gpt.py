@@ -146,7 +146,7 @@ def plan_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optim
 
 def measured_line(what: str, peak: int, budget: int) -> str:
     verdict = "within the budget" if peak <= budget else f"OVER the budget by {autoremat.format_bytes(peak - budget)}"
-    return f"{what:<44} {autoremat.format_bytes(peak):>10}  {verdict}"
+    return f"{what:<48} {autoremat.format_bytes(peak):>10}  {verdict}"
 
 
 def main() -> None:
@@ -180,19 +180,19 @@ def main() -> None:
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
     print(f"corpus: {len(data) / 1e6:.2f} MB of standard-library source ({Path(os.__file__).parent}), "
-          f"{len(train) / 1e6:.2f} MB train / {len(val) / 1e6:.2f} MB validation")
+          f"{len(train) / 1e6:.2f} MB train / {len(val) / 1e6:.2f} MB validation", flush=True)
 
     model = GPT(args.n_layer, args.d, args.n_head, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     n_params = sum(p.numel() for p in model.parameters())
     sample = (train[:args.seq], train[1:args.seq + 1])
 
+    print(f"model: {n_params / 1e6:.2f} M parameters, {args.n_layer} layers, {args.d} wide, seq {args.seq}, "
+          f"batch {args.batch}", flush=True)
     # What one step on the whole batch needs when nothing is recomputed (a meta plan: cheap).
     whole = plan_candidates(model, 10**15, args.batch, sample, optimizer=opt, micro_batches=[args.batch])[0]
     budget = int(args.budget_fraction * whole.no_recompute_peak) if args.budget is None else \
         autoremat.parse_budget(args.budget)
-    print(f"model: {n_params / 1e6:.2f} M parameters, {args.n_layer} layers, {args.d} wide, seq {args.seq}, "
-          f"batch {args.batch}")
     print(f"one step with nothing recomputed needs {autoremat.format_bytes(whole.no_recompute_peak)}; "
           f"budget {autoremat.format_bytes(budget)} ({100 * budget / whole.no_recompute_peak:.0f}%)\n")
 
