@@ -5,9 +5,11 @@ What runs here, and what does not:
   output compared with the page's, durations and progress lines masked (`docs/regenerate.py`);
 - blocks marked `slow` (minutes each: GPT-2 small's shape, the main training job) are NOT run to
   completion here: each of their `autoremat` commands is parsed by the CLI's own parser, each
-  `python examples/...` script answers `--help`, and the main job runs end to end at a small size;
+  `python examples/...` script answers `--help`, a `torchrun` script compiles, and the main job runs
+  end to end at a small size;
 - every `autoremat` command line shown anywhere in the pages is one that a run mark makes, or the
   usage synopsis of docs/cli.md;
+- the DDP script docs/distributed.md shows is examples/train_ddp.py, character for character;
 - the benchmark figures in README.md and benchmarks/README.md are those `benchmarks/report.py`
   writes from benchmarks/results/ (the benchmarks themselves are not run: they take many minutes).
 """
@@ -64,6 +66,9 @@ def test_a_slow_block_parses() -> None:
                 proc = subprocess.run([sys.executable, words[1], "--help"], cwd=ROOT, env=ENV, capture_output=True,
                                       text=True, timeout=120)
                 assert proc.returncode == 0 and "usage" in proc.stdout, proc.stderr[-2000:]
+            elif "torchrun" in words:
+                script = ROOT / words[-1]  # the ranks run it; here it must exist and compile
+                compile(script.read_text(), str(script), "exec")
             else:
                 pytest.fail(f"{block.name}: no cheap check for {command!r}")
 
@@ -99,6 +104,12 @@ def test_every_cli_command_shown_is_run_by_a_mark() -> None:
     # the usage synopsis names arguments in capitals (TARGET, BYTES, COUNT): it is not a command
     unmarked = [u for u in unmarked if not re.search(r"\b(TARGET|PLAN\.json|COUNT)\b", u)]
     assert not unmarked, unmarked
+
+
+def test_the_ddp_page_shows_the_script_as_it_is() -> None:
+    page = (ROOT / "docs" / "distributed.md").read_text()
+    script = (ROOT / "examples" / "train_ddp.py").read_text()
+    assert f"```python\n{script}```" in page
 
 
 def test_benchmark_figures_come_from_the_results() -> None:
