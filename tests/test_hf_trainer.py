@@ -5,8 +5,8 @@ A real `transformers.Trainer` run: GPT-2 built from its config (no download), pl
 step measured by a TrainerCallback.
 """
 
+import importlib.util
 import inspect
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,10 @@ from transformers import Trainer, TrainingArguments
 
 import autoremat
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import hf_trainer  # noqa: E402
+_spec = importlib.util.spec_from_file_location(
+    "hf_trainer_example", Path(__file__).resolve().parent.parent / "examples" / "hf_trainer.py")
+hf_trainer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hf_trainer)
 
 torch.set_num_threads(1)
 
