@@ -27,10 +27,12 @@ _EXPORTS = {
     "backend": "autoremat.backend",
     "FitConfig": "autoremat.fit",
     "fit": "autoremat.fit",
+    "measure_peak": "autoremat.measure",
+    "PeakMeasurement": "autoremat.measure",
 }
 
-__all__ = ["BudgetError", "CaptureError", "FitConfig", "Plan", "PlanMismatch", "RematModule", "backend", "fit",
-           "format_bytes", "optimize", "parse_budget"]
+__all__ = ["BudgetError", "CaptureError", "FitConfig", "PeakMeasurement", "Plan", "PlanMismatch", "RematModule",
+           "backend", "fit", "format_bytes", "measure_peak", "optimize", "parse_budget"]
 
 
 def __getattr__(name: str) -> object:

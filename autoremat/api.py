@@ -37,30 +37,87 @@ from autoremat.planner import (
     require_graphs,
 )
 from autoremat.precision_measure import FP32_KEPT
+from autoremat.progress import stages_on_stderr
 from autoremat.solver import DEFAULT_GAP
 from autoremat.torch_internals import recompile_limit, tree_flatten, tree_leaves
-from autoremat.units import parse_budget
+from autoremat.units import format_bytes, parse_budget
 
 log = logging.getLogger("autoremat")
 
 
 class RematModule(torch.nn.Module):
-    """`model` compiled with its plan. Parameters, buffers and state_dict are the model's own.
+    """`model` compiled with its plan. Parameters, buffers and state_dict are the model's own (the
+    state_dict's keys too: no "model." prefix, so a checkpoint of either loads into the other).
 
     Plans are per input shape: a call with inputs of a shape (or dtype, or training mode) not seen
     before goes through the whole pipeline again for that shape (trace, plan every graph jointly,
     verify on one real step) before it runs, so a smaller last batch is held to the budget too.
     `plans` lists them; `plan` is the one made for the example inputs.
+
+    It stands in for the model where libraries expect one (HF `Trainer`): a public attribute it does
+    not have itself is the model's (`config`, `save_pretrained`, `generate`, `main_input_name`, ...),
+    and `forward`'s signature is the model's (Trainer keeps the dataset columns it names). Generation
+    runs the model itself: without a backward there is nothing to plan. Turning on HF gradient
+    checkpointing is refused: the plan already chooses what to recompute.
     """
 
     def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner, key: tuple,
-                 plan_shape: Callable[[tuple, dict], tuple[Plan, Any, Planner]]) -> None:
+                 plan_shape: Callable[[tuple, dict], tuple[Plan, Any, Planner]], progress: bool = True) -> None:
         super().__init__()
+        self._progress = progress
         self.model = model
         self.plan = plan  # the example inputs' plan
         self._planner = planner
         self._plan_shape = plan_shape  # the whole pipeline for another input shape
         self._shapes: dict[tuple, tuple[Plan, Any, Planner]] = {key: (plan, compiled, planner)}
+        self.register_state_dict_post_hook(_without_model_prefix)
+        self.register_load_state_dict_pre_hook(_with_model_prefix)
+        planned = self._planned_forward
+
+        @functools.wraps(model.forward)  # inspect.signature(self.forward) is the model's
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return planned(*args, **kwargs)
+
+        self.forward = forward
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules (self.model)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+        model = self.__dict__["_modules"].get("model")
+        if model is None:  # still being built
+            raise AttributeError(f"'RematModule' object has no attribute {name!r}")
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(f"'RematModule' object has no attribute {name!r}, nor has the "
+                                 f"{type(model).__name__} it wraps") from None
+
+    def _refuse_checkpointing(self, name: str) -> None:
+        raise RuntimeError(
+            f"{name}: autoremat already plans recomputation for this module ({100 * self.plan.overhead:.1f}% "
+            f"predicted recompute under a {format_bytes(self.plan.budget)} budget); HF checkpointing on top would "
+            f"recompute again and change the step the plan was made for. Leave it off (the Trainer's "
+            f"activation_checkpointing / gradient_checkpointing arguments default to False).")
+
+    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_checkpointing("gradient_checkpointing_enable")
+
+    def activation_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        self._refuse_checkpointing("activation_checkpointing_enable")
+
+    def gradient_checkpointing_disable(self) -> None:
+        """Nothing to do unless the model was planned with HF checkpointing on; then refused."""
+        flag = "is_activation_checkpointing" if hasattr(type(self.model), "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"  # transformers 5 renamed it
+        if getattr(self.model, flag, False):
+            raise RuntimeError("gradient_checkpointing_disable: the plan was made with the model's own gradient "
+                               "checkpointing on; turning it off changes the step. Call it on the model, then "
+                               "autoremat.optimize again.")
+
+    activation_checkpointing_disable = gradient_checkpointing_disable
 
     @property
     def num_graphs(self) -> int:
@@ -75,7 +132,7 @@ class RematModule(torch.nn.Module):
     def _planners(self) -> list[Planner]:
         return [planner for _, _, planner in self._shapes.values()]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _planned_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.model(*args, **kwargs)  # no backward, nothing to plan: run eagerly
         key = input_key(self.model, args, kwargs)
@@ -90,11 +147,22 @@ class RematModule(torch.nn.Module):
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
         log.warning("autoremat: new input shape (%s): planning it under the same budget", describe(args, kwargs))
-        with own_errors():
+        with own_errors(), stages_on_stderr(self._progress):
             plan, compiled, planner = self._plan_shape(args, kwargs)
         planner.strict = False
         plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")
         return plan, compiled, planner
+
+
+def _without_model_prefix(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    inner = prefix + "model."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _with_model_prefix(module: torch.nn.Module, state_dict: dict, prefix: str, *rest: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[prefix + "model." + key[len(prefix):]] = state_dict.pop(key)
 
 
 def input_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -177,6 +245,7 @@ def optimize(
     world_size: int = 1,
     sharding: str = "none",
     cache: bool | str | Path = False,
+    progress: bool = True,
 ) -> RematModule:
     """Plan `model`'s training step to fit `budget` and return a module that runs that plan.
 
@@ -196,7 +265,7 @@ def optimize(
         with fp16 calls has `plan.needs_grad_scaler`: use `torch.amp.GradScaler`.
     tolerance: for "auto", the most summed per-call relative error (measured on the example batch)
         the plan may spend; default: what autocast's choice (every matmul in bf16) is measured at.
-    fp32_ops: the calls kept in fp32 whatever their inputs (default `precision.FP32_KEPT`: norms,
+    fp32_ops: the calls kept in fp32 whatever their inputs (default `precision_measure.FP32_KEPT`: norms,
         softmax, exp/log/pow, reductions, losses); a call left out of the list becomes castable.
     solver, time_limit, gap: the ILP solver ("auto", "cbc", "highs"), its time limit in seconds per
         solve and its relative optimality gap. At the time limit the best plan found so far is used
@@ -211,64 +280,70 @@ def optimize(
     cache: False, True (plans kept in $AUTOREMAT_CACHE_DIR or ~/.cache/autoremat) or a directory:
         a second optimize of the same step under the same options reuses the plan, re-checked by
         the simulator, without solving (plan.solver["path"] == "cache").
+    progress: True: once planning has run for 2 s, write each stage to stderr (not when logging is
+        configured: the stages are INFO records on the `autoremat.progress` logger). False: silent.
 
     Raises `BudgetError` (with the ledger and the smallest budget that fits) if nothing fits, and
     TypeError / ValueError when example_inputs do not fit the model or an option is malformed.
     """
     budget_bytes = parse_budget(budget)
     _check_options(time_limit, gap, solver)
-    args, kwargs = _split_inputs(example_inputs)
-    _check_signature(model, args, kwargs)
-    where = _model_device(model, args, kwargs)
-    _check_precision(precision, tolerance, fp32_ops, where)
-    fp32_ops = tuple(fp32_ops)
-    dev = get_device(device if device is not None else where)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
+    with stages_on_stderr(progress):
+        args, kwargs = _split_inputs(example_inputs)
+        _check_signature(model, args, kwargs)
+        where = _model_device(model, args, kwargs)
+        _check_precision(precision, tolerance, fp32_ops, where)
+        fp32_ops = tuple(fp32_ops)
+        dev = get_device(device if device is not None else where)
 
-    def ledger_for(args: tuple, kwargs: dict) -> Ledger:
-        return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
-                                device_granularity=dev.alloc_granularity)
+        def ledger_for(args: tuple, kwargs: dict) -> Ledger:
+            return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
+                                    device_granularity=dev.alloc_granularity)
 
-    ledger = ledger_for(args, kwargs)
-    opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
-    store = PlanCache.open(cache) if plan is None else None
-    fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
-              "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
-              "compiler": compiler, "regions": regions, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
-              **opts}
+        ledger = ledger_for(args, kwargs)
+        opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
+        store = PlanCache.open(cache) if plan is None else None
+        fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
+                  "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
+                  "compiler": compiler, "regions": regions, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
+                  **opts}
 
-    def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
-        return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
-                                 kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
-                                 regions=regions)
+        def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
+            return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
+                                     kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
+                                     regions=regions)
 
-    build_here = builder(args, kwargs, ledger)
-    if plan is not None:
-        dtypes = plan.precision.get("dtypes") or []
-        pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
-        applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
-                                 pre_pass=pre, regions=regions, **opts)
-        compiled = compile_and_trace(model, applier, compiler, args, kwargs)
-        require_graphs(model, applier)
-        traced = [p.fingerprint for p in applier.profiles]
-        if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
-            raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
-                               f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
-                               "again instead of re-applying this plan.")
-        plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
-        plan, planner = plan, applier
-    elif precision == "fp32":
-        plan, compiled, planner = build_here(budget_bytes, [], store, fields)
-    else:
-        plan, compiled, planner = plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev,
-                                                 opts, args, kwargs, where, fp32_ops, store, fields)
-    planner.strict = False
-    chosen = plan.precision.get("dtypes") or []
+        build_here = builder(args, kwargs, ledger)
+        if plan is not None:
+            dtypes = plan.precision.get("dtypes") or []
+            pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
+            applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
+                                     pre_pass=pre, regions=regions, **opts)
+            compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+            require_graphs(model, applier)
+            traced = [p.fingerprint for p in applier.profiles]
+            if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
+                raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
+                                   f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
+                                   "again instead of re-applying this plan.")
+            plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
+            plan, planner = plan, applier
+        elif precision == "fp32":
+            plan, compiled, planner = build_here(budget_bytes, [], store, fields)
+        else:
+            plan, compiled, planner = plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev,
+                                                     opts, args, kwargs, where, fp32_ops, store, fields)
+        planner.strict = False
+        chosen = plan.precision.get("dtypes") or []
 
-    def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
-        """A new input shape: the whole pipeline again, with the dtypes already chosen."""
-        return builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
+        def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
+            """A new input shape: the whole pipeline again, with the dtypes already chosen."""
+            return builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
 
-    return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape)
+        return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,
+                           progress=progress)
 
 
 def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:

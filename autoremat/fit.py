@@ -16,6 +16,7 @@ own device, and returned as a `RematModule`. See docs/fit.md.
 from __future__ import annotations
 
 import copy
+import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from autoremat.api import RematModule, _model_device, optimize
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger
 from autoremat.plan import BudgetError, Plan
+from autoremat.progress import LOGGER, muted, stages_on_stderr
 from autoremat.torch_internals import tree_map
 from autoremat.units import format_bytes, parse_budget
 
@@ -90,6 +92,9 @@ class FitConfig:
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+progress = logging.getLogger(LOGGER)
 
 
 # Inputs ------------------------------------------------------------------------------------------
@@ -284,14 +289,23 @@ def plan_candidates(
     accumulate_s = _accumulate_time(model, dev)
     keep = {k: optimize_kwargs[k] for k in ("solver", "time_limit", "world_size", "sharding") if k in optimize_kwargs}
     out: list[Candidate] = []
+    with stages_on_stderr(optimize_kwargs.get("progress", True)):
+        _plan_sizes(out, sizes, meta, budget, sample, global_batch, meta_opt, dev, accumulate_s, keep)
+    return out
+
+
+def _plan_sizes(out: list[Candidate], sizes: list[int], meta: torch.nn.Module, budget: int, sample: Any,
+                global_batch: int, meta_opt: Any, dev: DeviceSpec, accumulate_s: float, keep: dict) -> None:
     for i, m in enumerate(sizes):
         c = Candidate(m, global_batch // m, fits=False, accumulate_time_s=accumulate_s)
         out.append(c)
         inputs = _as_example_inputs(_batched(sample, m, device="meta"))
+        progress.info("planning micro-batch %d on the meta device (%d of %d sizes)", m, i + 1, len(sizes))
         try:
             # capture traces meta models through the real decompositions (loss backward included)
-            om = optimize(meta, budget, example_inputs=inputs, optimizer=meta_opt, device=dev, verify=False,
-                          **keep)
+            with muted():
+                om = optimize(meta, budget, example_inputs=inputs, optimizer=meta_opt, device=dev, verify=False,
+                              progress=False, **keep)
         except BudgetError as e:
             if i == 0:
                 raise  # even the smallest micro-batch does not fit: the ledger says why
@@ -306,7 +320,6 @@ def plan_candidates(
         c.no_recompute_peak = Ledger.from_dict(plan.ledger).fixed + plan.baseline_peak
         c.step_time_s = plan.forward_time_s + plan.recompute_time_s
         c.recompute_time_s = plan.recompute_time_s
-    return out
 
 
 def _check_sizes(global_batch: int, micro_batches: list[int] | None) -> list[int]:

@@ -19,9 +19,9 @@ Caveats of the profiler method:
 - Profilers can't nest: the meter refuses to start inside another torch profiler.
 - Allocations from every thread of the process count, merged in time order.
 
-Usage:
-    out, m = measure_peak(lambda: train_step(model, x), baseline_objs=(model, x, opt))
-    print(m.peak_bytes)
+Usage (`autoremat.measure_peak` is this module's):
+    out, m = autoremat.measure_peak(lambda: train_step(model, x), baseline_objs=(model, x, opt))
+    print(m.peak_bytes, m)
 or
     with PeakMeter(baseline_objs=(model, x)) as meter:
         train_step(model, x)
@@ -54,25 +54,60 @@ class PeakMeasurement:
     device: str  # "cpu" or "cuda:0"
     method: str  # "profiler" or "cuda_max_memory_allocated"
 
+    def __str__(self) -> str:
+        from autoremat.units import format_bytes
+
+        return (f"peak {format_bytes(self.peak_bytes)} = {format_bytes(self.baseline_bytes)} live before + "
+                f"{format_bytes(self.delta_peak_bytes)} at most inside ({self.method} on {self.device})")
+
 
 # -----------------------------------------------------------------------------
 # bytes already live: unique storages reachable from modules / optimizers / tensors
 
 
+def _extent(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes of its storage that tensor t reaches, [first, last+1), or None if it has no elements."""
+    if t.numel() == 0:
+        return None
+    first = last = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        reach = (size - 1) * stride
+        if reach < 0:
+            first += reach
+        else:
+            last += reach
+    item = t.element_size()
+    return first * item, (last + 1) * item
+
+
+def _union_bytes(spans: list[tuple[int, int]]) -> int:
+    total, end = 0, None
+    for lo, hi in sorted(spans):
+        if end is None or lo >= end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
 def live_tensor_bytes(*objs: Any, device: str | torch.device | None = None) -> int:
     """
-    Sum the bytes of the unique storages held by objs. Understands tensors (and their .grad),
+    Sum the bytes held by objs, each storage once. Understands tensors (and their .grad),
     nn.Modules (parameters, buffers, grads), optimizers (state tensors only: pass the model too
-    for params and grads), and lists/tuples/sets/dicts of these, recursively. Each storage counts
-    once, so tied weights, views and an object passed twice are not double counted.
+    for params and grads), and lists/tuples/sets/dicts of these, recursively.
+
+    A tensor counts the part of its storage it reaches (from its first to its last element), and
+    the parts of one storage reached by several tensors count once: tied weights, views and an
+    object passed twice are not double counted, and a batch sliced from a larger tensor
+    (`data[:4]`) counts its 4 rows, not the whole of `data` (pass `data` itself to count it all).
     If device is given, only storages on that device type (and index, if given) count.
     """
     want = None if device is None else torch.device(device)
-    seen: set[tuple[str, int | None, int]] = set()
-    total = 0
+    spans: dict[tuple[str, int | None, int], list[tuple[int, int]]] = {}
 
     def add_tensor(t: torch.Tensor) -> None:
-        nonlocal total
         if is_traceable_wrapper_subclass(t):
             # wrapper subclasses (e.g. DTensor) have no storage of their own; the data lives
             # in their inner tensors
@@ -86,13 +121,11 @@ def live_tensor_bytes(*objs: Any, device: str | torch.device | None = None) -> i
                 and (want.index is None or dev.index == want.index)
             ):
                 s = t.untyped_storage()
+                extent = _extent(t)
                 # zero-size storages all have data_ptr 0: skip them, they hold no memory
-                # and would otherwise collide in the seen set
-                if s.nbytes() > 0:
-                    key = (dev.type, dev.index, s.data_ptr())
-                    if key not in seen:
-                        seen.add(key)
-                        total += s.nbytes()
+                # and would otherwise collide in the storage map
+                if s.nbytes() > 0 and extent is not None:
+                    spans.setdefault((dev.type, dev.index, s.data_ptr()), []).append(extent)
         # .grad is a separate allocation that is live as well; only leaves have one (reading
         # .grad of a non-leaf warns)
         if t.is_leaf and t.grad is not None:
@@ -123,7 +156,7 @@ def live_tensor_bytes(*objs: Any, device: str | torch.device | None = None) -> i
 
     for obj in objs:
         visit(obj)
-    return total
+    return sum(_union_bytes(s) for s in spans.values())
 
 
 # -----------------------------------------------------------------------------

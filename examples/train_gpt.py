@@ -1,12 +1,18 @@
 """Train a small byte-level GPT on the Python standard library's source, under a byte budget.
 
-    python examples/train_gpt.py                       # ~3 min on a 2-core CPU
-    python examples/train_gpt.py --steps 50 --budget 60MB
+    python examples/train_gpt.py                       # about 2 min on a 2-core CPU
+    python examples/train_gpt.py --steps 50 --budget 80MB
+    python examples/train_gpt.py --fit                 # let autoremat.fit pick micro-batch x accumulation
 
-`autoremat.fit` picks the micro-batch and accumulation steps for the global batch: it plans every
-divisor of the global batch on a meta-device twin of the model, keeps the fastest that fits the
-budget, and plans that one for real. By default the budget is 70% of what one no-recompute step on
-the whole global batch needs, so fitting it takes either recomputation or accumulation.
+By default the budget is half of what one step needs when nothing is recomputed (every activation
+saved), so the step only fits because autoremat recomputes. The script prints the plan, the
+predicted peak, the peak of a real training step measured with `autoremat.measure_peak` (forward,
+backward, gradient clipping and the AdamW step), the same step without autoremat, and the loss as
+training goes.
+
+With `--fit`, `autoremat.fit` plans every divisor of the batch as a micro-batch on a meta-device twin
+and keeps the one its roofline predicts fastest; on this CPU model accumulation is predicted cheaper
+than recomputation, so it usually picks smaller micro-batches that need no recomputation.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import autoremat  # noqa: E402
-from autoremat.fit import fit, plan_candidates  # noqa: E402
+from autoremat.fit import plan_candidates  # noqa: E402
 
 # Model -------------------------------------------------------------------------------------------
 
@@ -120,93 +126,132 @@ def val_loss(model: nn.Module, data: torch.Tensor, batch: int, seq: int, batches
 # Main --------------------------------------------------------------------------------------------
 
 
+def plan_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer, train: torch.Tensor,
+              budget: int) -> tuple[nn.Module, int, int]:
+    """(module to train, micro-batch, accumulation steps), planned under `budget`."""
+    t0 = time.perf_counter()
+    if args.fit:
+        sample = (train[:args.seq], train[1:args.seq + 1])  # one example: (input bytes, next bytes)
+        cfg = autoremat.fit(model, budget, args.batch, sample, optimizer=opt)
+        print(cfg.report(), "\n")
+        plan, micro, steps, opt_model = cfg.plan, cfg.micro_batch, cfg.accumulation_steps, cfg.model
+    else:
+        x, y = get_batch(train, args.batch, args.seq, torch.Generator().manual_seed(0))
+        opt_model = autoremat.optimize(model, budget, example_inputs=(x, y), optimizer=opt)
+        plan, micro, steps = opt_model.plan, args.batch, 1
+    print("\n".join(plan.summary().splitlines()[:4]))
+    print(f"(planned in {time.perf_counter() - t0:.1f} s)\n")
+    return opt_model, micro, steps
+
+
+def measured_line(what: str, peak: int, budget: int) -> str:
+    verdict = "within the budget" if peak <= budget else f"OVER the budget by {autoremat.format_bytes(peak - budget)}"
+    return f"{what:<48} {autoremat.format_bytes(peak):>10}  {verdict}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps (global batches)")
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=120, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=32, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--budget", default=None, help='absolute budget, e.g. "60MB" (default: see --budget-fraction)')
-    p.add_argument("--budget-fraction", type=float, default=0.7,
-                   help="budget as a fraction of one no-recompute step on the whole global batch")
+    p.add_argument("--budget", default=None, help='absolute budget, e.g. "80MB" (default: see --budget-fraction)')
+    p.add_argument("--budget-fraction", type=float, default=0.5,
+                   help="budget as a fraction of one step on the whole batch with nothing recomputed")
+    p.add_argument("--fit", action="store_true",
+                   help="let autoremat.fit choose micro-batch and accumulation steps for --batch")
     p.add_argument("--corpus-mb", type=float, default=4.0)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     args = p.parse_args()
+    for name in ("steps", "batch", "seq", "n_layer", "d", "n_head", "eval_every"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if not 0 < args.budget_fraction <= 1:
+        p.error(f"--budget-fraction must be in (0, 1], got {args.budget_fraction}")
 
+    t_all = time.perf_counter()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     data = stdlib_corpus(int(args.corpus_mb * 1e6))
     split = int(0.9 * len(data))
     train, val = data[:split], data[split:]
     print(f"corpus: {len(data) / 1e6:.2f} MB of standard-library source ({Path(os.__file__).parent}), "
-          f"{len(train) / 1e6:.2f} MB train / {len(val) / 1e6:.2f} MB validation")
+          f"{len(train) / 1e6:.2f} MB train / {len(val) / 1e6:.2f} MB validation", flush=True)
 
     model = GPT(args.n_layer, args.d, args.n_head, args.seq)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     n_params = sum(p.numel() for p in model.parameters())
-    sample = (train[:args.seq], train[1:args.seq + 1])  # one example: (input bytes, next bytes)
+    sample = (train[:args.seq], train[1:args.seq + 1])
 
-    # What one step on the whole global batch needs when nothing is recomputed (a meta plan: cheap).
-    whole = plan_candidates(model, 10**15, args.global_batch, sample, optimizer=opt,
-                            micro_batches=[args.global_batch])[0]
-    if args.budget is None:
-        budget = int(args.budget_fraction * whole.no_recompute_peak)
-    else:
-        budget = autoremat.parse_budget(args.budget)
-    print(f"model: {n_params / 1e6:.2f} M parameters, {args.n_layer} layers, {args.d} wide, seq {args.seq}")
-    print(f"one no-recompute step on the global batch of {args.global_batch} needs "
-          f"{autoremat.format_bytes(whole.no_recompute_peak)}; budget {autoremat.format_bytes(budget)} "
-          f"({100 * budget / whole.no_recompute_peak:.0f}%)\n")
+    print(f"model: {n_params / 1e6:.2f} M parameters, {args.n_layer} layers, {args.d} wide, seq {args.seq}, "
+          f"batch {args.batch}", flush=True)
+    # What one step on the whole batch needs when nothing is recomputed (a meta plan: cheap).
+    whole = plan_candidates(model, 10**15, args.batch, sample, optimizer=opt, micro_batches=[args.batch])[0]
+    budget = int(args.budget_fraction * whole.no_recompute_peak) if args.budget is None else \
+        autoremat.parse_budget(args.budget)
+    print(f"one step with nothing recomputed needs {autoremat.format_bytes(whole.no_recompute_peak)}; "
+          f"budget {autoremat.format_bytes(budget)} ({100 * budget / whole.no_recompute_peak:.0f}%)\n")
 
-    t0 = time.perf_counter()
-    cfg = fit(model, budget, args.global_batch, sample, optimizer=opt)
-    print(cfg.report())
-    print(f"(fit took {time.perf_counter() - t0:.1f} s)\n")
-    print("\n".join(cfg.plan.summary().splitlines()[:4]), "\n")
-    chosen = next(c for c in cfg.candidates if c.micro_batch == cfg.micro_batch)
-    print(f"chosen micro-batch {cfg.micro_batch}: no-recompute total {autoremat.format_bytes(chosen.no_recompute_peak)}, "
-          f"planned peak {autoremat.format_bytes(cfg.plan.predicted_peak)}, budget {autoremat.format_bytes(budget)}\n")
-
+    opt_model, micro, accum = plan_step(args, model, opt, train, budget)
     gen = torch.Generator().manual_seed(0)
-    tokens_per_step = args.global_batch * args.seq
-    print(f"step {0:>4}: val loss {val_loss(model, val, cfg.micro_batch, args.seq):.4f}")
+
+    def train_step(m: nn.Module, optimizer_step: bool = True) -> float:
+        loss_sum = 0.0
+        for _ in range(accum):
+            x, y = get_batch(train, micro, args.seq, gen)
+            loss = m(x, y) / accum  # mean over the whole batch
+            loss.backward()
+            loss_sum += loss.item()
+        if optimizer_step:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return loss_sum
+
+    tokens_per_step = args.batch * args.seq
+    print(f"step {0:>4}: val loss {val_loss(model, val, micro, args.seq):.4f}")
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
 
         bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+    out = bar.write if bar is not None else (lambda msg: print(msg, flush=True))
+    measured = eager = None
     t_start = time.perf_counter()
     for step in range(1, args.steps + 1):
         lr = args.lr * min(1.0, step / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        loss_sum = 0.0
-        for _ in range(cfg.accumulation_steps):
-            x, y = get_batch(train, cfg.micro_batch, args.seq, gen)
-            loss = cfg.model(x, y) / cfg.accumulation_steps  # mean over the global batch
-            loss.backward()
-            loss_sum += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if step == min(2, args.steps):  # the AdamW state exists from step 2 on: the steady state
+            # The batch is drawn inside the step, so what is live before it is the model and the AdamW state.
+            loss_sum, measured = autoremat.measure_peak(lambda: train_step(opt_model), baseline_objs=(model, opt))
+            # The same forward and backward without autoremat (no optimizer step: the model is unchanged).
+            _, eager = autoremat.measure_peak(lambda: train_step(model, optimizer_step=False),
+                                              baseline_objs=(model, opt))
+            model.zero_grad(set_to_none=True)
+        else:
+            loss_sum = train_step(opt_model)
         tok_s = step * tokens_per_step / (time.perf_counter() - t_start)
         if bar is not None:
             bar.set_postfix(loss=f"{loss_sum:.3f}", tok_s=f"{tok_s:,.0f}")
             bar.update()
         if step % args.eval_every == 0 or step == args.steps:
-            msg = f"step {step:>4}: train loss {loss_sum:.4f}, val loss {val_loss(model, val, cfg.micro_batch, args.seq):.4f}, {tok_s:,.0f} tok/s"
-            if bar is not None:
-                bar.write(msg)
-            else:
-                print(msg, flush=True)
+            out(f"step {step:>4}: train loss {loss_sum:.4f}, val loss {val_loss(model, val, micro, args.seq):.4f}, "
+                f"{tok_s:,.0f} tok/s")
     if bar is not None:
         bar.close()
-    print(f"\n{args.steps} steps in {time.perf_counter() - t_start:.1f} s; planned graphs: "
-          f"{len(cfg.model._planner.profiles)} (one per input shape, never re-planned per step)")
+    print(f"\n{args.steps} steps in {time.perf_counter() - t_start:.1f} s (planning and all: "
+          f"{time.perf_counter() - t_all:.1f} s)\n")
+    assert measured is not None and eager is not None
+    print(f"budget {autoremat.format_bytes(budget)}; peak of one training step (forward, backward, clip, AdamW "
+          f"step), with the model, its gradients and the AdamW state:")
+    print(measured_line("predicted by autoremat", opt_model.plan.predicted_peak, budget))
+    print(measured_line(f"measured, autoremat (step {min(2, args.steps)})", measured.peak_bytes, budget))
+    print(measured_line("measured, without autoremat (forward, backward)", eager.peak_bytes, budget))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,38 @@ def test_mlp_hand_count(batch: int, expected_total: int) -> None:
     assert abs(m.peak_bytes - hand_total) <= 64, (m, hand_total)
 
 
+def test_sliced_batch_counts_its_rows_not_the_parent_storage() -> None:
+    """A batch sliced from a larger tensor (a dataset held in memory) is the batch's bytes in the
+    baseline, not the whole parent storage: the public `autoremat.measure_peak`, hand-counted."""
+    import autoremat
+
+    model = make_mlp()
+    batch = 64
+    data = torch.randn(16 * batch, D)  # 16 batches' worth in one storage
+    x = data[3 * batch:4 * batch]  # a view into it, as a loader over an in-memory tensor gives
+    assert x.untyped_storage().nbytes() == 16 * x.nbytes
+    _, m = autoremat.measure_peak(lambda: model(x).sum().backward(), baseline_objs=(model, x))
+    assert m.baseline_bytes == PARAM_BYTES + batch * D * 4
+    hand_total = PARAM_BYTES + batch * D * 4 + mlp_hand_delta(batch)
+    assert abs(m.peak_bytes - hand_total) <= 64, (m, hand_total)
+    assert "peak" in str(m) and "profiler on cpu" in str(m)
+
+
+def test_live_tensor_bytes_views_of_one_storage() -> None:
+    data = torch.randn(100, 10)  # 4000 B
+    assert live_tensor_bytes(data[10:20]) == 10 * 10 * 4
+    # overlapping and disjoint slices of one storage: their union, each byte once
+    assert live_tensor_bytes(data[10:20], data[15:30], data[50:51]) == (20 + 1) * 10 * 4
+    # a strided view reaches from its first to its last element, gaps included
+    assert live_tensor_bytes(data[:, 2:4]) == (99 * 10 + 4 - 2) * 4
+    assert live_tensor_bytes(data.t()) == live_tensor_bytes(data) == data.nbytes
+    # the parent passed too: all of it, once
+    assert live_tensor_bytes(data[10:20], data) == data.nbytes
+    assert live_tensor_bytes(data[5:5]) == 0  # no elements, no bytes
+    # expanded (stride 0) views reach only what they read
+    assert live_tensor_bytes(data[0].expand(1000, 10)) == 10 * 4
+
+
 def test_repeated_calls_and_context_manager() -> None:
     model = make_mlp()
     x = torch.randn(64, D)
