@@ -30,6 +30,10 @@ class DeviceSpec:
     memory_bytes: int  # device memory; 0 means unknown (CPU)
     alloc_granularity: int  # the CUDA caching allocator rounds every block to 512 B
     launch_overhead_s: float  # fixed cost per op (kernel launch / eager dispatch)
+    # Seconds per element a random draw costs beyond the roofline. A GPU draws from Philox at
+    # memory speed (0); a CPU steps a Mersenne Twister element by element, far slower than its
+    # arithmetic, which matters when the plan weighs replaying a dropout mask against saving it.
+    random_draw_s_per_element: float = 0.0
 
     def op_time(
         self,
@@ -97,6 +101,9 @@ _DEVICES: dict[str, DeviceSpec] = {
         memory_bytes=0,
         alloc_granularity=1,
         launch_overhead_s=2e-6,
+        # aten.bernoulli.p into a 262,144-element bool tensor, 1 thread, this 2-core AVX-512 machine: 1.23 ms
+        # (a fp32 multiply of as many elements: 0.041 ms), ~4.7 ns per element.
+        random_draw_s_per_element=4.7e-9,
     ),
     # NVIDIA Tesla V100 datasheet (SXM2, 32 GB): 15.7 TFLOPS fp32, 125 TFLOPS fp16
     # tensor, 900 GB/s. Volta has no tf32 and no bf16 (bf16 is emulated through fp32),

@@ -159,6 +159,15 @@ def recomputes_without_buffers(node: fx.Node) -> bool:
     return node.target is BATCH_NORM_WITH_STATS and bool(node.args[5])
 
 
+def _is_random(t: object) -> bool:
+    return isinstance(t, OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _drawn_elements(val: object) -> int:
+    """Elements a draw produces: its largest output (the generator state saved beside it is a copy)."""
+    return max((t.numel() for t in _tensors(val)), default=0)
+
+
 def _flops(node: fx.Node) -> tuple[float, bool]:
     t = node.target
     if not isinstance(t, OpOverload):
@@ -262,6 +271,8 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
                 prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
                 prof.bytes_moved = float(moved)
                 prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
+                if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
+                    prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
         n.meta["autoremat"] = prof
         nodes[n.name] = prof
 
