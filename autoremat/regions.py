@@ -25,11 +25,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
-import torch.utils.weak
 from torch.fx.passes.split_module import split_module
 
-from autoremat.torch_internals import compile_submodules, copy_split_metadata, ddp_optimizer_active
+from autoremat.torch_internals import (
+    WeakIdKeyDictionary,
+    compile_submodules,
+    copy_split_metadata,
+    ddp_optimizer_active,
+    is_primal,
+)
 
 
 def block_of(module: str) -> str:
@@ -143,7 +149,7 @@ def _link(cut: fx.GraphModule) -> None:
 # gradients that leave a region's backward as soon as they are computed
 
 # A parameter's detached stand-in, passed to a region's compiled step -> the parameter itself.
-_OWNER: torch.utils.weak.WeakIdKeyDictionary = torch.utils.weak.WeakIdKeyDictionary()
+_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @torch.fx.node.has_side_effect
@@ -174,7 +180,7 @@ def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[i
     needs a gradient (the first block: its input is data), the smallest parameter, so that autograd
     still differentiates the region at all.
     """
-    primals = [n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("primals")]
+    primals = [n for n in joint.graph.find_nodes(op="placeholder") if is_primal(n)]
     out = joint.graph.find_nodes(op="output")[0]
     outs = list(out.args[0])
     grads = outs[num_fwd_outputs:]

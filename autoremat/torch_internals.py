@@ -56,6 +56,8 @@ Profiler and autograd engine:
                                and its experimental_event_tree(): (time, signed bytes, device) per event
   queue_callback               torch.autograd.Variable._execution_engine.queue_callback: run at the
                                end of the current backward
+  WeakIdKeyDictionary          torch.utils.weak (undocumented): tensors as weak keys by identity, for
+                               the parameter behind each stand-in a region is called with (regions)
 
 Not listed, and used in place: the FX node meta keys torch.fx documents and every FX pass reads
 ("val", "example_value", "nn_module_stack", "fwd_nn_module_stack", "from_node").
@@ -78,6 +80,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "BackendCompilerFailed", "C_NN_LINEAR", "arg_tree_leaves", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
@@ -87,6 +90,7 @@ __all__ = [
     "inductor_compilers", "is_dynamo_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
     "queue_callback", "recompile_limit", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map", "unset_fake_temporarily",
+    "WeakIdKeyDictionary",
 ]
 
 # -- AOTAutograd -------------------------------------------------------------------------------

@@ -302,3 +302,12 @@ def test_queue_callback_runs_at_the_end_of_the_backward():
     x.register_hook(hook)
     y.backward()
     assert order == ["hook", "end of backward"]
+
+
+def test_weak_id_key_dictionary_keys_tensors_by_identity():
+    owners = ti.WeakIdKeyDictionary()
+    a, b = torch.zeros(2), torch.zeros(2)  # equal values, distinct tensors
+    owners[a], owners[b] = "a", "b"
+    assert owners[a] == "a" and owners[b] == "b"
+    del a
+    assert len(owners) == 1  # the entry went with its tensor

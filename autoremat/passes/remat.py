@@ -66,7 +66,7 @@ def batch_norm_without_running_stats(fw: fx.GraphModule, bw: fx.GraphModule, num
         bw.graph.erase_node(n)
     if not recomputed:
         return
-    unread = {p.name for p in bw.graph.find_nodes(op="placeholder") if not p.users and p.name.startswith("primals")}
+    unread = {p.name for p in bw.graph.find_nodes(op="placeholder") if not p.users and is_primal(p)}
     for p in [p for p in bw.graph.find_nodes(op="placeholder") if p.name in unread]:
         bw.graph.erase_node(p)
     out = next(iter(fw.graph.find_nodes(op="output")))

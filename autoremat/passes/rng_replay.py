@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoremat.torch_internals import is_tangent
+
 # Random ops whose draws we replay: the bool mask of autoremat's dropout decomposition.
 REPLAYED = (torch.ops.aten.bernoulli.p,)
 # Bytes of the generator state saved per draw: torch.get_rng_state() (the CPU Mersenne Twister) or
@@ -82,7 +84,7 @@ def replay_random_draws(joint: fx.GraphModule) -> int:
     graph = joint.graph
     backward: set[fx.Node] = set()
     for n in graph.nodes:
-        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(a in backward for a in n.all_input_nodes):
+        if is_tangent(n) or any(a in backward for a in n.all_input_nodes):
             backward.add(n)
     draws = [n for n in graph.nodes if n.op == "call_function" and n.target in REPLAYED and n not in backward]
     for n in draws:
