@@ -25,6 +25,7 @@ from autoremat import mixed
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
+from autoremat.loss_chunks import OUTPUTS, LossOption, compose
 from autoremat.pipeline import build, plan_precision
 from autoremat.plan import Plan
 from autoremat.planner import (
@@ -176,6 +177,7 @@ def optimize(
     world_size: int = 1,
     sharding: str = "none",
     cache: bool | str | Path = False,
+    outputs: str = "all",
 ) -> RematModule:
     """Plan `model`'s training step to fit `budget` and return a module that runs that plan.
 
@@ -210,12 +212,21 @@ def optimize(
     cache: False, True (plans kept in $AUTOREMAT_CACHE_DIR or ~/.cache/autoremat) or a directory:
         a second optimize of the same step under the same options reuses the plan, re-checked by
         the simulator, without solving (plan.solver["path"] == "cache").
+    outputs: "all" (default) or "loss". A vocabulary projection followed by cross-entropy (HF's
+        causal-LM loss, `F.cross_entropy(logits.view(-1, V), y)`) is computed in chunks of token
+        rows when the planner finds that faster within the budget (`plan.loss["chunks"]`; see
+        autoremat.loss_chunks). "all" keeps the model's logits output, computed whole; "loss"
+        declares that only the loss is used: the logits output is returned as None and the full
+        logits are never allocated.
 
     Raises `BudgetError` (with the ledger and the smallest budget that fits) if nothing fits, and
     TypeError / ValueError when example_inputs do not fit the model or an option is malformed.
     """
     budget_bytes = parse_budget(budget)
     _check_options(time_limit, gap, solver)
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be 'all' (the model's outputs as it returns them) or 'loss' (only the loss "
+                         f"is used: the logits output becomes None and is never materialised), got {outputs!r}")
     args, kwargs = _split_inputs(example_inputs)
     _check_signature(model, args, kwargs)
     where = _model_device(model, args, kwargs)
@@ -238,12 +249,14 @@ def optimize(
     def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
         return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
                                  kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
-                                 regions=regions)
+                                 regions=regions, outputs=outputs)
 
     build_here = builder(args, kwargs, ledger)
     if plan is not None:
         dtypes = plan.precision.get("dtypes") or []
         pre = mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
+        if plan.loss.get("chunks", 1) > 1:  # the loss region as the plan chunked it
+            pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
         applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                                  pre_pass=pre, regions=regions, **opts)
         compiled = compile_and_trace(model, applier, compiler, args, kwargs)

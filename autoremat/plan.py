@@ -17,6 +17,7 @@ import torch
 
 from autoremat.heuristics import Decision, evaluate, save_all
 from autoremat.ledger import Ledger
+from autoremat.loss_chunks import describe as describe_loss
 from autoremat.memory import Schedule, Timeline
 from autoremat.profile import GraphProfile
 from autoremat.units import format_bytes
@@ -58,6 +59,8 @@ class Plan:
     baseline_timeline: list[list] = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the loss region (autoremat.loss_chunks): chunks chosen, outputs, token rows, candidates tried
+    loss: dict = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -106,6 +109,9 @@ class Plan:
             "",
         ]
         lines += self._module_lines()
+        if self.loss:
+            lines += ["", describe_loss(self.loss.get("chunks", 1), self.loss.get("outputs", "all"),
+                                        self.loss.get("rows", 0))]
         lines += self._precision_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
