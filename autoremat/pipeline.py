@@ -125,6 +125,8 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
             d = plan_graphs(planner.profiles, budget, kw["ledger"], kw["dev"], **kw["opts"])
         except BudgetError as e:
             refused[k] = e
+            progress.info("the loss region in %d chunk(s) does not fit; its floor is %s", k,
+                          format_bytes(e.smallest_budget) if e.smallest_budget else "unknown")
             return None
         return sum(p.time_s for g in planner.profiles for p in g.nodes.values()) + d.recompute_time_s, d.peak
 
@@ -132,8 +134,10 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
         k, table = loss_chunks.choose(loss.rows(), try_one)
     except LookupError:
         k, e = min(refused.items(), key=lambda ke: (ke[1].smallest_budget or 2**62, ke[0]))
-        raise BudgetError(f"{e} (the loss region was planned in {', '.join(map(str, sorted(refused)))} chunk(s); "
-                          f"the floor above is that of {k})", e.ledger, e.smallest_budget) from None
+        first, _, rest = str(e).partition("\n")
+        raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
+                          f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,
+                          e.smallest_budget) from None
     plan, compiled, planner = build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=k, **kw)
     plan.loss["candidates"] = {str(c): v for c, v in table.items()}
     return plan, compiled, planner
