@@ -107,18 +107,29 @@ class Report:
 
 
 def _value(node: object) -> torch.Tensor | None:
+    """The traced value of a dynamo graph node; for a cast inserted by an earlier pre-pass (the
+    precision rewrite adds `.to(dtype)` nodes without metadata), its input's, whose shape it has."""
     if not isinstance(node, fx.Node):
         return None
     val = node.meta.get("example_value", node.meta.get("val"))
+    if val is None and _cast_dtype(node) is not None:
+        return _value(node.args[0])
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _is_cast(n: fx.Node) -> bool:
-    if n.op != "call_method" or n.target not in _CASTS:
-        return False
-    out, src = _value(n), _value(n.args[0])
-    # `.to(...)` that changes only the dtype (a device move would be another pattern)
-    return out is not None and src is not None and out.device == src.device and out.shape == src.shape
+def _cast_dtype(n: fx.Node) -> torch.dtype | None:
+    """The dtype a dtype-only cast node converts to, or None if `n` is not one."""
+    if n.op != "call_method" or n.target not in _CASTS or not n.args:
+        return None
+    fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+    if n.target in fixed:
+        return fixed[n.target] if len(n.args) == 1 and not n.kwargs else None
+    if n.target == "type_as":
+        other = _value(n.args[1]) if len(n.args) == 2 else None
+        return other.dtype if other is not None else None
+    dtypes = [a for a in (*n.args[1:], *n.kwargs.values()) if isinstance(a, torch.dtype)]
+    others = [a for a in (*n.args[1:], *n.kwargs.values()) if not isinstance(a, (torch.dtype, bool))]
+    return dtypes[0] if len(dtypes) == 1 and not others else None  # `.to(dtype)` only, no device move
 
 
 def _row_slice(index: object, ndim: int) -> bool:
@@ -175,14 +186,14 @@ def _match(ce: fx.Node, sites: list[Site]) -> str:
     if any(isinstance(a[k], fx.Node) for k in ("ignore_index", "label_smoothing")):
         return "ignore_index or label_smoothing computed in the graph"
     x, y = _value(a["input"]), _value(a["target"])
-    if x is None or y is None or x.dim() != 2 or y.dim() != 1 or y.dtype not in (torch.int64, torch.int32) \
+    if x is None or y is None or x.dim() != 2 or y.dim() != 1 or y.dtype != torch.int64 \
             or not x.is_floating_point():
         return "not a [tokens, classes] input with integer class targets"
     chain, cur = [], a["input"]
     while isinstance(cur, fx.Node) and _proj_kind(cur) is None:
         if len(cur.users) != 1 or not cur.args:
             return f"the logits pass through {cur.name}, which has other uses"
-        ok = (_is_cast(cur) or (cur.op == "call_method" and cur.target == "contiguous")
+        ok = (_cast_dtype(cur) is not None or (cur.op == "call_method" and cur.target == "contiguous")
               or (cur.op == "call_method" and cur.target in _RESHAPES) or (cur.op == "call_function" and cur.target
                                                                            is torch.reshape)
               or (cur.op == "call_function" and cur.target is operator.getitem and _value(cur.args[0]) is not None
@@ -231,8 +242,8 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
                 weight, bias = _linear_args(s.proj)
             else:
                 weight, bias = s.proj.args[1], None
-            last = _value(s.chain[-1] if s.chain else s.proj)
-            cast = last.dtype if last.dtype != _value(s.proj).dtype else None
+            casts = [_cast_dtype(n) for n in s.chain if _cast_dtype(n) is not None]
+            cast = casts[-1] if casts else None  # the logits' dtype as the loss saw them
             new = graph.call_function(chunked_cross_entropy, (h, weight, bias, s.target), {
                 "proj": s.kind, "chunks": min(chunks, s.rows), "ignore_index": s.ignore_index,
                 "reduction": s.reduction, "label_smoothing": s.label_smoothing, "dtype": cast})

@@ -93,8 +93,12 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
     if loss is not None and loss.found:
-        plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(),
+        kept = max(r.logits_kept for r in loss.reports)
+        plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
                      "skipped": list(dict.fromkeys(w for r in loss.reports for w in r.skipped))}
+        if outputs == "loss" and kept and (chunks or 1) > 1:
+            plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "
+                              "the model, or an output derived from them): they are still computed whole")
     if dtypes:
         plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
         plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())

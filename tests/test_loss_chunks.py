@@ -239,3 +239,34 @@ def test_bad_outputs_value() -> None:
     model, ex = gpt2(batch=1, seq=8, n_layer=1, n_embd=16, vocab=64)
     with pytest.raises(ValueError, match="outputs must be 'all'.*or 'loss'"):
         autoremat.optimize(model, "1GB", ex, outputs="logits")
+
+
+def test_chunked_after_the_bf16_rewrite() -> None:
+    """precision="bf16" casts the projection's inputs first (nodes without dynamo metadata): the pattern is
+    still found, the chunks' matmuls run in bf16 and the loss in fp32, as the unchunked bf16 graph does."""
+    from autoremat import precision as P
+
+    torch.manual_seed(0)
+    model = Head("view")
+    x, y = inputs()
+
+    def run(chunks: int) -> tuple[torch.Tensor, LC.Report]:
+        report = LC.Report()
+
+        def pre(i, gm, ex):
+            P.apply_dtypes(gm, {n: "bf16" for n in P.castable(gm)})
+            LC.rewrite(gm, chunks, "all", report)
+            for n in gm.graph.find_nodes(op="call_function", target=LC.chunked_cross_entropy):
+                weight = n.args[1]  # the projection's weight as the chunks read it: cast to bf16
+                assert weight.op == "call_method" and torch.bfloat16 in weight.args, weight.format_node()
+                assert n.kwargs["dtype"] == torch.float32  # the loss itself in fp32, as the model's .float()
+
+        torch._dynamo.reset()
+        fn = compile_fresh(model, aot_backend(default_split, pre_pass=pre))
+        return fn(x, y).detach(), report
+
+    ref, _ = run(1)
+    got, report = run(4)
+    assert report.rewritten == 1, report
+    assert got.dtype == torch.float32
+    assert_close_for(got, ref, depth=2, dtype=torch.bfloat16)
