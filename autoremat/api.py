@@ -255,7 +255,7 @@ def optimize(
     if plan is not None:
         dtypes = plan.precision.get("dtypes") or []
         pre = mixed.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
-        if plan.loss.get("chunks", 1) > 1:  # the loss region as the plan chunked it
+        if plan.loss.get("chunks", 1) > 1 or plan.loss.get("outputs") == "loss":  # the loss region as planned
             pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
         applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                                  pre_pass=pre, regions=regions, **opts)

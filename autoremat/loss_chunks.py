@@ -40,7 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 OUTPUTS = ("all", "loss")
-CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the graph as it was
+CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss as it was (outputs="all")
 _CE = (F.cross_entropy,)
 _LINEAR = (torch._C._nn.linear, F.linear)
 _MATMUL = (torch.matmul, operator.matmul)
@@ -215,8 +215,10 @@ def _match(ce: fx.Node, sites: list[Site]) -> str:
 def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Report | None = None) -> int:
     """Replace every recognised pattern of `gm` by `chunked_cross_entropy` over `chunks` pieces.
 
-    outputs="loss": a logits tensor the graph returns is returned as None instead. Returns the number
-    of sites rewritten (none when chunks == 1, but the sites are still counted in `report`).
+    outputs="loss": a logits tensor the graph returns is returned as None instead, and the loss is
+    rewritten even for chunks == 1 (one piece), so that the logits output is None whatever the count.
+    With outputs="all" and chunks == 1 nothing changes (the sites are still counted in `report`).
+    Returns the number of sites rewritten.
     """
     if outputs not in OUTPUTS:
         raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
@@ -225,7 +227,7 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     report.sites += len(sites)
     for s in sites:
         report.rows, report.vocab = max(report.rows, s.rows), max(report.vocab, s.vocab)
-    if chunks <= 1 or not sites:
+    if not sites or (chunks <= 1 and outputs == "all"):
         return 0
     graph = gm.graph
     for s in sites:
@@ -338,8 +340,8 @@ def choose(rows: int, try_one: Callable[[int], tuple[float, int] | None]) -> tup
 
 def describe(chunks: int, outputs: str, rows: int) -> str:
     """The plan summary's line about the loss region."""
-    if chunks <= 1:
-        return f"loss not chunked (1 piece over {rows} token rows)"
-    size = -(-rows // chunks)
     kept = "logits not returned (outputs='loss')" if outputs == "loss" else "logits output kept whole"
+    if chunks <= 1:
+        return f"loss not chunked (1 piece over {rows} token rows); {kept}"
+    size = -(-rows // chunks)
     return f"loss chunked into {chunks} pieces of {size} token rows; {kept}"

@@ -216,7 +216,7 @@ def test_memory_model_predicts_the_chunked_step(at_floor) -> None:
     kept = LC.CANDIDATES
     try:
         LC.CANDIDATES = (1,)
-        unchunked = floor_of(model, ex, "loss")
+        unchunked = floor_of(model, ex, "all")  # the loss region as the model wrote it
     finally:
         LC.CANDIDATES = kept
     assert budget < unchunked - 2 * logits_bytes()
@@ -270,3 +270,28 @@ def test_chunked_after_the_bf16_rewrite() -> None:
     assert report.rewritten == 1, report
     assert got.dtype == torch.float32
     assert_close_for(got, ref, depth=2, dtype=torch.bfloat16)
+
+
+def test_cli_outputs_loss_prints_the_chunks(tmp_path) -> None:
+    """`autoremat plan ... --outputs loss` at the smallest budget that fits says how the loss was chunked."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    from autoremat.cli import main
+
+    target = f"{Path(__file__).resolve().parent.parent / 'examples' / 'models.py'}:gpt2"
+    common = [target, "--batch", str(BATCH), "--seq", str(SEQ), "--opt", f"vocab={VOCAB}", "--opt", f"n_embd={D}",
+              "--opt", "dropout=0.0", "--outputs", "loss", "--time-limit", "10"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["plan", *common, "--budget", "1KB"]) == 1
+    floor = int(re.search(r"smallest budget that fits is .*? \((\d+) bytes\)", err.getvalue()).group(1))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["plan", *common, "--budget", str(floor), "--json", str(tmp_path / "plan.json")]) == 0
+    plan = Plan.load(tmp_path / "plan.json")
+    k = plan.loss["chunks"]
+    assert k > 1 and plan.loss["outputs"] == "loss"
+    assert f"loss chunked into {k} pieces of {-(-BATCH * SEQ // k)} token rows; logits not returned" in out.getvalue()
