@@ -110,7 +110,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
 def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, dtypes, store, fields, **kw):
     """Plan the step at each candidate chunk count of the loss region; build the fastest that fits.
 
-    The candidates (loss_chunks.CANDIDATES, 1 = not rewritten) are each traced and solved under the
+    The candidates (loss_chunks.CANDIDATES; 1: as written, or one piece under outputs="loss") are each
+    traced and solved under the
     budget; the predicted step time (every op once plus the ILP's recomputation) decides, fewer
     chunks on a tie. If none fits, the BudgetError of the one with the smallest floor is raised.
     """

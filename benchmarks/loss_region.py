@@ -181,10 +181,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     started = datetime.datetime.now(datetime.timezone.utc)
+    git = floor.git_state()  # the code the rows run, before anything can change it
     cfg, rows = cpu_part(args.quick, args.steps)
     meta = [] if args.quick else meta_part(args.time_limit)
     out = Path(__file__).parent / "results" / f"loss_region_cpu{'_quick' if args.quick else ''}"
-    info = dict(started=started.isoformat(timespec="seconds"), torch=torch.__version__, git=floor.git_state(),
+    info = dict(started=started.isoformat(timespec="seconds"), torch=torch.__version__, git=git,
                 load=floor.load_average(), cpu_model=cfg["kwargs"], command=" ".join(["python", *sys.argv]),
                 threads=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
     text = "\n".join([
