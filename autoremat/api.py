@@ -25,6 +25,7 @@ from autoremat import precision_plan
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
+from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
 from autoremat.pipeline import build, plan_precision
 from autoremat.plan import Plan
 from autoremat.planner import (
@@ -246,6 +247,7 @@ def optimize(
     sharding: str = "none",
     cache: bool | str | Path = False,
     progress: bool = True,
+    outputs: str = "all",
 ) -> RematModule:
     """Plan `model`'s training step to fit `budget` and return a module that runs that plan.
 
@@ -282,12 +284,21 @@ def optimize(
         the simulator, without solving (plan.solver["path"] == "cache").
     progress: True: once planning has run for 2 s, write each stage to stderr (not when logging is
         configured: the stages are INFO records on the `autoremat.progress` logger). False: silent.
+    outputs: "all" (default) or "loss". A vocabulary projection followed by cross-entropy (HF's
+        causal-LM loss, `F.cross_entropy(logits.view(-1, V), y)`) is computed in chunks of token
+        rows when the planner finds that faster within the budget (`plan.loss["chunks"]`; see
+        autoremat.passes.loss_chunks). "all" keeps the model's logits output, computed whole; "loss"
+        declares that only the loss is used: the logits output is returned as None and the full
+        logits are never allocated.
 
     Raises `BudgetError` (with the ledger and the smallest budget that fits) if nothing fits, and
     TypeError / ValueError when example_inputs do not fit the model or an option is malformed.
     """
     budget_bytes = parse_budget(budget)
     _check_options(time_limit, gap, solver)
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be 'all' (the model's outputs as it returns them) or 'loss' (only the loss "
+                         f"is used: the logits output becomes None and is never materialised), got {outputs!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
     with stages_on_stderr(progress):
@@ -313,12 +324,14 @@ def optimize(
         def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
             return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
                                      kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
-                                     regions=regions)
+                                     regions=regions, outputs=outputs)
 
         build_here = builder(args, kwargs, ledger)
         if plan is not None:
             dtypes = plan.precision.get("dtypes") or []
             pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
+            if plan.loss.get("chunks", 1) > 1 or plan.loss.get("outputs") == "loss":  # the loss region as planned
+                pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
             applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                                      pre_pass=pre, regions=regions, **opts)
             compiled = compile_and_trace(model, applier, compiler, args, kwargs)

@@ -21,6 +21,8 @@ from autoremat import precision_plan
 from autoremat.cache import PlanCache
 from autoremat.devices import get_device
 from autoremat.ledger import Ledger
+from autoremat.passes import loss_chunks
+from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.plan import SLACK, BudgetError, Plan
 from autoremat.planner import (
     CapturePlanner,
@@ -49,9 +51,18 @@ AUTO_TOLERANCE_DIVISOR = 4
 
 
 def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
-           opts, compiler, args, kwargs, verify, where, fp32_ops, regions) -> tuple[Plan, Any, CapturePlanner]:
-    """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it."""
-    pre = precision_plan.pre_pass(dtypes, fp32_ops) if any(dtypes) else None
+           opts, compiler, args, kwargs, verify, where, fp32_ops, regions, outputs: str | None = None,
+           chunks: int | None = None) -> tuple[Plan, Any, CapturePlanner]:
+    """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
+
+    outputs ("all" or "loss"; None: no loss rewrite at all): the loss region is chunked into
+    `chunks` pieces (autoremat.passes.loss_chunks), or, with chunks=None, into the count `choose_chunks`
+    finds best once the first trace has shown a projection -> cross-entropy pattern.
+    """
+    loss = LossOption(outputs, chunks) if outputs is not None else None
+    if loss is not None:
+        fields = {**fields, "outputs": outputs, "loss_chunks": chunks}
+    pre = compose(precision_plan.pre_pass(dtypes, fp32_ops) if any(dtypes) else None, loss.pre_pass() if loss else None)
     key: list[str] = []
     lookup = None
     if store is not None:
@@ -72,6 +83,10 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         planner = make()
         compiled = compile_and_trace(model, planner, compiler, args, kwargs)
     require_graphs(model, planner)
+    if loss is not None and chunks is None and loss.found:
+        return choose_chunks(model, planner, loss, budget, dtypes, store, fields, ledger=ledger, dev=dev, opts=opts,
+                             compiler=compiler, args=args, kwargs=kwargs, verify=verify, where=where,
+                             fp32_ops=fp32_ops, regions=regions)
     if planner.cached is not None:
         hit = check_cached(planner, budget, ledger, dev)
         if hit is not None:
@@ -88,11 +103,59 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     elif where.type == "meta":
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
+    if loss is not None and loss.found:
+        kept = max(r.logits_kept for r in loss.reports)
+        plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
+                     "skipped": list(dict.fromkeys(w for r in loss.reports for w in r.skipped))}
+        if outputs == "loss" and kept:
+            plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "
+                              "the model, or an output derived from them): they are still computed whole")
     if dtypes:
         plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
         plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
     if store is not None and key:
         store.store(key[0], plan, fields)
+    return plan, compiled, planner
+
+
+def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, dtypes, store, fields, **kw):
+    """Plan the step at each candidate chunk count of the loss region; build the fastest that fits.
+
+    The candidates (loss_chunks.CANDIDATES; 1: as written, or one piece under outputs="loss") are each
+    traced and solved under the
+    budget; the predicted step time (every op once plus the ILP's recomputation) decides, fewer
+    chunks on a tie. If none fits, the BudgetError of the one with the smallest floor is raised.
+    """
+    refused: dict[int, BudgetError] = {}
+
+    def try_one(k: int) -> tuple[float, int] | None:
+        planner = traced
+        if k > 1:
+            pre = compose(precision_plan.pre_pass(dtypes, kw["fp32_ops"]) if any(dtypes) else None,
+                          LossOption(loss.outputs, k).pre_pass())
+            planner = CapturePlanner(budget, device=kw["dev"], ledger=kw["ledger"], regions=kw["regions"],
+                                     pre_pass=pre, **kw["opts"])
+            progress.info("planning the loss region in %d chunks", k)
+            compile_and_trace(model, planner, kw["compiler"], kw["args"], kw["kwargs"])
+        try:
+            d = plan_graphs(planner.profiles, budget, kw["ledger"], kw["dev"], **kw["opts"])
+        except BudgetError as e:
+            refused[k] = e
+            progress.info("the loss region in %d chunk(s) does not fit; its floor is %s", k,
+                          format_bytes(e.smallest_budget) if e.smallest_budget else "unknown")
+            return None
+        return sum(p.time_s for g in planner.profiles for p in g.nodes.values()) + d.recompute_time_s, d.peak
+
+    try:
+        k, table = loss_chunks.choose(loss.rows(), try_one)
+    except LookupError:
+        k, e = min(refused.items(), key=lambda ke: (ke[1].smallest_budget or 2**62, ke[0]))
+        first, _, rest = str(e).partition("\n")
+        raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
+                          f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,
+                          e.smallest_budget) from None
+    plan, compiled, planner = build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=k, **kw)
+    plan.loss["candidates"] = {str(c): v for c, v in table.items()}
     return plan, compiled, planner
 
 

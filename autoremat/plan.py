@@ -19,6 +19,7 @@ from autoremat.decision import Decision, evaluate
 from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger
 from autoremat.memory import Schedule, Timeline
+from autoremat.passes.loss_chunks import describe as describe_loss
 from autoremat.profile import GraphProfile
 from autoremat.units import format_bytes
 
@@ -59,6 +60,8 @@ class Plan:
     baseline_timeline: list[list] = field(default_factory=list)
     versions: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # the loss region (autoremat.passes.loss_chunks): chunks chosen, outputs, token rows, candidates tried
+    loss: dict = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -107,6 +110,9 @@ class Plan:
             "",
         ]
         lines += self._module_lines()
+        if self.loss:
+            lines += ["", describe_loss(self.loss.get("chunks", 1), self.loss.get("outputs", "all"),
+                                        self.loss.get("rows", 0))]
         lines += self._precision_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -6,6 +6,8 @@
 - `rng_replay`: each random draw of a joint graph saves the generator state before it, so the backward
   may replay the draw instead of keeping its output (a dropout mask costs its state, not its bytes).
 - `dtypes`: the dtype rewrite of a dynamo graph for precision= (`apply_dtypes`), before tracing.
+- `loss_chunks`: a vocabulary projection + cross-entropy of a dynamo graph rewritten into chunks of
+  token rows, before tracing; the planner chooses the chunk count (`outputs="loss"` drops the logits).
 - `remat`: the save/recompute split of a joint graph into forward and backward modules, in the
   simulated order (`split`, `reorder`), once the plan is solved; a recomputed batch norm runs without
   its running-stat update, and the forward draws each random value once.

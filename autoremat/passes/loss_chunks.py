@@ -1,0 +1,349 @@
+"""The loss region: the vocabulary projection and its cross-entropy, computed over chunks of token rows.
+
+For a language model the step's memory floor is set by the output layer: the logits, their
+log-softmax and the gradients of both are each tokens x vocabulary, and each is needed whole at one
+moment, so no choice of what to save or recompute removes them. Chunked, they are not:
+
+    loss = cross_entropy(linear(h, W).float().view(-1, V), y)       # what the model wrote
+    loss = sum_i  sum_rows(logsumexp(z_i) - z_i[y_i]),  z_i = linear(h_i, W).float()   # k pieces
+
+This module finds that pattern in a dynamo graph (before AOTAutograd traces it) and rewrites it into
+the second form, unrolled over k static chunks of rows, written with plain torch ops. AOTAutograd
+then derives a backward that is chunk-local too (per chunk: exp(z_i - lse_i), the target's one-hot,
+grad_h_i = g_i @ W, grad_W += g_i^T @ h_i), and the save/recompute ILP decides whether each z_i is
+kept or recomputed just before its backward: no tokens x vocabulary tensor is ever needed whole.
+
+Recognised: `F.cross_entropy(X, y, ignore_index=..., reduction="mean" | "sum", label_smoothing=...)`
+whose input X is a linear (weight [V, d], optional bias) or a matmul by a [d, V] matrix, followed
+only by casts, `.contiguous()`, views/reshapes that keep the vocabulary dimension last and slices of
+the token dimensions (HF's `ForCausalLM` loss, the plain `logits.view(-1, V)` form, the older
+`logits[..., :-1, :]` shift). A class weight, reduction="none", probability targets or any other
+shape is left exactly as it was: a pattern not recognised is never rewritten.
+
+`outputs`: "all" keeps the model's logits output (the projection is computed whole once more for it,
+and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
+None, so the full logits are never allocated.
+
+This module imports nothing from later pipeline stages; `choose` takes the planning step as a
+function, so that the planner decides the chunk count (autoremat.pipeline).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from autoremat.torch_internals import C_NN_LINEAR
+
+OUTPUTS = ("all", "loss")
+CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss as it was (outputs="all")
+_CE = (F.cross_entropy,)
+_LINEAR = (C_NN_LINEAR, F.linear)
+_MATMUL = (torch.matmul, operator.matmul)
+_CASTS = ("float", "to", "type_as", "half", "bfloat16", "double")
+_RESHAPES = ("view", "reshape")
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+
+
+def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                          *, proj: str, chunks: int, ignore_index: int, reduction: str, label_smoothing: float,
+                          dtype: torch.dtype | None) -> torch.Tensor:
+    """cross_entropy(proj(h).to(dtype), target) for h [N, d], computed over `chunks` pieces of rows.
+
+    Per chunk: z = h_i W^T (+ bias), or h_i @ weight for proj="matmul"; its rows' loss is
+    logsumexp(z) - (1 - s) z[y] - s mean(z) (s: label smoothing), zero where y == ignore_index. The
+    pieces are summed in order, and for reduction="mean" divided by the number of rows not ignored,
+    as nll_loss does.
+    """
+    rows = h.shape[0]
+    size = -(-rows // chunks)
+    total = None
+    for h_i, y_i in zip(h.split(size), target.split(size)):
+        z = F.linear(h_i, weight, bias) if proj == "linear" else torch.matmul(h_i, weight)
+        if dtype is not None:
+            z = z.to(dtype)
+        valid = y_i != ignore_index
+        picked = z.gather(1, torch.where(valid, y_i, 0).unsqueeze(1)).squeeze(1)
+        term = torch.logsumexp(z, dim=-1)
+        term = term - picked if label_smoothing == 0 else (
+            term - (1 - label_smoothing) * picked - label_smoothing * z.mean(dim=-1))
+        part = torch.where(valid, term, 0).sum()
+        total = part if total is None else total + part
+    if reduction == "mean":
+        total = total / (target != ignore_index).sum()
+    return total
+
+
+@dataclass
+class Site:
+    """One recognised projection -> cross-entropy pattern in a dynamo graph."""
+
+    loss: fx.Node  # the cross_entropy call
+    proj: fx.Node  # the linear / matmul producing the logits
+    kind: str  # "linear" | "matmul"
+    chain: list[fx.Node]  # the nodes between proj and the loss, in order
+    target: fx.Node
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    rows: int
+    vocab: int
+
+
+@dataclass
+class Report:
+    """What the pass saw and did in each graph, for the plan's summary and notes."""
+
+    sites: int = 0  # patterns recognised (rewritten when chunks > 1)
+    rewritten: int = 0
+    rows: int = 0  # token rows of the largest site
+    vocab: int = 0
+    logits_kept: int = 0  # sites whose logits stayed materialised for another use
+    skipped: list[str] = field(default_factory=list)  # cross_entropy calls left alone, and why
+
+
+def _value(node: object) -> torch.Tensor | None:
+    """The traced value of a dynamo graph node; for a cast inserted by an earlier pre-pass (the
+    precision rewrite adds `.to(dtype)` nodes without metadata), its input's, whose shape it has."""
+    if not isinstance(node, fx.Node):
+        return None
+    val = node.meta.get("example_value", node.meta.get("val"))
+    if val is None and _cast_dtype(node) is not None:
+        return _value(node.args[0])
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _cast_dtype(n: fx.Node) -> torch.dtype | None:
+    """The dtype a dtype-only cast node converts to, or None if `n` is not one."""
+    if n.op != "call_method" or n.target not in _CASTS or not n.args:
+        return None
+    fixed = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+    if n.target in fixed:
+        return fixed[n.target] if len(n.args) == 1 and not n.kwargs else None
+    if n.target == "type_as":
+        other = _value(n.args[1]) if len(n.args) == 2 else None
+        return other.dtype if other is not None else None
+    dtypes = [a for a in (*n.args[1:], *n.kwargs.values()) if isinstance(a, torch.dtype)]
+    others = [a for a in (*n.args[1:], *n.kwargs.values()) if not isinstance(a, (torch.dtype, bool))]
+    return dtypes[0] if len(dtypes) == 1 and not others else None  # `.to(dtype)` only, no device move
+
+
+def _row_slice(index: object, ndim: int) -> bool:
+    """A getitem index that keeps the last dimension whole: slices (and one Ellipsis) only."""
+    parts = index if isinstance(index, tuple) else (index,)
+    if not all(p is Ellipsis or isinstance(p, slice) for p in parts) or sum(p is Ellipsis for p in parts) > 1:
+        return False
+    if any(isinstance(p, slice) and any(isinstance(v, fx.Node) for v in (p.start, p.stop, p.step)) for p in parts):
+        return False
+    if Ellipsis in parts:
+        return parts[-1] is Ellipsis or parts[-1] == slice(None)
+    return len(parts) < ndim or parts[-1] == slice(None)
+
+
+def _linear_args(n: fx.Node) -> tuple[object, object]:
+    """(weight, bias) of a linear call however they were passed (torch._C._nn.linear has no signature)."""
+    weight = n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
+    bias = n.args[2] if len(n.args) > 2 else n.kwargs.get("bias")
+    return weight, bias
+
+
+def _proj_kind(n: fx.Node) -> str | None:
+    if n.op != "call_function":
+        return None
+    if n.target in _LINEAR:
+        w = _value(_linear_args(n)[0])
+        return "linear" if w is not None and w.dim() == 2 else None
+    if n.target in _MATMUL and len(n.args) == 2:
+        w = _value(n.args[1])
+        return "matmul" if w is not None and w.dim() == 2 else None
+    return None
+
+
+def find(gm: fx.GraphModule, report: Report | None = None) -> list[Site]:
+    """The projection -> cross-entropy patterns of `gm` that the rewrite handles exactly."""
+    sites = []
+    for ce in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CE]:
+        why = _match(ce, sites)
+        if why and report is not None:
+            report.skipped.append(f"{ce.name}: {why}")
+    return sites
+
+
+def _match(ce: fx.Node, sites: list[Site]) -> str:
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError:
+        return "arguments not understood"
+    a = {**{k: p.default for k, p in _CE_SIGNATURE.parameters.items()}, **bound.arguments}
+    if a["weight"] is not None or a["size_average"] is not None or a["reduce"] is not None:
+        return "a class weight or the legacy size_average/reduce arguments"
+    if a["reduction"] not in ("mean", "sum"):
+        return f"reduction={a['reduction']!r} (only 'mean' and 'sum' are chunked)"
+    if any(isinstance(a[k], fx.Node) for k in ("ignore_index", "label_smoothing")):
+        return "ignore_index or label_smoothing computed in the graph"
+    x, y = _value(a["input"]), _value(a["target"])
+    if x is None or y is None or x.dim() != 2 or y.dim() != 1 or y.dtype != torch.int64 \
+            or not x.is_floating_point():
+        return "not a [tokens, classes] input with integer class targets"
+    chain, cur = [], a["input"]
+    while isinstance(cur, fx.Node) and _proj_kind(cur) is None:
+        if len(cur.users) != 1 or not cur.args:
+            return f"the logits pass through {cur.name}, which has other uses"
+        ok = (_cast_dtype(cur) is not None or (cur.op == "call_method" and cur.target == "contiguous")
+              or (cur.op == "call_method" and cur.target in _RESHAPES) or (cur.op == "call_function" and cur.target
+                                                                           is torch.reshape)
+              or (cur.op == "call_function" and cur.target is operator.getitem and _value(cur.args[0]) is not None
+                  and _row_slice(cur.args[1], _value(cur.args[0]).dim())))
+        src, out = _value(cur.args[0]), _value(cur)
+        if not ok or src is None or out is None or src.dim() < 1 or src.shape[-1] != out.shape[-1]:
+            return f"the logits pass through {cur.name} ({cur.target}), which is not a cast, slice or row view"
+        chain.insert(0, cur)
+        cur = cur.args[0]
+    if not isinstance(cur, fx.Node):
+        return "no linear or matmul producing the logits"
+    if _value(cur.args[0]) is None or _value(cur.args[0]).shape[:-1] != _value(cur).shape[:-1]:
+        return "the projection's input is not [..., d]"
+    sites.append(Site(ce, cur, _proj_kind(cur), chain, a["target"], int(a["ignore_index"]), a["reduction"],
+                      float(a["label_smoothing"]), x.shape[0], x.shape[1]))
+    return ""
+
+
+def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Report | None = None) -> int:
+    """Replace every recognised pattern of `gm` by `chunked_cross_entropy` over `chunks` pieces.
+
+    outputs="loss": a logits tensor the graph returns is returned as None instead, and the loss is
+    rewritten even for chunks == 1 (one piece), so that the logits output is None whatever the count.
+    With outputs="all" and chunks == 1 nothing changes (the sites are still counted in `report`).
+    Returns the number of sites rewritten.
+    """
+    if outputs not in OUTPUTS:
+        raise ValueError(f"outputs must be one of {OUTPUTS}, got {outputs!r}")
+    report = report if report is not None else Report()
+    sites = find(gm, report)
+    report.sites += len(sites)
+    for s in sites:
+        report.rows, report.vocab = max(report.rows, s.rows), max(report.vocab, s.vocab)
+    if not sites or (chunks <= 1 and outputs == "all"):
+        return 0
+    graph = gm.graph
+    for s in sites:
+        with graph.inserting_before(s.loss):
+            h = s.proj.args[0]
+            d = _value(h).shape[-1]
+            for n in s.chain:  # the same row selection, applied to the hidden states
+                if n.target is operator.getitem:
+                    h = graph.call_function(operator.getitem, (h, n.args[1]))
+                elif n.target in _RESHAPES or n.target is torch.reshape:
+                    h = graph.call_method("reshape", (h, (*_value(n).shape[:-1], d)))
+            h = graph.call_method("reshape", (h, (-1, d)))
+            if s.kind == "linear":
+                weight, bias = _linear_args(s.proj)
+            else:
+                weight, bias = s.proj.args[1], None
+            casts = [_cast_dtype(n) for n in s.chain if _cast_dtype(n) is not None]
+            cast = casts[-1] if casts else None  # the logits' dtype as the loss saw them
+            new = graph.call_function(chunked_cross_entropy, (h, weight, bias, s.target), {
+                "proj": s.kind, "chunks": min(chunks, s.rows), "ignore_index": s.ignore_index,
+                "reduction": s.reduction, "label_smoothing": s.label_smoothing, "dtype": cast})
+        new.meta.update({k: v for k, v in s.loss.meta.items() if k != "example_value"})
+        s.loss.replace_all_uses_with(new)
+        graph.erase_node(s.loss)
+        for n in reversed(s.chain):
+            if not n.users:
+                graph.erase_node(n)
+        if outputs == "loss":
+            out = graph.find_nodes(op="output")[0]
+            out.args = fx.node.map_arg(out.args, lambda a, p=s.proj: None if a is p else a)
+        if s.proj.users:
+            report.logits_kept += 1
+        else:
+            graph.erase_node(s.proj)
+        report.rewritten += 1
+    graph.lint()
+    gm.recompile()
+    return len(sites)
+
+
+@dataclass
+class LossOption:
+    """What `optimize(..., outputs=...)` asks of the loss region, and what the pass reported."""
+
+    outputs: str = "all"
+    chunks: int | None = None  # None: the planner chooses
+    reports: list[Report] = field(default_factory=list)  # one per dynamo graph seen
+
+    def pre_pass(self) -> Callable[[int, fx.GraphModule, list], None]:
+        """A capture pre-pass that rewrites each dynamo graph with this chunk count (1 before a choice)."""
+        self.reports = []
+
+        def apply(index: int, gm: fx.GraphModule, inputs: list) -> None:
+            report = Report()
+            self.reports.append(report)
+            rewrite(gm, self.chunks or 1, self.outputs, report)
+
+        return apply
+
+    @property
+    def found(self) -> bool:
+        return any(r.sites for r in self.reports)
+
+    def rows(self) -> int:
+        return max([r.rows for r in self.reports], default=0)
+
+
+def compose(*passes: Callable | None) -> Callable | None:
+    """One pre-pass running `passes` in order (None entries skipped); None if there are none."""
+    real = [p for p in passes if p is not None]
+    if not real:
+        return None
+    if len(real) == 1:
+        return real[0]
+
+    def run(index: int, gm: fx.GraphModule, inputs: list) -> None:
+        for p in real:
+            p(index, gm, inputs)
+
+    return run
+
+
+def candidates(rows: int) -> list[int]:
+    """The chunk counts worth planning for `rows` token rows (1 = not rewritten)."""
+    return [k for k in CANDIDATES if k == 1 or k <= rows]
+
+
+def choose(rows: int, try_one: Callable[[int], tuple[float, int] | None]) -> tuple[int, dict[int, str]]:
+    """The chunk count with the least predicted step time among those that fit the budget.
+
+    `try_one(k)` plans the step with k chunks and returns (predicted time in s, activation peak in
+    bytes), or None if no plan fits. Ties go to fewer chunks. Returns (k, a table of what each
+    candidate gave, for the plan). Raises LookupError if no candidate fits.
+    """
+    table: dict[int, str] = {}
+    best: tuple[float, int] | None = None
+    for k in candidates(rows):
+        got = try_one(k)
+        if got is None:
+            table[k] = "does not fit"
+            continue
+        time_s, peak = got
+        table[k] = f"fits, predicted {time_s * 1e3:.3f} ms, activation peak {peak} B"
+        if best is None or time_s < best[0]:
+            best = (time_s, k)
+    if best is None:
+        raise LookupError("no chunk count fits")
+    return best[1], table
+
+
+def describe(chunks: int, outputs: str, rows: int) -> str:
+    """The plan summary's line about the loss region."""
+    kept = "logits not returned (outputs='loss')" if outputs == "loss" else "logits output kept whole"
+    if chunks <= 1:
+        return f"loss not chunked (1 piece over {rows} token rows); {kept}"
+    size = -(-rows // chunks)
+    return f"loss chunked into {chunks} pieces of {size} token rows; {kept}"

@@ -1,0 +1,297 @@
+"""The loss region (autoremat.passes.loss_chunks, issue 13): the chunked projection + cross-entropy rewrite.
+
+Exactness against eager for the forms it recognises, patterns it must leave alone, and, through
+`optimize`, that outputs="loss" never allocates the full logits, that the memory model predicts the
+chunked step, and that the chunk count the planner chose is recorded, printed and re-applied.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import autoremat
+from autoremat.capture import aot_backend, compile_fresh, default_split
+from autoremat.measure import _allocation_deltas, measure_peak
+from autoremat.passes import loss_chunks as LC
+from autoremat.plan import Plan
+from examples.models import gpt2
+from tests.tolerances import assert_close_for
+
+
+class Head(nn.Module):
+    """A small trunk, a vocabulary projection and cross-entropy written in one of the recognised forms."""
+
+    def __init__(self, form: str, reduction: str = "mean", smoothing: float = 0.0, d: int = 16, vocab: int = 96,
+                 **ce) -> None:
+        super().__init__()
+        self.form, self.reduction, self.smoothing, self.ce = form, reduction, smoothing, ce
+        self.trunk = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=form != "matmul")
+        self.vocab = vocab
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))  # [B, T, d]
+        if self.form == "matmul":
+            logits = h @ self.head.weight.t()
+        else:
+            logits = self.head(h)
+        if self.form == "shift":  # the older HF causal-LM form: shift the logits, not the labels
+            logits, y = logits[..., :-1, :].contiguous(), y[..., 1:].contiguous()
+        if self.form == "ncl":  # classes in dim 1: not recognised
+            return F.cross_entropy(logits.transpose(1, 2), y, reduction=self.reduction, **self.ce)
+        return F.cross_entropy(logits.float().view(-1, self.vocab), y.reshape(-1), reduction=self.reduction,
+                               label_smoothing=self.smoothing, **self.ce)
+
+
+def inputs(vocab: int = 96, d: int = 16, batch: int = 3, seq: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, seq, d, generator=gen)
+    y = torch.randint(0, vocab, (batch, seq), generator=gen)
+    y[0, :4] = -100  # ignored rows, one whole chunk of them included
+    return x, y
+
+
+def compiled_with(model: nn.Module, chunks: int, outputs: str = "all") -> tuple:
+    report = LC.Report()
+    backend = aot_backend(default_split, pre_pass=lambda i, gm, ex: LC.rewrite(gm, chunks, outputs, report))
+    return compile_fresh(model, backend), report
+
+
+def loss_and_grads(fn, model: nn.Module, *args, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = fn(*args, **kwargs)
+    loss = out if isinstance(out, torch.Tensor) else out.loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def depth(rows: int, vocab: int, d: int) -> int:
+    """Roundings between the two computations: the log-sum over the vocabulary, the sum over token rows
+    (reordered by chunking), and the d-term dot products the gradient flows back through."""
+    return vocab + rows + 4 * d
+
+
+@pytest.mark.parametrize(("form", "reduction", "smoothing"), [
+    ("view", "mean", 0.0), ("view", "sum", 0.0), ("view", "mean", 0.1), ("view", "sum", 0.2),
+    ("matmul", "mean", 0.0), ("shift", "mean", 0.0), ("shift", "sum", 0.1)])
+def test_chunked_loss_matches_eager(form: str, reduction: str, smoothing: float) -> None:
+    torch.manual_seed(0)
+    model = Head(form, reduction, smoothing)
+    x, y = inputs()
+    ref_loss, ref_grads = loss_and_grads(model, model, x, y)
+    fn, report = compiled_with(model, chunks=4)
+    loss, grads = loss_and_grads(fn, model, x, y)
+    assert report.rewritten == 1, report
+    d = depth(x.shape[0] * x.shape[1], model.vocab, x.shape[-1])
+    assert_close_for(loss, ref_loss, depth=d)
+    for g, r in zip(grads, ref_grads):
+        assert_close_for(g, r, depth=d)
+
+
+@pytest.mark.parametrize("case", ["class weight", "reduction none", "classes in dim 1", "logits used twice"])
+def test_unrecognised_patterns_are_left_alone(case: str) -> None:
+    torch.manual_seed(0)
+    x, y = inputs()
+    if case == "class weight":
+        model = Head("view", weight=torch.rand(96))
+    elif case == "reduction none":
+        model = Head("view", reduction="none")
+    elif case == "classes in dim 1":
+        model = Head("ncl")
+    else:
+        class Twice(Head):
+            def forward(self, x, y):
+                logits = self.head(torch.tanh(self.trunk(x))).view(-1, self.vocab)
+                return F.cross_entropy(logits, y.view(-1)) + logits.square().mean()  # logits feed a second term
+        model = Twice("view")
+
+    def run(fn):
+        out = fn(x, y)
+        return (out.sum() if out.dim() else out).detach()
+
+    ref = run(model)
+    fn, report = compiled_with(model, chunks=4)
+    got = run(fn)
+    assert report.rewritten == 0 and report.sites == 0, report
+    assert report.skipped, "the cross_entropy call should be reported as not chunked, with the reason"
+    assert_close_for(got, ref, depth=2)  # the same graph, compiled: no reordering beyond the compiler's
+
+
+@pytest.mark.parametrize("outputs", ["all", "loss"])
+@pytest.mark.parametrize("sum_reduction", [False, True])
+def test_hf_gpt2_loss_and_gradients_exact(outputs: str, sum_reduction: bool) -> None:
+    """HF's ForCausalLM loss (labels padded with -100 and shifted; reduction "sum" over num_items_in_batch)."""
+    torch.manual_seed(0)
+    model, ex = gpt2(batch=2, seq=16, n_layer=2, n_embd=32, vocab=300, dropout=0.0)
+    ex["labels"] = ex["labels"].clone()
+    ex["labels"][0, :5] = -100
+    if sum_reduction:
+        ex["num_items_in_batch"] = (ex["labels"][:, 1:] != -100).sum()
+    ref_loss, ref_grads = loss_and_grads(model, model, **ex)
+    ref_logits = model(**ex).logits.detach()
+    fn, report = compiled_with(model, chunks=4, outputs=outputs)
+    loss, grads = loss_and_grads(fn, model, **ex)
+    assert report.rewritten == 1, report
+    d = depth(32, 300, 32 * 4 * 2)
+    assert_close_for(loss, ref_loss, depth=d)
+    for g, r in zip(grads, ref_grads):
+        assert_close_for(g, r, depth=d)
+    logits = fn(**ex).logits
+    if outputs == "loss":
+        assert logits is None
+    else:
+        assert_close_for(logits.detach(), ref_logits, depth=2)
+
+
+# Through optimize ----------------------------------------------------------------------------
+
+VOCAB, BATCH, SEQ, D = 8192, 2, 128, 32  # logits 8 MiB: well above the weight gradient (1 MiB) and a chunk
+
+
+def small_lm() -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    return gpt2(batch=BATCH, seq=SEQ, n_layer=2, n_embd=D, vocab=VOCAB, dropout=0.0)
+
+
+def logits_bytes() -> int:
+    return BATCH * SEQ * VOCAB * 4
+
+
+def largest_allocation(step) -> int:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return max(n for _, n in _allocation_deltas(prof, torch.device("cpu")))
+
+
+def floor_of(model: nn.Module, ex: dict, outputs: str) -> int:
+    with pytest.raises(autoremat.BudgetError) as info:
+        autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs=outputs)
+    return info.value.smallest_budget
+
+
+@pytest.fixture(scope="module")
+def at_floor():
+    """outputs="loss" planned at its smallest feasible budget, where chunking is what makes it fit."""
+    torch.set_num_threads(1)
+    model, ex = small_lm()
+    budget = floor_of(model, ex, "loss")
+    opt = autoremat.optimize(model, budget, ex, optimizer=None, outputs="loss")
+    return model, ex, opt, budget
+
+
+def step_of(fn, ex):
+    def step():
+        out = fn(**ex)
+        out.loss.backward()
+    return step
+
+
+def test_outputs_loss_never_allocates_the_logits(at_floor) -> None:
+    model, ex, opt, _ = at_floor
+    assert opt.plan.loss["chunks"] > 1, opt.plan.loss
+    step = step_of(opt, ex)
+    step()  # .grad buffers exist from here on, as on every later micro-step
+    assert largest_allocation(step) < logits_bytes() / 4
+    # The control: eager allocates the logits (and their log-softmax) whole, so the check above can fail.
+    eager = step_of(model, ex)
+    eager()
+    assert largest_allocation(eager) >= logits_bytes()
+
+
+def test_memory_model_predicts_the_chunked_step(at_floor) -> None:
+    model, ex, opt, budget = at_floor
+    step = step_of(opt, ex)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # the accumulation steady state the plan is made for
+    _, m = measure_peak(step, baseline_bytes=0)
+    predicted = opt.plan.activation_peak
+    assert abs(predicted - m.delta_peak_bytes) <= 0.05 * m.delta_peak_bytes, (predicted, m.delta_peak_bytes)
+    # Far below what the unchunked step needs: the planner's floor without the rewrite.
+    kept = LC.CANDIDATES
+    try:
+        LC.CANDIDATES = (1,)
+        unchunked = floor_of(model, ex, "all")  # the loss region as the model wrote it
+    finally:
+        LC.CANDIDATES = kept
+    assert budget < unchunked - 2 * logits_bytes()
+
+
+def test_plan_records_prints_and_reapplies_the_chunks(at_floor) -> None:
+    model, ex, opt, budget = at_floor
+    plan = opt.plan
+    k = plan.loss["chunks"]
+    assert f"loss chunked into {k} pieces" in plan.summary()
+    assert set(plan.loss["candidates"]) == {str(c) for c in LC.candidates(BATCH * SEQ)}
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    re = autoremat.optimize(copy.deepcopy(model), budget, ex, optimizer=None, plan=again)
+    assert re(**ex).logits is None  # outputs="loss" came with the plan
+    torch.testing.assert_close(re(**ex).loss, opt(**ex).loss, rtol=0, atol=0)
+
+
+def test_bad_outputs_value() -> None:
+    model, ex = gpt2(batch=1, seq=8, n_layer=1, n_embd=16, vocab=64)
+    with pytest.raises(ValueError, match="outputs must be 'all'.*or 'loss'"):
+        autoremat.optimize(model, "1GB", ex, outputs="logits")
+
+
+def test_chunked_after_the_bf16_rewrite() -> None:
+    """precision="bf16" casts the projection's inputs first (nodes without dynamo metadata): the pattern is
+    still found, the chunks' matmuls run in bf16 and the loss in fp32, as the unchunked bf16 graph does."""
+    from autoremat import precision as P
+
+    torch.manual_seed(0)
+    model = Head("view")
+    x, y = inputs()
+
+    def run(chunks: int) -> tuple[torch.Tensor, LC.Report]:
+        report = LC.Report()
+
+        def pre(i, gm, ex):
+            P.apply_dtypes(gm, {n: "bf16" for n in P.castable(gm)})
+            LC.rewrite(gm, chunks, "all", report)
+            for n in gm.graph.find_nodes(op="call_function", target=LC.chunked_cross_entropy):
+                weight = n.args[1]  # the projection's weight as the chunks read it: cast to bf16
+                assert weight.op == "call_method" and torch.bfloat16 in weight.args, weight.format_node()
+                assert n.kwargs["dtype"] == torch.float32  # the loss itself in fp32, as the model's .float()
+
+        torch._dynamo.reset()
+        fn = compile_fresh(model, aot_backend(default_split, pre_pass=pre))
+        return fn(x, y).detach(), report
+
+    ref, _ = run(1)
+    got, report = run(4)
+    assert report.rewritten == 1, report
+    assert got.dtype == torch.float32
+    assert_close_for(got, ref, depth=2, dtype=torch.bfloat16)
+
+
+def test_cli_outputs_loss_prints_the_chunks(tmp_path) -> None:
+    """`autoremat plan ... --outputs loss` at the smallest budget that fits says how the loss was chunked."""
+    import contextlib
+    import io
+    import re
+    from pathlib import Path
+
+    from autoremat.cli import main
+
+    target = f"{Path(__file__).resolve().parent.parent / 'examples' / 'models.py'}:gpt2"
+    common = [target, "--batch", str(BATCH), "--seq", str(SEQ), "--opt", f"vocab={VOCAB}", "--opt", f"n_embd={D}",
+              "--opt", "dropout=0.0", "--outputs", "loss", "--time-limit", "10"]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["plan", *common, "--budget", "1KB"]) == 1
+    floor = int(re.search(r"smallest budget that fits is .*? \((\d+) bytes\)", err.getvalue()).group(1))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["plan", *common, "--budget", str(floor), "--json", str(tmp_path / "plan.json")]) == 0
+    plan = Plan.load(tmp_path / "plan.json")
+    k = plan.loss["chunks"]
+    assert k > 1 and plan.loss["outputs"] == "loss"
+    assert f"loss chunked into {k} pieces of {-(-BATCH * SEQ // k)} token rows; logits not returned" in out.getvalue()
