@@ -242,6 +242,7 @@ def optimize(
     gap: float = DEFAULT_GAP,
     compiler: str = "eager",
     regions: bool = True,
+    release_grads: bool = True,
     verify: bool = True,
     world_size: int = 1,
     sharding: str = "none",
@@ -277,6 +278,11 @@ def optimize(
         `h.3`) as a graph of its own, so that its parameter gradients reach `.grad` as soon as its
         backward finishes instead of all at the end of one graph (a second set of gradients alive at
         once). False: one graph per dynamo graph.
+    release_grads: with regions, hand each weight gradient to `.grad` (through autograd's own
+        AccumulateGrad: hooks fire as in eager mode) as soon as it is computed, not when its block's
+        backward ends. `loss.backward()` and `backward(inputs=...)` work as usual; the exception is
+        `torch.autograd.grad` with respect to parameters, which raises a RuntimeError saying to pass
+        release_grads=False.
     verify: run one real step at planning time (state restored afterwards) and re-plan once if
         the measured peak is above the prediction. Skipped on the meta device.
     cache: False, True (plans kept in $AUTOREMAT_CACHE_DIR or ~/.cache/autoremat) or a directory:
@@ -318,13 +324,13 @@ def optimize(
         store = PlanCache.open(cache) if plan is None else None
         fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
                   "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
-                  "compiler": compiler, "regions": regions, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
+                  "compiler": compiler, "regions": regions, "release_grads": release_grads, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
                   **opts}
 
         def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
             return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
                                      kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
-                                     regions=regions, outputs=outputs)
+                                     regions=regions, release_grads=release_grads, outputs=outputs)
 
         build_here = builder(args, kwargs, ledger)
         if plan is not None:
@@ -333,7 +339,7 @@ def optimize(
             if plan.loss.get("chunks", 1) > 1 or plan.loss.get("outputs") == "loss":  # the loss region as planned
                 pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
             applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
-                                     pre_pass=pre, regions=regions, **opts)
+                                     pre_pass=pre, regions=regions, release_grads=release_grads, **opts)
             compiled = compile_and_trace(model, applier, compiler, args, kwargs)
             require_graphs(model, applier)
             traced = [p.fingerprint for p in applier.profiles]

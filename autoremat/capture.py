@@ -90,7 +90,7 @@ def _graph_device(gm: fx.GraphModule) -> str:
 
 
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
-                regions: bool = False) -> Callable:
+                regions: bool = False, release_grads: bool = True) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
@@ -112,7 +112,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
             replay_random_draws(joint)
         links = compiling["links"]
-        if links is not None and compiler == "eager":
+        if links is not None and compiler == "eager" and release_grads:
             compiling["released"] = release_gradients(joint, num_fwd_outputs,
                                                       set(static_lifetime_input_indices or []), links.shared)
         cg = CapturedGraph(

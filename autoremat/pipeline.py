@@ -19,7 +19,9 @@ import torch
 
 from autoremat import precision_plan
 from autoremat.cache import PlanCache
+from autoremat.decision import evaluate
 from autoremat.devices import get_device
+from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
@@ -51,7 +53,8 @@ AUTO_TOLERANCE_DIVISOR = 4
 
 
 def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
-           opts, compiler, args, kwargs, verify, where, fp32_ops, regions, outputs: str | None = None,
+           opts, compiler, args, kwargs, verify, where, fp32_ops, regions, release_grads: bool = True,
+           outputs: str | None = None,
            chunks: int | None = None) -> tuple[Plan, Any, CapturePlanner]:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
@@ -71,7 +74,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
             return store.load(key[-1])
 
     def make(lookup: Callable | None = None) -> CapturePlanner:
-        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=regions, **opts)
+        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=regions,
+                              release_grads=release_grads, **opts)
 
     planner = make(lookup)
     progress.info("capturing the training step")
@@ -83,10 +87,10 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         planner = make()
         compiled = compile_and_trace(model, planner, compiler, args, kwargs)
     require_graphs(model, planner)
-    if loss is not None and chunks is None and loss.found:
+    if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
         return choose_chunks(model, planner, loss, budget, dtypes, store, fields, ledger=ledger, dev=dev, opts=opts,
                              compiler=compiler, args=args, kwargs=kwargs, verify=verify, where=where,
-                             fp32_ops=fp32_ops, regions=regions)
+                             fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
     if planner.cached is not None:
         hit = check_cached(planner, budget, ledger, dev)
         if hit is not None:
@@ -118,6 +122,20 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     return plan, compiled, planner
 
 
+# Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
+# gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
+# change the plan much, and each candidate costs a trace and a solve: a 10-class head is left alone.
+LOSS_REGION_SHARE = 0.01
+
+
+def loss_region_matters(planner: CapturePlanner, loss: LossOption, granularity: int) -> bool:
+    """Whether the loss region is large enough for its chunk count to be worth planning."""
+    vocab = max(r.vocab for r in loss.reports)
+    region = 4 * loss.rows() * vocab * 4
+    _, timeline, _ = evaluate(planner.profiles, save_all(planner.profiles), granularity)
+    return region >= LOSS_REGION_SHARE * timeline.peak
+
+
 def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, dtypes, store, fields, **kw):
     """Plan the step at each candidate chunk count of the loss region; build the fastest that fits.
 
@@ -134,6 +152,7 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
             pre = compose(precision_plan.pre_pass(dtypes, kw["fp32_ops"]) if any(dtypes) else None,
                           LossOption(loss.outputs, k).pre_pass())
             planner = CapturePlanner(budget, device=kw["dev"], ledger=kw["ledger"], regions=kw["regions"],
+                                     release_grads=kw["release_grads"],
                                      pre_pass=pre, **kw["opts"])
             progress.info("planning the loss region in %d chunks", k)
             compile_and_trace(model, planner, kw["compiler"], kw["args"], kw["kwargs"])

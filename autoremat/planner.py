@@ -236,10 +236,12 @@ class CapturePlanner(Planner):
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
-                 pre_pass: Callable | None = None, regions: bool = True, **kwargs: Any) -> None:
+                 pre_pass: Callable | None = None, regions: bool = True, release_grads: bool = True,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.regions = regions  # one graph per repeated block (autoremat.regions)
+        self.release_grads = release_grads  # each weight gradient to .grad as soon as it exists (regions)
         self.lookup = lookup
         self.cached: Plan | None = None
         self.strict = True
@@ -321,7 +323,7 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
 
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
     compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
-                                                regions=planner.regions))
+                                                regions=planner.regions, release_grads=planner.release_grads))
     with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
         out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
     del out
@@ -346,6 +348,6 @@ def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kw
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
     applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
-                             regions=planner.regions, **opts)
+                             regions=planner.regions, release_grads=planner.release_grads, **opts)
     compiled = compile_and_trace(model, applier, compiler, args, kwargs)
     return plan, compiled, applier

@@ -34,6 +34,8 @@ from autoremat.torch_internals import (
     compile_submodules,
     copy_split_metadata,
     ddp_optimizer_active,
+    engine_will_run,
+    gradient_node,
     is_primal,
 )
 
@@ -153,7 +155,7 @@ _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @torch.fx.node.has_side_effect
-def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor, anchor: torch.Tensor) -> None:
     """Give one parameter's gradient to autograd now, in the middle of a region's backward.
 
     `torch.autograd.backward` on the parameter itself runs autograd's own AccumulateGrad node for
@@ -161,8 +163,23 @@ def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor) -> None:
     place, and tensor hooks, post-accumulate-grad hooks and node hooks (DDP's reducer) fire as in
     eager mode. The region then returns no gradient for the parameter: it was given its stand-in,
     which has no autograd edge, so AccumulateGrad runs once per backward.
+
+    Only when this backward accumulates into `.grad` at all: `anchor`, a parameter of the region
+    that kept its edge, says so (its AccumulateGrad runs in this backward). Under
+    `torch.autograd.grad(out, inputs)` or `backward(inputs=...)` without the parameters, the
+    gradient is dropped, as autograd would drop it, and `.grad` is left alone. Under
+    `torch.autograd.grad` with respect to the parameters this region's gradients would never reach
+    it (they have no edge): a clear error, not a silently missing gradient.
     """
-    torch.autograd.backward(_OWNER[stand_in], grad)
+    try:
+        accumulating = engine_will_run(gradient_node(anchor))
+    except RuntimeError as e:  # torch refuses the question while autograd.grad captures this parameter
+        raise RuntimeError(
+            "autoremat hands parameter gradients to .grad as soon as they are computed, so torch.autograd.grad "
+            "cannot return them; optimize(..., release_grads=False) returns them as autograd does (each "
+            "block's gradients are then alive together at the end of its backward)") from e
+    if accumulating:
+        torch.autograd.backward(_OWNER[stand_in], grad)
 
 
 def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[int], shared: set[int]) -> list[int]:
@@ -176,9 +193,10 @@ def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[i
     caller passes stand-ins for those parameters (`with_stand_ins`).
 
     Left as they are: parameters another region reads too (a tied embedding: eager mode sums its
-    gradients before one AccumulateGrad, and so must we); and in a region with no other input that
-    needs a gradient (the first block: its input is data), the smallest parameter, so that autograd
-    still differentiates the region at all.
+    gradients before one AccumulateGrad, and so must we); and the region's smallest parameter, the
+    anchor: it keeps its autograd edge, so that autograd differentiates the region even when no
+    other input needs a gradient (the first block: its input is data), and so that `accumulate_grad`
+    can tell whether this backward accumulates into `.grad`.
     """
     primals = [n for n in joint.graph.find_nodes(op="placeholder") if is_primal(n)]
     out = joint.graph.find_nodes(op="output")[0]
@@ -187,12 +205,11 @@ def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[i
     if len(grads) != len(primals):
         return []
     released = [i for i, g in enumerate(grads) if isinstance(g, fx.Node) and i in static and i not in shared]
-    if not any(isinstance(g, fx.Node) and i not in released for i, g in enumerate(grads)):
-        anchor = min(released, key=lambda i: primals[i].meta["val"].numel(), default=None)
-        released = [i for i in released if i != anchor]
+    anchor = min(released, key=lambda i: primals[i].meta["val"].numel(), default=None)
+    released = [i for i in released if i != anchor]
     for i in released:
         with joint.graph.inserting_after(grads[i]):
-            node = joint.graph.call_function(accumulate_grad, (primals[i], grads[i]))
+            node = joint.graph.call_function(accumulate_grad, (primals[i], grads[i], primals[anchor]))
         node.meta["val"] = None
         outs[num_fwd_outputs + i] = None
     out.args = (tuple(outs),)

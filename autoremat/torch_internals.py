@@ -58,6 +58,9 @@ Profiler and autograd engine:
                                end of the current backward
   WeakIdKeyDictionary          torch.utils.weak (undocumented): tensors as weak keys by identity, for
                                the parameter behind each stand-in a region is called with (regions)
+  engine_will_run, gradient_node   torch._C._will_engine_execute_node and
+                               torch.autograd.graph.get_gradient_edge: whether the running backward
+                               executes a parameter's AccumulateGrad (it accumulates into .grad)
 
 Not listed, and used in place: the FX node meta keys torch.fx documents and every FX pass reads
 ("val", "example_value", "nn_module_stack", "fwd_nn_module_stack", "from_node").
@@ -90,7 +93,7 @@ __all__ = [
     "inductor_compilers", "is_dynamo_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
     "queue_callback", "recompile_limit", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map", "unset_fake_temporarily",
-    "WeakIdKeyDictionary",
+    "WeakIdKeyDictionary", "engine_will_run", "gradient_node",
 ]
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -280,3 +283,13 @@ def allocation_events(prof: torch.profiler.profile) -> Iterator[tuple[int, int, 
 def queue_callback(callback: Callable[[], None]) -> None:
     """Run `callback` when the autograd engine finishes the backward it is running now."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def gradient_node(t: torch.Tensor) -> Any:
+    """The autograd node a gradient of `t` flows into: a leaf's AccumulateGrad."""
+    return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def engine_will_run(node: Any) -> bool:
+    """Whether the backward now running will execute `node` (only valid inside a backward)."""
+    return torch._C._will_engine_execute_node(node)

@@ -244,7 +244,8 @@ def test_bad_outputs_value() -> None:
 def test_chunked_after_the_bf16_rewrite() -> None:
     """precision="bf16" casts the projection's inputs first (nodes without dynamo metadata): the pattern is
     still found, the chunks' matmuls run in bf16 and the loss in fp32, as the unchunked bf16 graph does."""
-    from autoremat import precision as P
+    from autoremat.passes.dtypes import apply_dtypes
+    from autoremat.precision_measure import castable
 
     torch.manual_seed(0)
     model = Head("view")
@@ -254,7 +255,7 @@ def test_chunked_after_the_bf16_rewrite() -> None:
         report = LC.Report()
 
         def pre(i, gm, ex):
-            P.apply_dtypes(gm, {n: "bf16" for n in P.castable(gm)})
+            apply_dtypes(gm, {n: "bf16" for n in castable(gm)})
             LC.rewrite(gm, chunks, "all", report)
             for n in gm.graph.find_nodes(op="call_function", target=LC.chunked_cross_entropy):
                 weight = n.args[1]  # the projection's weight as the chunks read it: cast to bf16

@@ -109,6 +109,40 @@ def test_each_gradient_leaves_as_soon_as_it_is_computed():
     assert abs(peak - om.plan.activation_peak) <= 0.05 * peak, (peak, om.plan.activation_peak)
 
 
+def test_autograd_grad_with_respect_to_inputs_leaves_dot_grad_alone():
+    """Gradients are released into `.grad` only by a backward that accumulates there: torch.autograd.grad
+    with respect to the input (a gradient penalty) and backward(inputs=...) leave every `.grad` as it was."""
+    model, ex = _stack()
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    x = ex[0].clone().requires_grad_(True)
+    torch.manual_seed(1)
+    (gx,) = torch.autograd.grad(models.loss_of(om(x)), [x])
+    assert all(p.grad is None for p in model.parameters())
+    torch.manual_seed(1)
+    (ref,) = torch.autograd.grad(models.loss_of(model(x)), [x])
+    assert_close_for(gx, ref, depth=ex[0][..., 0].numel())
+    torch.manual_seed(1)
+    models.loss_of(om(x)).backward(inputs=[x])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_autograd_grad_with_respect_to_parameters_needs_release_grads_off():
+    model, ex = _stack()
+    params = list(model.parameters())
+    torch.manual_seed(1)
+    ref = torch.autograd.grad(models.loss_of(model(*ex)), params)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, release_grads=False)
+    torch.manual_seed(1)
+    got = torch.autograd.grad(models.loss_of(om(*ex)), params)
+    assert all(p.grad is None for p in params)
+    for g, r in zip(got, ref, strict=True):
+        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    released = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    with pytest.raises(RuntimeError, match=r"release_grads=False"):
+        torch.autograd.grad(models.loss_of(released(*ex)), params)
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("frac", [0.5, 0.0])
 def test_budgets_near_the_floor_hold_with_regions(frac):
     model, ex = _stack()
