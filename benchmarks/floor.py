@@ -1,7 +1,8 @@
 """The floor benchmark (issue #11, "Below checkpointing"): how little memory each method reaches, side by side.
 
 Models: a transformer stack, HF GPT-2, HF Llama, a BERT-style encoder with dropout (HF BertForMaskedLM), a
-ViT-style model (HF ViTForImageClassification) and a ResNet-shaped conv net with BatchNorm and dropout.
+ViT-style model (HF ViTForImageClassification), a ResNet-shaped conv net with BatchNorm and dropout, and HF GPT-2
+with a 32k vocabulary (issue #13: its loss region outweighs its blocks).
 Rows per model, each on its own deep copy of the same initial model:
   eager                  plain PyTorch, not compiled: the reference for time and gradients
   checkpoint             torch.utils.checkpoint (non-reentrant) on every block
@@ -48,6 +49,9 @@ from examples.models import gpt2, llama, transformer_stack
 MiB = 2**20
 SEED = peers.SEED
 PT_BUDGETS = (0.5, 0.1, 0.0)
+# Every row's step uses only the loss (the model's other outputs are dropped before the backward): autoremat is told
+# so, as a user would tell it (for the language models the logits are then never materialised whole).
+OUTPUTS = "loss"
 FLOOR_VS_CHECKPOINT = {"stack": 0.9, "gpt2": 0.9}  # issue #11: floor <= this x checkpoint's peak; others 1.0
 PREDICTION_TOLERANCE = 0.05  # issue #11: predicted peak within 5% of measured at the floor
 
@@ -125,6 +129,9 @@ SIZES = {  # name: (factory, --quick sizes, default sizes)
     "vit": (vit, dict(n_layer=2, hidden=128, heads=4, image=32, patch=8, batch=4),
             dict(n_layer=6, hidden=256, heads=4, image=64, patch=8, batch=8)),
     "resnet": (resnet, dict(channels=16, n_block=4, size=16, batch=4), dict(channels=32, n_block=8, size=32, batch=8)),
+    # issue #13: a GPT-2 whose loss region (a 32k vocabulary) outweighs its blocks
+    "gpt2-32k": (gpt2, dict(n_layer=2, n_embd=64, n_head=4, seq=64, batch=2, vocab=32768, dropout=0.1),
+                 dict(n_layer=2, n_embd=128, n_head=4, seq=128, batch=4, vocab=32768, dropout=0.1)),
 }
 
 
@@ -200,7 +207,7 @@ def smallest_budget(bench: peers.Bench) -> int:
     """BudgetError.smallest_budget of autoremat.optimize at budget=1."""
     torch._dynamo.reset()
     try:
-        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None)
+        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS)
     except autoremat.BudgetError as e:
         if e.smallest_budget is None:
             raise
@@ -215,11 +222,11 @@ def floor_row(bench: peers.Bench) -> dict:
         first = smallest_budget(bench)
     except Exception as e:  # noqa: BLE001 - reported in the row
         return dict(model=bench.cfg["name"], method="autoremat", setting="floor", **error_fields(e))
-    row = run_row(bench, "autoremat", "floor", peers.ar_build(first, bench.ex))
+    row = run_row(bench, "autoremat", "floor", peers.ar_build(first, bench.ex, OUTPUTS))
     if row["status"] == "infeasible" and row.get("smallest_budget"):
         # verification at planning time can move the floor up (a measured peak above the prediction): retry
         # once at the figure that BudgetError names, and record both
-        again = run_row(bench, "autoremat", "floor (retried)", peers.ar_build(row["smallest_budget"], bench.ex))
+        again = run_row(bench, "autoremat", "floor (retried)", peers.ar_build(row["smallest_budget"], bench.ex, OUTPUTS))
         again["retried_from"] = dict(budget=first, smallest_budget=row["smallest_budget"])
         return again
     return row
@@ -237,7 +244,7 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int) -> list[dict]:
     rows.append(floor_row(bench))
     ckpt = rows[1]
     if ckpt["status"] == "ok":
-        rows.append(run_row(bench, "autoremat", "@ checkpoint", peers.ar_build(ckpt["steady_peak"], bench.ex)))
+        rows.append(run_row(bench, "autoremat", "@ checkpoint", peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS)))
     else:
         rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
                          status="not run: the checkpoint row failed"))
@@ -356,7 +363,8 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
              f"changes: `{meta['git']['diff_stat'] or 'none'}`; wall {meta['wall_s']:.0f} s; load average "
              f"{meta['load_start']} at the start, {meta['load_end']} at the end (2 cores, shared with others' jobs).\n",
              "One step = forward + backward of one micro-batch, no optimizer (autoremat: `optimizer=None`, so every "
-             "row's total is parameters + gradients + inputs + the step's running peak). Peaks: "
+             "row's total is parameters + gradients + inputs + the step's running peak; `outputs='loss'`: the step "
+             "uses only the loss, in every row). Peaks: "
              "`autoremat.measure.measure_peak` (profiler), absolute, baseline = the row's model + inputs. "
              "*Steady*: a step after a warm-up step, every `.grad` already allocated. *First step*: `.grad` set to "
              f"None before it. Time: median over {meta['steps']} pairs of (row step / the eager step just before "
@@ -383,7 +391,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes")
     ap.add_argument("--steps", type=int, default=7, help="timed pairs per row (>= 4)")
-    ap.add_argument("--models", default="stack,gpt2,llama,bert,vit,resnet")
+    ap.add_argument("--models", default=",".join(SIZES))
     ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -392,7 +400,7 @@ def main() -> None:
     cfgs = [c for c in configs(a.quick) if c["name"] in wanted]
     unknown = set(wanted) - {c["name"] for c in cfgs}
     if unknown:
-        ap.error(f"unknown models {sorted(unknown)}; pick from stack,gpt2,llama,bert,vit,resnet")
+        ap.error(f"unknown models {sorted(unknown)}; pick from {','.join(SIZES)}")
     import transformers
 
     t0 = time.perf_counter()
