@@ -369,7 +369,7 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
              "*Steady*: a step after a warm-up step, every `.grad` already allocated. *First step*: `.grad` set to "
              f"None before it. Time: median over {meta['steps']} pairs of (row step / the eager step just before "
              "it); noise = half the interquartile range of those ratios (the eager row's is eager vs eager). Grad "
-             f"error: max over parameters of ||g - g_eager|| / ||g_eager||, first step, torch.manual_seed({SEED}) "
+             f"error: max over parameters of ||g - g_eager|| / max(||g_eager||, sqrt(eps) x the whole model's ||g_eager||) (a key bias's gradient is zero in exact arithmetic: rounding noise on both sides), first step, torch.manual_seed({SEED}) "
              "before it, dropout on. *vs checkpoint*: steady peak / checkpoint-every-block's steady peak.\n"]
     for cfg in cfgs:
         mine = [r for r in rows if r["model"] == cfg["name"]]
