@@ -215,7 +215,7 @@ def _solver_notes(decision: Decision) -> list[str]:
 def _unsupported_notes(profiles: list[GraphProfile]) -> list[str]:
     """Ops autoremat cannot recompute (custom, non-ATen): always saved. Say which, so nobody wonders."""
     ops = sorted({p.target for g in profiles for p in g.nodes.values()
-                  if p.recompute_ban.startswith(("custom op", "unsupported op"))})
+                  if p.kind == "forward" and p.recompute_ban.startswith(("custom op", "unsupported op"))})
     if not ops:
         return []
     return [f"{len(ops)} custom or unsupported op(s) are always saved, never recomputed: {', '.join(ops)}"]
