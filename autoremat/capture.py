@@ -109,12 +109,12 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         static_lifetime_input_indices: list[int] | None = None,
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        links = compiling["links"]
         if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
             replay_random_draws(joint)
-        links = compiling["links"]
-        if links is not None and compiler == "eager" and release_grads:
-            compiling["released"] = release_gradients(joint, num_fwd_outputs,
-                                                      set(static_lifetime_input_indices or []), links.shared)
+            if links is not None and release_grads:
+                compiling["released"] = release_gradients(joint, num_fwd_outputs,
+                                                          set(static_lifetime_input_indices or []), links.shared)
         cg = CapturedGraph(
             joint=joint,
             num_fwd_outputs=num_fwd_outputs,

@@ -142,7 +142,7 @@ def recompute_ban(node: fx.Node) -> str:
         return "collective: recomputing it would communicate again"
     if ns not in PURE_NAMESPACES:
         return f"custom op {t}: saved, never recomputed"
-    if torch.Tag.nondeterministic_seeded in t.tags:
+    if _is_random(t):
         return "random op: recomputing it would draw fresh randomness"
     if is_mutable_op(t):
         return "mutates an input"

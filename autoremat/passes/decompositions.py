@@ -22,8 +22,8 @@ from autoremat.torch_internals import OpOverload
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
     """Dropout as a random bool mask and a masked scale, so that the output can be recomputed.
 
-    The mask is the only random value (1 byte per element, always saved); the output becomes a
-    pure function of the input and the mask. On CPU this reproduces eager's dropout draw for draw:
+    The mask is the only random value (1 byte per element if saved; `rng_replay` lets the plan replay
+    its draw instead); the output becomes a pure function of the input and the mask. On CPU this reproduces eager's dropout draw for draw:
     eager fills a noise tensor laid out like the input (`bernoulli_`, in memory order), divides it
     by 1 - p and multiplies; we draw the mask in the input's memory order, then compute the same
     products (checked bit for bit, transposed inputs too; where eager's x * 0 gives -0.0 or NaN for
