@@ -89,6 +89,22 @@ MIN_PEAK_TIME_WEIGHT = 1e-3
 
 
 @dataclass
+class Alternative:
+    """This model is one of several alternative traces of the step inside one larger ILP (ilp_choice.py).
+
+    Its variables live in `prob` under `prefix`; `gate` in {0,1} says whether this trace is the one
+    run: every s_v, r_v (and dtype choice) is at most the gate and the needed rows read
+    s_v + r_v >= gate, so an unchosen trace saves and recomputes nothing, and each memory row reads
+    static * gate + (variable bytes) <= cap: exact for the chosen trace, 0 <= cap for the others.
+    """
+
+    prob: pulp.LpProblem
+    cap: pulp.LpVariable
+    gate: pulp.LpVariable
+    prefix: str
+
+
+@dataclass
 class IlpResult:
     """One solve of the model."""
 
@@ -101,7 +117,10 @@ class IlpModel:
     """The ILP for a list of graphs that run one after another in one step (see the module docstring)."""
 
     def __init__(self, graphs: list[GraphProfile], granularity: int, block_drag: bool, shared_blocks: bool = False,
-                 choices: list[DtypeChoices | None] | None = None, tolerance: float | None = None) -> None:
+                 choices: list[DtypeChoices | None] | None = None, tolerance: float | None = None,
+                 within: Alternative | None = None) -> None:
+        self.within = within
+        self.name = within.prefix if within else ""
         self.block_drag = block_drag
         self.shared_blocks = shared_blocks
         self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
@@ -115,7 +134,7 @@ class IlpModel:
 
     def _build(self, graphs: list[GraphProfile], granularity: int) -> None:
         self.graphs = graphs
-        self.prob = pulp.LpProblem("autoremat", pulp.LpMinimize)
+        self.prob = self.within.prob if self.within else pulp.LpProblem("autoremat", pulp.LpMinimize)
         self._chained = 0
         self.s: list[dict[str, pulp.LpVariable]] = []
         self.r: list[dict[str, pulp.LpVariable]] = []
@@ -163,12 +182,14 @@ class IlpModel:
             p = nodes[v]
             if v in twin:  # an identical block decides for it: its variables come below
                 continue
-            r[v] = pulp.LpVariable(f"r{gi}_{v}", cat="Binary")
+            r[v] = pulp.LpVariable(f"{self.name}r{gi}_{v}", cat="Binary")
             if p.recompute_ban:
                 r[v].upBound = 0
             if p.is_tuple:
+                if self.within:
+                    self.prob += r[v] <= self.within.gate
                 continue
-            s[v] = pulp.LpVariable(f"s{gi}_{v}", cat="Binary")
+            s[v] = pulp.LpVariable(f"{self.name}s{gi}_{v}", cat="Binary")
             if p.storage != v and base_size(g, v):
                 s[v].upBound = 0  # saving a view would hold its base: recompute the view instead
             self._choice_exclusive(s[v], r[v])
@@ -184,12 +205,13 @@ class IlpModel:
         return s, r
 
     def _choice_exclusive(self, s_v: pulp.LpVariable, r_v: pulp.LpVariable) -> None:
-        """choice: s_v + r_v <= 1 (a value is saved, recomputed, or neither)."""
-        self.prob += s_v + r_v <= 1
+        """choice: s_v + r_v <= 1 (a value is saved, recomputed, or neither); <= gate in an alternative."""
+        self.prob += s_v + r_v <= (self.within.gate if self.within else 1)
 
     def _choice_needed(self, s_v: pulp.LpVariable | None, r_v: pulp.LpVariable) -> None:
-        """choice: s_v + r_v >= 1 for a value the backward reads (a tuple has no s_v)."""
-        self.prob += (s_v if s_v is not None else 0) + r_v >= 1
+        """choice: s_v + r_v >= 1 for a value the backward reads (a tuple has no s_v); >= gate in an
+        alternative."""
+        self.prob += (s_v if s_v is not None else 0) + r_v >= (self.within.gate if self.within else 1)
 
     def _recompute_inputs(self, v: str, inputs, life: Lifetimes, s: dict, r: dict) -> None:
         """recompute inputs: r_v <= s_u + r_u; locality: r_u + r_v <= 1 where v would drag u earlier
@@ -208,11 +230,11 @@ class IlpModel:
         Also builds the error row's left side and the dtype terms of T."""
         low: dict[str, tuple] = {}
         for c, opts in sorted(choice.options.items()):
-            b = pulp.LpVariable(f"b{gi}_{c}", cat="Binary") if "bf16" in opts else None
-            f = pulp.LpVariable(f"f{gi}_{c}", cat="Binary") if "fp16" in opts else None
+            b = pulp.LpVariable(f"{self.name}b{gi}_{c}", cat="Binary") if "bf16" in opts else None
+            f = pulp.LpVariable(f"{self.name}f{gi}_{c}", cat="Binary") if "fp16" in opts else None
             is_low = (b if b is not None else 0) + (f if f is not None else 0)
-            if b is not None and f is not None:
-                self.prob += is_low <= 1
+            if (b is not None and f is not None) or self.within:
+                self.prob += is_low <= (self.within.gate if self.within else 1)
             low[c] = (b, f, is_low)
             self.err_expr += opts.get("bf16", 0.0) * (b if b is not None else 0)
             self.err_expr += opts.get("fp16", 0.0) * (f if f is not None else 0)
@@ -227,7 +249,7 @@ class IlpModel:
                 if len(own) == 1:
                     both[own] = low[next(iter(own))][2]
                 else:
-                    pi = pulp.LpVariable(f"pi{gi}_{len(both)}", lowBound=0, upBound=1)
+                    pi = pulp.LpVariable(f"{self.name}pi{gi}_{len(both)}", lowBound=0, upBound=1)
                     for c in sorted(own):
                         self.prob += pi <= low[c][2]
                     both[own] = pi
@@ -236,7 +258,7 @@ class IlpModel:
             half = size.get(v, 0) // 2
             for var, out, tag in ((s.get(v), saved_bytes, "sg"), (r.get(v), recomputed_bytes, "rh")):
                 if half and var is not None and v in out:
-                    prod = pulp.LpVariable(f"{tag}{gi}_{v}", lowBound=0, upBound=1)
+                    prod = pulp.LpVariable(f"{self.name}{tag}{gi}_{v}", lowBound=0, upBound=1)
                     self.prob += prod <= var
                     self.prob += prod <= pi
                     out[v] = out[v] - half * prod
@@ -341,12 +363,16 @@ class IlpModel:
     def _capacity(self) -> None:
         """Every row <= cap. One capacity variable carries the budget, so the model is built once and
         re-solved with other budgets (or minimised, for the smallest peak) by changing its bounds."""
-        self.cap = pulp.LpVariable("cap", lowBound=0)
+        self.cap = self.within.cap if self.within else pulp.LpVariable("cap", lowBound=0)
         self.floor = 0  # rows without decision variables: the least any plan can peak at
         for static, expr in self.rows:
-            if isinstance(expr, pulp.LpAffineExpression) and not expr.keys():
-                self.floor = max(self.floor, static + expr.constant)
-            else:
+            fixed = not isinstance(expr, pulp.LpAffineExpression) or not expr.keys()
+            if fixed:
+                static, expr = static + pulp.value(expr), pulp.LpAffineExpression()
+                self.floor = max(self.floor, static)
+            if self.within:  # an alternative's rows bind only when it is the trace chosen
+                self.prob += expr + static * self.within.gate <= self.cap
+            elif not fixed:
                 self.prob += expr + static <= self.cap
 
     def _running(self, acc: pulp.LpAffineExpression, delta: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
@@ -357,7 +383,7 @@ class IlpModel:
         """
         if not delta.keys():
             return acc + delta.constant if delta.constant else acc
-        m = pulp.LpVariable(f"m{self._chained}")
+        m = pulp.LpVariable(f"{self.name}m{self._chained}")
         self._chained += 1
         self.prob += m == acc + delta
         return pulp.LpAffineExpression(m)

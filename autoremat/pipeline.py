@@ -19,11 +19,9 @@ import torch
 
 from autoremat import precision_plan
 from autoremat.cache import PlanCache
-from autoremat.decision import evaluate
 from autoremat.devices import get_device
-from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger
-from autoremat.passes import loss_chunks
+from autoremat.loss_region import choose_chunks, loss_region_matters
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.plan import SLACK, BudgetError, Plan
 from autoremat.planner import (
@@ -88,7 +86,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         compiled = compile_and_trace(model, planner, compiler, args, kwargs)
     require_graphs(model, planner)
     if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
-        return choose_chunks(model, planner, loss, budget, dtypes, store, fields, ledger=ledger, dev=dev, opts=opts,
+        return choose_chunks(model, planner, loss, budget, dtypes, store, fields, build=build, ledger=ledger, dev=dev,
+                             opts=opts,
                              compiler=compiler, args=args, kwargs=kwargs, verify=verify, where=where,
                              fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
     if planner.cached is not None:
@@ -119,62 +118,6 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
     if store is not None and key:
         store.store(key[0], plan, fields)
-    return plan, compiled, planner
-
-
-# Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
-# gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
-# change the plan much, and each candidate costs a trace and a solve: a 10-class head is left alone.
-LOSS_REGION_SHARE = 0.01
-
-
-def loss_region_matters(planner: CapturePlanner, loss: LossOption, granularity: int) -> bool:
-    """Whether the loss region is large enough for its chunk count to be worth planning."""
-    vocab = max(r.vocab for r in loss.reports)
-    region = 4 * loss.rows() * vocab * 4
-    _, timeline, _ = evaluate(planner.profiles, save_all(planner.profiles), granularity)
-    return region >= LOSS_REGION_SHARE * timeline.peak
-
-
-def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, dtypes, store, fields, **kw):
-    """Plan the step at each candidate chunk count of the loss region; build the fastest that fits.
-
-    The candidates (loss_chunks.CANDIDATES; 1: as written, or one piece under outputs="loss") are each
-    traced and solved under the
-    budget; the predicted step time (every op once plus the ILP's recomputation) decides, fewer
-    chunks on a tie. If none fits, the BudgetError of the one with the smallest floor is raised.
-    """
-    refused: dict[int, BudgetError] = {}
-
-    def try_one(k: int) -> tuple[float, int] | None:
-        planner = traced
-        if k > 1:
-            pre = compose(precision_plan.pre_pass(dtypes, kw["fp32_ops"]) if any(dtypes) else None,
-                          LossOption(loss.outputs, k).pre_pass())
-            planner = CapturePlanner(budget, device=kw["dev"], ledger=kw["ledger"], regions=kw["regions"],
-                                     release_grads=kw["release_grads"],
-                                     pre_pass=pre, **kw["opts"])
-            progress.info("planning the loss region in %d chunks", k)
-            compile_and_trace(model, planner, kw["compiler"], kw["args"], kw["kwargs"])
-        try:
-            d = plan_graphs(planner.profiles, budget, kw["ledger"], kw["dev"], **kw["opts"])
-        except BudgetError as e:
-            refused[k] = e
-            progress.info("the loss region in %d chunk(s) does not fit; its floor is %s", k,
-                          format_bytes(e.smallest_budget) if e.smallest_budget else "unknown")
-            return None
-        return sum(p.time_s for g in planner.profiles for p in g.nodes.values()) + d.recompute_time_s, d.peak
-
-    try:
-        k, table = loss_chunks.choose(loss.rows(), try_one)
-    except LookupError:
-        k, e = min(refused.items(), key=lambda ke: (ke[1].smallest_budget or 2**62, ke[0]))
-        first, _, rest = str(e).partition("\n")
-        raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
-                          f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,
-                          e.smallest_budget) from None
-    plan, compiled, planner = build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=k, **kw)
-    plan.loss["candidates"] = {str(c): v for c, v in table.items()}
     return plan, compiled, planner
 
 

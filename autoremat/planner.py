@@ -196,7 +196,7 @@ def plan_graphs(
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
     budget = budget_or_memory(budget, device)
-    activations = budget - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars, held by no graph
+    activations = activation_budget(budget, ledger, device)
     try:
         if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
             smallest = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver,
@@ -206,6 +206,11 @@ def plan_graphs(
                      time_limit=time_limit, gap=gap)
     except Infeasible as e:
         raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
+
+
+def activation_budget(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
+    """What `budget` (None: the device's memory) leaves the graphs' activations after the ledger's fixed part."""
+    return budget_or_memory(budget, device) - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars
 
 
 @contextlib.contextmanager

@@ -27,11 +27,12 @@ import pulp
 from autoremat.decision import Decision, evaluate
 from autoremat.heuristics import block_mode_plans, checkpoint_blocks, greedy, save_all
 from autoremat.ilp import IlpModel, IlpResult
+from autoremat.ilp_choice import Choice, ChoiceModel
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
-           "choose_dtypes", "evaluate", "greedy", "save_all", "smallest_peak", "solve"]
+           "choose_dtypes", "choose_trace", "evaluate", "greedy", "save_all", "smallest_peak", "solve"]
 
 # Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
 # the same objective (benchmarks/solver_scale.py).
@@ -187,6 +188,30 @@ def solve(
     best.solve_time_s = time.perf_counter() - t0
     best.granularity = granularity
     return best
+
+
+def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_limit: float = 10.0,
+                 gap: float = DEFAULT_GAP) -> Choice:
+    """Solve the ILP over alternative traces of the step (ilp_choice.py) under `budget` bytes.
+
+    Its rows bound the exact simulator from above, so near the floor they may see no room that is
+    there: then, as `_solve_model` does, learn how pessimistic they are from the model's own
+    smallest-peak solution (its rows against the simulator's peak of the same plan) and retry once.
+    """
+    backend = _pick_solver(solver, time_limit, gap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        choice = model.solve(budget, backend)
+        if choice.chosen is not None:
+            return choice
+        low = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
+        if low.chosen is None:
+            return choice
+        graphs = model.models[low.chosen].graphs
+        offset = low.predicted_peak - evaluate(graphs, low.saved, model.granularity)[1].peak
+        if offset <= 0:
+            return choice
+        return model.solve(budget + offset, backend)
 
 
 def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None) -> Decision:

@@ -317,29 +317,6 @@ def candidates(rows: int) -> list[int]:
     return [k for k in CANDIDATES if k == 1 or k <= rows]
 
 
-def choose(rows: int, try_one: Callable[[int], tuple[float, int] | None]) -> tuple[int, dict[int, str]]:
-    """The chunk count with the least predicted step time among those that fit the budget.
-
-    `try_one(k)` plans the step with k chunks and returns (predicted time in s, activation peak in
-    bytes), or None if no plan fits. Ties go to fewer chunks. Returns (k, a table of what each
-    candidate gave, for the plan). Raises LookupError if no candidate fits.
-    """
-    table: dict[int, str] = {}
-    best: tuple[float, int] | None = None
-    for k in candidates(rows):
-        got = try_one(k)
-        if got is None:
-            table[k] = "does not fit"
-            continue
-        time_s, peak = got
-        table[k] = f"fits, predicted {time_s * 1e3:.3f} ms, activation peak {peak} B"
-        if best is None or time_s < best[0]:
-            best = (time_s, k)
-    if best is None:
-        raise LookupError("no chunk count fits")
-    return best[1], table
-
-
 def describe(chunks: int, outputs: str, rows: int) -> str:
     """The plan summary's line about the loss region."""
     kept = "logits not returned (outputs='loss')" if outputs == "loss" else "logits output kept whole"

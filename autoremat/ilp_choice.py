@@ -1,0 +1,102 @@
+"""One ILP over alternative traces of the same step: which trace to run, and its save/recompute plan.
+
+A graph rewrite that trades time for memory with a discrete knob (the loss region's chunk count,
+autoremat.passes.loss_chunks) gives one trace of the step per setting. Each trace k is an
+`ilp.IlpModel` of its own, built inside one shared problem as an `ilp.Alternative`:
+
+  z_k in {0,1},  sum_k z_k = 1                     exactly one trace runs
+  s_v, r_v <= z_k for v in trace k                 an unchosen trace saves and recomputes nothing
+  s_v + r_v >= z_k for v in N_k                    the chosen trace's backward has what it reads
+  static_t * z_k + (variable bytes)_t <= cap       every memory row of trace k (ilp.py's families)
+
+and the objective prices each trace's own compute time (its ops run once, T0_k) beside the
+recomputation the plan adds:
+
+  under a budget:   min (sum_k T0_k z_k + T) / T_all + TIE_BYTES * sum_v S_v / B_all
+  smallest peak:    min cap + MIN_PEAK_TIME_WEIGHT * (B_all / T_all) * (sum_k T0_k z_k + T)
+
+So more chunks (more, smaller projections) are chosen only where their memory buys back more
+recomputation time than they cost. The rows of each trace are those of `IlpModel` (conservative
+bounds of the exact simulator), so the caller plans the chosen trace in full afterwards
+(`solver.solve`: calibration against the simulator, the heuristics competing) and, if the
+simulator refuses it, asks this model again with that trace excluded.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import pulp
+
+from autoremat.ilp import MIN_PEAK_TIME_WEIGHT, TIE_BYTES, Alternative, IlpModel, quiet_stdout
+from autoremat.profile import GraphProfile
+
+
+@dataclass
+class Choice:
+    """One solve: the trace chosen (None without a solution) and what each trace's rows say."""
+
+    status: str
+    chosen: object | None = None
+    predicted_peak: float | None = None  # the chosen trace's largest row at the solution
+    predicted_time_s: float | None = None  # the chosen trace's ops once, plus the recomputation the plan adds
+    saved: list[set[str]] | None = None  # per graph of the chosen trace, the values the solution saves
+    floors: dict = field(default_factory=dict)  # per trace: its rows without variables (the least it can peak at)
+
+
+class ChoiceModel:
+    """The ILP over `alternatives` (key -> the graphs of that trace); see the module docstring."""
+
+    def __init__(self, alternatives: dict, granularity: int, block_drag: bool = True,
+                 shared_blocks: bool = True) -> None:
+        self.granularity = granularity
+        self.models: dict = {}
+        self.base_time: dict = {}  # T0_k: every op of trace k once
+        with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.prob = pulp.LpProblem("autoremat_choice", pulp.LpMinimize)
+            self.cap = pulp.LpVariable("cap", lowBound=0)
+            self.z = {k: pulp.LpVariable(f"z_{i}", cat="Binary") for i, k in enumerate(alternatives)}
+            self.prob += pulp.lpSum(self.z.values()) == 1
+            for i, (k, graphs) in enumerate(alternatives.items()):
+                within = Alternative(self.prob, self.cap, self.z[k], f"k{i}_")
+                self.models[k] = IlpModel(graphs, granularity, block_drag, shared_blocks, within=within)
+                self.base_time[k] = _compute_time(graphs)
+        self.time_expr = pulp.lpSum(t * self.z[k] for k, t in self.base_time.items()) + pulp.lpSum(
+            m.time_expr for m in self.models.values())
+        self.bytes_expr = pulp.lpSum(m.bytes_expr for m in self.models.values())
+        self.total_time = max(max(self.base_time.values()), 1e-12)
+        self.total_bytes = max(m.total_bytes for m in self.models.values())
+
+    def exclude(self, k) -> None:
+        """Trace k may not be chosen (the exact simulator refused its plan)."""
+        self.z[k].upBound = 0
+
+    def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False) -> Choice:
+        """The trace and plan of least predicted time under `budget` bytes (or, `min_peak`, the least peak)."""
+        floors = {k: m.floor for k, m in self.models.items()}
+        if not min_peak and all(floors[k] > budget or self.z[k].upBound == 0 for k in floors):
+            return Choice("infeasible", floors=floors)
+        if min_peak:
+            self.cap.lowBound, self.cap.upBound = 0, None
+            self.prob.setObjective(self.cap + MIN_PEAK_TIME_WEIGHT * self.total_bytes / self.total_time
+                                   * self.time_expr)
+        else:
+            self.cap.lowBound = self.cap.upBound = budget
+            self.prob.setObjective(self.time_expr / self.total_time + TIE_BYTES * self.bytes_expr / self.total_bytes)
+        with warnings.catch_warnings(), quiet_stdout():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.prob.solve(solver)
+        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            return Choice(pulp.LpStatus[self.prob.status].lower(), floors=floors)
+        status = "optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
+        chosen = max(self.z, key=lambda k: self.z[k].value() or 0)
+        rows = self.models[chosen].rows
+        peak = max((static + (pulp.value(expr) or 0) for static, expr in rows), default=0)
+        saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.models[chosen].s]
+        return Choice(status, chosen, peak, pulp.value(self.time_expr), saved, floors)
+
+
+def _compute_time(graphs: list[GraphProfile]) -> float:
+    return sum(p.time_s for g in graphs for p in g.nodes.values())
