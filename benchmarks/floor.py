@@ -16,7 +16,8 @@ predicted/measured (autoremat); the goals of issue #11 are computed from the row
 
     python benchmarks/floor.py --quick                # tiny sizes
     python benchmarks/floor.py                        # small but meaningful sizes
-    python benchmarks/floor.py --models stack,gpt2
+    python benchmarks/floor.py --models stack,gpt2 --merge   # rerun two models, keep the others' rows
+    python benchmarks/floor.py --models none --merge         # only the GPT-2 small meta rows
 
 Writes benchmarks/results/floor_cpu[_quick].md and .json (rewritten after each model).
 """
@@ -362,6 +363,8 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
              f"{meta['transformers']}, {meta['threads']} thread, repo {meta['git']['head']} with uncommitted "
              f"changes: `{meta['git']['diff_stat'] or 'none'}`; wall {meta['wall_s']:.0f} s; load average "
              f"{meta['load_start']} at the start, {meta['load_end']} at the end (2 cores, shared with others' jobs).\n",
+             *([f"Rows of models not rerun come from earlier runs; every command, in order: "
+                f"{'; '.join(f'`{c}`' for c in meta['commands'])}.\n"] if len(meta.get("commands", [])) > 1 else []),
              "One step = forward + backward of one micro-batch, no optimizer (autoremat: `optimizer=None`, so every "
              "row's total is parameters + gradients + inputs + the step's running peak; `outputs='loss'`: the step "
              "uses only the loss, in every row). Peaks: "
@@ -387,16 +390,36 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
     return "\n".join(parts)
 
 
+def lm_meta_section(rows: list[dict]) -> str:
+    """GPT-2 small at 8 x 1024 planned on meta for an H100: the loss region's floors (issue #13)."""
+    if not rows:
+        return ""
+    import loss_region
+
+    return ("\n## gpt2-small 8 x 1024, planned on meta for an H100 (fp32, AdamW; the loss region, issue #13)\n\n"
+            "No real step runs on meta: these are the planner's smallest feasible budgets (BudgetError.smallest_budget "
+            "of budget=1), each then planned at that budget. *chunking off*: the loss rewrite disabled "
+            "(loss_chunks.CANDIDATES = (1,)); *outputs=all*: the logits output kept; *outputs=loss*: only the loss "
+            "used. Rows from `benchmarks/loss_region.py`'s `meta_part`, run by this script.\n\n"
+            + loss_region.meta_table(rows) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes")
     ap.add_argument("--steps", type=int, default=7, help="timed pairs per row (>= 4)")
     ap.add_argument("--models", default=",".join(SIZES))
     ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of models not run now (and the GPT-2 small meta rows, unless run now) from "
+                         "the results file; the file lists every command its rows came from")
+    ap.add_argument("--no-lm-meta", action="store_true",
+                    help="skip GPT-2 small 8 x 1024 planned on meta for an H100 (the loss region's floors, issue #13)")
+    ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit per solve (the meta rows)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    wanted = a.models.split(",")
+    wanted = [] if a.models == "none" else a.models.split(",")
     cfgs = [c for c in configs(a.quick) if c["name"] in wanted]
     unknown = set(wanted) - {c["name"] for c in cfgs}
     if unknown:
@@ -414,14 +437,39 @@ def main() -> None:
     stem = out / f"floor_cpu{'_quick' if a.quick else ''}"
     rows: list[dict] = []
     all_goals: dict = {}
+    lm_meta: list[dict] = []
+    earlier = json.loads(stem.with_suffix(".json").read_text()) if a.merge and stem.with_suffix(".json").exists() \
+        else {}
+    before = earlier.get("meta", {})
+    before_commands = before.get("commands") or ([f"{before['command']} ({before['date']}, repo "
+                                                   f"{before['git']['head']})"] if before else [])
+    meta["commands"] = before_commands + [f"{meta['command']} ({meta['date']}, repo "
+                                                                        f"{meta['git']['head']})"]
+    kept = [c for c in configs(a.quick) if c["name"] not in wanted and c["name"] in earlier.get("goals", {})]
+    for c in kept:
+        rows += [r for r in earlier["rows"] if r["model"] == c["name"]]
+        all_goals[c["name"]] = earlier["goals"][c["name"]]
+
+    def write() -> str:
+        meta.update(wall_s=time.perf_counter() - t0, load_end=load_average())
+        ran = [c for c in configs(a.quick) if c["name"] in all_goals]
+        text = report(meta, ran, rows, all_goals) + lm_meta_section(lm_meta)
+        stem.with_suffix(".md").write_text(text)
+        stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, goals=all_goals, rows=rows, lm_meta=lm_meta),
+                                                        indent=1, default=str))
+        return text
+
     for cfg in cfgs:
         rows += bench_model(cfg, torch.device("cpu"), meta["steps"])
         all_goals[cfg["name"]] = goals(rows, cfg["name"])
-        meta.update(wall_s=time.perf_counter() - t0, load_end=load_average())
-        text = report(meta, [c for c in cfgs if c["name"] in all_goals], rows, all_goals)
-        stem.with_suffix(".md").write_text(text)
-        stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, goals=all_goals, rows=rows), indent=1,
-                                                        default=str))
+        text = write()
+    if a.quick or a.no_lm_meta:
+        lm_meta = earlier.get("lm_meta", [])
+    else:
+        import loss_region  # imports this module: only once it is loaded
+
+        lm_meta = loss_region.meta_part(a.time_limit)
+    text = write()
     print("\n" + text, flush=True)
     print(f"wrote {stem}.md and .json", flush=True)
 
