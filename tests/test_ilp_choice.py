@@ -88,12 +88,12 @@ def test_the_planner_lets_the_ilp_choose_the_chunk_count() -> None:
     torch.manual_seed(0)
     model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
     with pytest.raises(autoremat.BudgetError) as info:
-        autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs="loss")
+        autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs="loss", compiler="eager")
     floor = info.value.smallest_budget
     # Just above the floor: at the floor itself the ILP's rows (upper bounds of the simulator) may see
     # no room, and each count is then planned in full (a heuristic's plan is what reaches the floor).
-    tight = autoremat.optimize(copy.deepcopy(model), int(1.3 * floor), ex, optimizer=None, outputs="loss").plan.loss
-    roomy = autoremat.optimize(copy.deepcopy(model), "1GB", ex, optimizer=None, outputs="loss").plan.loss
+    tight, roomy = (autoremat.optimize(copy.deepcopy(model), b, ex, optimizer=None, outputs="loss",
+                                       compiler="eager").plan.loss for b in (int(1.3 * floor), "1GB"))
     assert tight["chosen_by"] == roomy["chosen_by"] == "ilp", (tight, roomy)
     assert tight["chunks"] > roomy["chunks"] == 1, (tight, roomy)
     assert "chosen by the ILP" in tight["candidates"][str(tight["chunks"])]
