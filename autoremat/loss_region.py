@@ -53,6 +53,8 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
         if k > 1:
             progress.info("tracing the loss region in %d chunks", k)
             traces[k] = _trace(model, loss, k, budget, dtypes, kw)
+    if len(traces) == 1:  # nothing to choose (too few token rows for a second count)
+        return build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=1, **kw)
     dev, opts = kw["dev"], kw["opts"]
     activations = activation_budget(budget, kw["ledger"], dev)
     ilp = ChoiceModel({k: t.profiles for k, t in traces.items()}, dev.alloc_granularity)
