@@ -52,6 +52,8 @@ def choose_compiler(compiler: str, device: torch.device | str) -> CompilerChoice
     if compiler != "auto":
         return CompilerChoice(compiler, compiler, "requested")
     kind = torch.device(device).type
+    if kind == "meta":  # planned, never run: nothing to compile for
+        return CompilerChoice("auto", "eager", "meta tensors are planned, not run")
     problem = inductor_problem(kind)
     if problem is None:
         return CompilerChoice("auto", "inductor", f"Inductor runs on {kind} here")
