@@ -55,6 +55,7 @@ class CapturedGraph:
     index: int  # order of this graph within the step (several when the model has graph breaks)
     device: str  # device of the traced tensors ("cpu", "cuda", "meta")
     links: RegionLinks | None = None  # for a region: how it connects to its neighbours (autoremat.regions)
+    compiler: str = "eager"  # what will run the partitioned graphs: "inductor" fuses pointwise ops (fusion.py)
 
 
 PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModule]]
@@ -143,6 +144,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
             index=next(counter),
             device=_graph_device(joint),
             links=compiling["links"],
+            compiler=compiler,
         )
         return on_joint(cg)
 

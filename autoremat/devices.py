@@ -58,6 +58,11 @@ class DeviceSpec:
             rate = self.flops[key]
         return max(flops / rate, bytes_moved / self.mem_bandwidth) + self.launch_overhead_s
 
+    def fused_op_time(self, flops: float, dtype: str | torch.dtype = "fp32") -> float:
+        """An elementwise op inlined into another kernel's loop: its arithmetic, no traffic, no launch."""
+        key = dtype_key(dtype)
+        return flops / self.flops["fp32" if self.kind == "cuda" else key]
+
 
 def dtype_key(dtype: str | torch.dtype) -> str:
     """Map a torch dtype or a short name onto a rate key of DeviceSpec.flops."""
