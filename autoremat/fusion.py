@@ -7,7 +7,7 @@ the plan never saves it: a saved value is a graph output, which Inductor must wr
   - its op is pointwise (torch.Tag.pointwise) and it may be recomputed (not random, no buffer read),
   - it is not an output of the joint graph (forward output or gradient),
   - every node that reads it, directly or through views of it, is itself pointwise or a reduction
-    (sum, mean, amax, ...): those become one loop with it. A matmul, a convolution or any op that
+    (sum, mean, amax, ...) or an indexed load (gather, index): those become one loop with it. A matmul, a convolution or any op that
     Inductor calls as a library kernel needs its input in memory;
   - it has at most `reads_threshold` readers: Inductor writes a value out once more kernels read it
     (torch._inductor.config.realize_reads_threshold, read through torch_internals).
@@ -24,9 +24,10 @@ import torch.fx as fx
 
 from autoremat.torch_internals import OpOverload, inductor_realize_reads_threshold
 
-# Reductions Inductor lowers as loops that their pointwise inputs fuse into.
-REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "var_mean", "std", "argmax", "argmin",
-                        "any", "all", "norm", "logsumexp"})
+# Reductions Inductor lowers as loops that their pointwise inputs fuse into, and indexed loads
+# (gather, index, embedding), whose data input is read element by element inside the loop.
+LOOP_OPS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "var_mean", "std", "argmax", "argmin",
+                      "any", "all", "norm", "logsumexp", "gather", "index", "index_select", "embedding"})
 
 
 def is_pointwise(n: fx.Node) -> bool:
@@ -38,7 +39,7 @@ def _loop_op(n: fx.Node) -> bool:
     if is_pointwise(n):
         return True
     return n.op == "call_function" and isinstance(n.target, OpOverload) and \
-        n.target.overloadpacket.__name__ in REDUCTIONS
+        n.target.overloadpacket.__name__ in LOOP_OPS
 
 
 def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], banned: set[str]) -> set[str]:
