@@ -334,3 +334,9 @@ def test_has_triton_agrees_with_importing_triton():
         assert isinstance(ti.has_triton(), bool)
         if torch.cuda.is_available():
             assert ti.has_triton()
+
+
+def test_inductor_realize_reads_threshold_is_a_small_positive_count():
+    import torch._inductor.config as inductor_config
+
+    assert ti.inductor_realize_reads_threshold() == inductor_config.realize_reads_threshold >= 1
