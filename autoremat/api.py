@@ -15,6 +15,7 @@ import functools
 import inspect
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ import torch
 
 from autoremat import precision_plan
 from autoremat.cache import PlanCache, precision_mode
+from autoremat.capture import COMPILE_CLOCK
+from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
@@ -240,7 +243,7 @@ def optimize(
     solver: str = "auto",
     time_limit: float = 10.0,
     gap: float = DEFAULT_GAP,
-    compiler: str = "eager",
+    compiler: str = "auto",
     regions: bool = True,
     release_grads: bool = True,
     verify: bool = True,
@@ -273,7 +276,10 @@ def optimize(
     solver, time_limit, gap: the ILP solver ("auto", "cbc", "highs"), its time limit in seconds per
         solve and its relative optimality gap. At the time limit the best plan found so far is used
         (plan.solver["status"] == "time_limit"); with none, a greedy or smallest-peak plan.
-    compiler: "eager" (FX graphs run as Python) or "inductor".
+    compiler: "auto" (default): Inductor where it runs (CUDA with Triton; CPU with a working C++
+        compiler, probed once per process), else "eager" with one warning saying why; "inductor";
+        or "eager" (the FX graphs run as Python, op by op: no compile time, no C compiler).
+        `plan.compiler` records the choice, the reason, and planning time with Inductor's share.
     regions: compile each repeated block (a transformer layer, a residual stage: module paths such as
         `h.3`) as a graph of its own, so that its parameter gradients reach `.grad` as soon as its
         backward finishes instead of all at the end of one graph (a second set of gradients alive at
@@ -302,6 +308,8 @@ def optimize(
     """
     budget_bytes = parse_budget(budget)
     _check_options(time_limit, gap, solver)
+    check_compiler(compiler)
+    started, compiling = time.perf_counter(), COMPILE_CLOCK.seconds
     if outputs not in OUTPUTS:
         raise ValueError(f"outputs must be 'all' (the model's outputs as it returns them) or 'loss' (only the loss "
                          f"is used: the logits output becomes None and is never materialised), got {outputs!r}")
@@ -312,6 +320,8 @@ def optimize(
         _check_signature(model, args, kwargs)
         where = _model_device(model, args, kwargs)
         _check_precision(precision, tolerance, fp32_ops, where)
+        choice = choose_compiler(compiler, where)
+        compiler = choice.used
         fp32_ops = tuple(fp32_ops)
         dev = get_device(device if device is not None else where)
 
@@ -355,14 +365,24 @@ def optimize(
             plan, compiled, planner = plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev,
                                                      opts, args, kwargs, where, fp32_ops, store, fields)
         planner.strict = False
+        _stamp(plan, choice, started, compiling)
         chosen = plan.precision.get("dtypes") or []
 
         def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
             """A new input shape: the whole pipeline again, with the dtypes already chosen."""
-            return builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
+            now, clock = time.perf_counter(), COMPILE_CLOCK.seconds
+            made = builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
+            _stamp(made[0], choice, now, clock)
+            return made
 
         return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,
                            progress=progress)
+
+
+def _stamp(plan: Plan, choice: CompilerChoice, started: float, compiling: float) -> None:
+    """The compiler chosen and why, and planning's wall time with the part Inductor's compilers took."""
+    plan.compiler = {**choice.to_dict(), "planning_s": round(time.perf_counter() - started, 3),
+                     "inductor_compile_s": round(COMPILE_CLOCK.seconds - compiling, 3)}
 
 
 def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:

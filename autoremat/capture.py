@@ -20,6 +20,7 @@ import copy
 import functools
 import itertools
 import os
+import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class CapturedGraph:
     index: int  # order of this graph within the step (several when the model has graph breaks)
     device: str  # device of the traced tensors ("cpu", "cuda", "meta")
     links: RegionLinks | None = None  # for a region: how it connects to its neighbours (autoremat.regions)
+    compiler: str = "eager"  # what will run the partitioned graphs: "inductor" fuses pointwise ops (fusion.py)
 
 
 PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModule]]
@@ -89,6 +91,26 @@ def _graph_device(gm: fx.GraphModule) -> str:
 
 
 
+class CompileClock:
+    """Seconds spent in Inductor's compilers in this process (the plan reports planning's share)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, compile_fn: Callable) -> Callable:
+        @functools.wraps(compile_fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return compile_fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return run
+
+
+COMPILE_CLOCK = CompileClock()
+
+
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
                 regions: bool = False, release_grads: bool = True) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
@@ -122,6 +144,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
             index=next(counter),
             device=_graph_device(joint),
             links=compiling["links"],
+            compiler=compiler,
         )
         return on_joint(cg)
 
@@ -132,8 +155,8 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         fw_compiler, bw_compiler, inductor_table = inductor_compilers()
         # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
         inner = aot_autograd(
-            fw_compiler=fw_compiler,
-            bw_compiler=bw_compiler,
+            fw_compiler=COMPILE_CLOCK.timed(fw_compiler),
+            bw_compiler=COMPILE_CLOCK.timed(bw_compiler),
             partition_fn=partition_fn,
             decompositions={**inductor_table, **DECOMPOSITIONS},
         )

@@ -182,7 +182,8 @@ def _optimize(model: Any, budget: int, inputs: Any, args: argparse.Namespace, de
     try:
         return autoremat.optimize(model, budget, inputs, optimizer=args.optimizer, device=device,
                                   solver=args.solver, time_limit=args.time_limit, world_size=args.world_size,
-                                  sharding=args.sharding, precision=args.precision, outputs=args.outputs)
+                                  sharding=args.sharding, precision=args.precision, outputs=args.outputs,
+                                  compiler=args.compiler)
     except ValueError as e:
         if "world_size" in str(e) or "sharding" in str(e):
             raise UsageError(str(e)) from e
@@ -306,6 +307,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--outputs", default="all", choices=("all", "loss"),
                    help="loss: only the loss is used, so the logits are never materialised whole (the model's "
                         "logits output becomes None); all (default): the logits output is kept")
+    p.add_argument("--compiler", default="auto", choices=("auto", "inductor", "eager"),
+                   help="auto (default): Inductor where it runs (CUDA with Triton, CPU with a C++ compiler), else "
+                        "eager; eager: the FX graphs run as Python (no compile time)")
     p.add_argument("--json", metavar="FILE", help="save the plan (re-apply it with autoremat.Plan.load)")
     p.add_argument("--plot", metavar="FILE", help="draw live memory over the step (.png or .svg)")
     p.add_argument("--pareto", metavar="FILE", help="re-solve at 8 budgets and draw overhead vs budget")

@@ -190,8 +190,10 @@ class IlpModel:
                     self.prob += r[v] <= self.within.gate
                 continue
             s[v] = pulp.LpVariable(f"{self.name}s{gi}_{v}", cat="Binary")
-            if p.storage != v and base_size(g, v):
-                s[v].upBound = 0  # saving a view would hold its base: recompute the view instead
+            if (p.storage != v and base_size(g, v)) or p.fused:
+                # saving a view would hold its base, saving a fused value would make Inductor write it
+                # out (fusion.py): recompute it instead
+                s[v].upBound = 0
             self._choice_exclusive(s[v], r[v])
         for v, t in twin.items():  # share the first identical block's decisions
             r[v] = r[t]

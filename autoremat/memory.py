@@ -126,6 +126,24 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
                 saved.add(root)
             elif nodes[v].recompute_ban:
                 saved.add(v)
+    # A fused value (Inductor inlines it: fusion.py) is never handed over: its inputs are, and the
+    # backward recomputes it inside the loop that reads it.
+    stack = [v for v in saved if nodes[v].fused]
+    seen: set[str] = set()
+    while stack:
+        v = stack.pop()
+        saved.discard(v)
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in nodes[v].inputs:
+            q = nodes[u]
+            if q.kind != "forward" or q.is_tuple or u in saved:
+                continue
+            if q.fused:
+                stack.append(u)
+            else:
+                saved.add(q.storage if q.storage and nodes[q.storage].kind == "forward" else u)
 
     recomputed: set[str] = set()
     needed_bw: set[str] = set()

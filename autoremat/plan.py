@@ -62,6 +62,9 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # the loss region (autoremat.passes.loss_chunks): chunks chosen, outputs, token rows, candidates tried
     loss: dict = field(default_factory=dict)
+    # compiler: requested, used ("eager"/"inductor"), reason, planning_s (wall time of optimize's planning,
+    # compiles included) and inductor_compile_s (the part spent in Inductor's compilers)
+    compiler: dict = field(default_factory=dict)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -105,6 +108,7 @@ class Plan:
             f"predicted recompute overhead {100 * self.overhead:.1f}% of the step "
             f"({self.recompute_time_s * 1e3:.3f} ms of {self.forward_time_s * 1e3:.3f} ms)",
             f"solver: {self.solver.get('path')} ({self._solver_details()})",
+            *self._compiler_lines(),
             "",
             ledger.format(),
             "",
@@ -116,6 +120,14 @@ class Plan:
         lines += self._precision_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _compiler_lines(self) -> list[str]:
+        c = self.compiler
+        if not c:
+            return []
+        why = f"; {c['reason']}" if c.get("requested") == "auto" else ""
+        return [f"compiler: {c.get('used')} (requested {c.get('requested')!r}{why}); planning took "
+                f"{c.get('planning_s', 0):.1f} s, {c.get('inductor_compile_s', 0):.1f} s of it in Inductor's compilers"]
 
     def _solver_details(self) -> str:
         # Heuristic paths name no solver, and plans saved by older versions may lack a field:

@@ -25,6 +25,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
+from autoremat.fusion import fused_nodes
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.rng_replay import is_draw, is_replay
 from autoremat.regions import accumulate_grad
@@ -64,6 +65,7 @@ class NodeProfile:
     is_tuple: bool = False  # a multi-output op; its getitem users own the storages
     tuple_out_bytes: int = 0  # for a multi-output op: its used outputs, which exist while it runs
     tuple_parent: str = ""  # for getitem nodes: the multi-output node
+    fused: bool = False  # Inductor inlines it into its readers: owns no bytes, never saved (fusion.py)
 
 
 @dataclass
@@ -276,6 +278,8 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         n.meta["autoremat"] = prof
         nodes[n.name] = prof
 
+    if cg.compiler == "inductor":
+        _mark_fused(gm, nodes, dev, {*fw_outputs, *grad_outputs})
     for prof in nodes.values():
         if prof.tuple_parent and prof.storage == prof.name:
             nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes
@@ -295,6 +299,16 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         notes=_constant_notes(gm),
         **_region_links(cg, primals, outs[: cg.num_fwd_outputs]),
     )
+
+
+def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
+    """Inductor's pointwise fusion: a fused node allocates nothing and costs its arithmetic only."""
+    aliases = {name: p.storage for name, p in nodes.items() if p.storage}
+    banned = {name for name, p in nodes.items() if p.recompute_ban}
+    for name in fused_nodes(gm, outputs, aliases, banned):
+        p = nodes[name]
+        p.fused, p.nbytes = True, 0
+        p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
 
 
 def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list) -> dict:

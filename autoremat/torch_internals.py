@@ -31,6 +31,11 @@ Dispatcher and ops:
                                hide the Python meta kernels of composite ops so meta traces decompose
                                like real devices (capture.meta_traces_like_real)
   inductor_compilers           torch._inductor.compile_fx.compile_fx_inner, decomposition.select_decomp_table
+  inductor_cpp_compiler        torch._inductor.cpp_builder.get_cpp_compiler: the C++ compiler Inductor's
+                               CPU backend would call (config.cpp.cxx, from $CXX); raises if none is found
+  has_triton                   torch.utils._triton.has_triton: Triton importable for this device
+  inductor_realize_reads_threshold  torch._inductor.config.realize_reads_threshold: how many readers
+                               a pointwise value may have before Inductor writes it out (fusion)
   C_NN_LINEAR                  torch._C._nn.linear: F.linear's builtin, as dynamo records it (precision)
   arg_tree_leaves, tree_leaves, torch.utils._pytree: flatten and map nested inputs and outputs (the
   tree_flatten, tree_map       output node's args, a step's arguments, a model's outputs)
@@ -90,7 +95,7 @@ __all__ = [
     "StorageWeakRef", "TANGENTS_BOXED", "TorchRuntimeError", "aot_autograd", "allocation_events",
     "composite_with_meta_kernel", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
     "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "extract_fwd_bwd_modules", "graph_break_reasons",
-    "inductor_compilers", "is_dynamo_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
+    "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_realize_reads_threshold", "is_dynamo_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
     "queue_callback", "recompile_limit", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map", "unset_fake_temporarily",
     "WeakIdKeyDictionary", "engine_will_run", "gradient_node",
@@ -189,6 +194,27 @@ def inductor_compilers() -> tuple[Callable, Callable, dict]:
     from torch._inductor.decomposition import select_decomp_table
 
     return compile_fx_inner, functools.partial(compile_fx_inner, is_backward=True), select_decomp_table()
+
+
+def inductor_cpp_compiler() -> str:
+    """The C++ compiler Inductor's CPU backend calls (a path or a name); raises when none is found."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    return get_cpp_compiler()
+
+
+def inductor_realize_reads_threshold() -> int:
+    """Readers of a pointwise value beyond which Inductor stores it instead of inlining it."""
+    from torch._inductor import config
+
+    return int(config.realize_reads_threshold)
+
+
+def has_triton() -> bool:
+    """Whether Triton imports and supports a device here (what Inductor's GPU backend needs)."""
+    from torch.utils._triton import has_triton as triton_here
+
+    return bool(triton_here())
 
 
 # -- fake tensors ------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ def main() -> None:
         t0 = time.perf_counter()
         model = copy.deepcopy(base)
         sample = {k: v[0] for k, v in batch(1, seq, vocab).items()}  # one example, no batch dimension
-        cfg = fit(model, budget, global_batch, sample, optimizer="adamw")
+        cfg = fit(model, budget, global_batch, sample, optimizer="adamw", compiler="eager")
         fit_s = time.perf_counter() - t0
         m = cfg.micro_batch
         measured = measured_total(cfg.model, m, seq, vocab, state_bytes)

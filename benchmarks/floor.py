@@ -208,7 +208,7 @@ def smallest_budget(bench: peers.Bench) -> int:
     """BudgetError.smallest_budget of autoremat.optimize at budget=1."""
     torch._dynamo.reset()
     try:
-        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS)
+        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS, compiler="eager")
     except autoremat.BudgetError as e:
         if e.smallest_budget is None:
             raise

@@ -179,7 +179,7 @@ def main() -> None:
             torch._dynamo.reset()
             t = time.perf_counter()
             om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None,
-                                    time_limit=a.time_limit, precision=precision)
+                                    time_limit=a.time_limit, precision=precision, compiler="eager")
             p = om.plan
             picked = [d for pick in p.precision.get("dtypes", []) for d in pick.values()]
             return om, dict(budget=int(budget), predicted_peak=p.predicted_peak, baseline_peak=p.baseline_peak,
@@ -199,7 +199,7 @@ def main() -> None:
     try:
         free(dev)
         autoremat.optimize(copy.deepcopy(pristine).to(dev), budget=1, example_inputs=ex, optimizer=None,
-                           time_limit=a.time_limit)
+                           time_limit=a.time_limit, compiler="eager")
     except autoremat.BudgetError as e:
         smallest = e.smallest_budget
     except Exception:  # noqa: BLE001

@@ -61,7 +61,7 @@ def ar_build(budget: int, ex, outputs: str, off: bool = False):
     def build(model):
         torch._dynamo.reset()
         with chunking_off() if off else contextlib.nullcontext():
-            om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs)
+            om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs, compiler="eager")
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     chunks=p.loss.get("chunks", 1), outputs=outputs, predicted_overhead=p.overhead)
@@ -80,7 +80,7 @@ def floor_budget(bench, outputs: str, off: bool = False) -> int:
     torch._dynamo.reset()
     with chunking_off() if off else contextlib.nullcontext():
         try:
-            autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=outputs)
+            autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=outputs, compiler="eager")
         except autoremat.BudgetError as e:
             return e.smallest_budget
     raise RuntimeError("budget=1 did not raise BudgetError")
@@ -126,13 +126,13 @@ def meta_part(time_limit: float) -> list[dict]:
             with torch.device("meta"):
                 model, inputs = gpt2_small(batch=8, seq=1024)
             try:
-                autoremat.optimize(model, 1, inputs, device="h100", time_limit=time_limit, outputs=outputs)
+                autoremat.optimize(model, 1, inputs, device="h100", time_limit=time_limit, outputs=outputs, compiler="eager")
             except autoremat.BudgetError as e:
                 row["smallest_budget"] = e.smallest_budget
             torch._dynamo.reset()
             try:
                 om = autoremat.optimize(model, row["smallest_budget"], inputs, device="h100", time_limit=time_limit,
-                                        outputs=outputs)
+                                        outputs=outputs, compiler="eager")
                 row.update(status="planned at the floor", predicted_peak=om.plan.predicted_peak,
                            chunks=om.plan.loss.get("chunks", 1), summary_line=_loss_line(om.plan))
             except autoremat.BudgetError as e:

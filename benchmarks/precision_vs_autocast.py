@@ -147,14 +147,14 @@ def predicted_reference_times(pristine, ex, dev_name: str, log) -> dict:
     out = {}
     torch._dynamo.reset()
     om = autoremat.optimize(copy.deepcopy(pristine), budget=HUGE, example_inputs=ex, optimizer=None,
-                            device=dev_name, verify=False)
+                            device=dev_name, verify=False, compiler="eager")
     out["fp32_eager_s"] = om.plan.forward_time_s
     out["fp32_recompute_s"] = om.plan.recompute_time_s
     out["fp32_no_recompute_predicted_peak"] = om.plan.predicted_peak
     del om
     torch._dynamo.reset()
     om = autoremat.optimize(copy.deepcopy(pristine), budget=HUGE, example_inputs=ex, optimizer=None,
-                            precision="bf16", device=dev_name, verify=False)
+                            precision="bf16", device=dev_name, verify=False, compiler="eager")
     out["bf16_no_recompute_s"] = om.plan.forward_time_s
     out["bf16_recompute_s"] = om.plan.recompute_time_s
     out["autocast_ckpt_s"] = om.plan.forward_time_s * CKPT_FACTOR
@@ -172,7 +172,7 @@ def autoremat_time_only(pristine, ex, budget: int, precision: str, dev_name: str
     torch._dynamo.reset()
     try:
         om = autoremat.optimize(copy.deepcopy(pristine), budget=budget, example_inputs=ex, optimizer=None,
-                                precision=precision, device=dev_name)
+                                precision=precision, device=dev_name, compiler="eager")
     except autoremat.BudgetError as e:
         return {"status": "does not fit", "smallest_budget": e.smallest_budget}
     except Exception as e:  # noqa: BLE001 - reported, not fatal
@@ -279,7 +279,7 @@ def autoremat_build(budget: int, ex: tuple, precision: str, plan_device: str):
     def build(model):
         torch._dynamo.reset()
         om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, precision=precision,
-                                device=plan_device)
+                                device=plan_device, compiler="eager")
         p = om.plan
         prec = p.precision or {}
         info = {"budget": budget, "plan_device": plan_device, "predicted_peak": p.predicted_peak,

@@ -240,7 +240,7 @@ def pt_build(b, args, kwargs):
 def ar_build(budget, ex, outputs: str = "all"):
     def build(model):
         torch._dynamo.reset()
-        om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs)
+        om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs, compiler="eager")
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     baseline_peak=p.baseline_peak, predicted_overhead=p.overhead, num_graphs=om.num_graphs,
@@ -255,12 +255,12 @@ def ar_limits(bench) -> dict:
     out = {}
     torch._dynamo.reset()
     try:
-        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None)
+        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, compiler="eager")
         raise RuntimeError("budget=1 did not raise BudgetError")
     except autoremat.BudgetError as e:
         out["smallest"] = e.smallest_budget
     torch._dynamo.reset()
-    om = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None)
+    om = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None, compiler="eager")
     p = om.plan
     fixed = p.ledger["parameters"] + p.ledger["gradients"] + p.ledger["optimizer_state"] + \
         p.ledger["master_weights"] + p.ledger["inputs"]

@@ -92,16 +92,19 @@ class MeasureStep(TrainerCallback):
             self.result, self.meter = self.meter.result, None
 
 
-def budget_between(model: torch.nn.Module, example: dict, fraction: float) -> tuple[int, int, int]:
+def budget_between(model: torch.nn.Module, example: dict, fraction: float,
+                   compiler: str = "auto") -> tuple[int, int, int]:
     """(budget, smallest budget that fits, step total with nothing recomputed): the budget sits at
     `fraction` of the way from the first to the second."""
     from autoremat.ledger import Ledger
 
-    big = autoremat.optimize(model, 10**12, example_inputs=example, verify=False, progress=False)
+    big = autoremat.optimize(model, 10**12, example_inputs=example, verify=False, progress=False,
+                             compiler=compiler)
     fixed = Ledger.from_dict(big.plan.ledger).fixed
     everything = fixed + big.plan.baseline_peak
     try:
-        autoremat.optimize(model, fixed + 1, example_inputs=example, verify=False, progress=False)
+        autoremat.optimize(model, fixed + 1, example_inputs=example, verify=False, progress=False,
+                             compiler=compiler)
         floor = fixed + 1
     except autoremat.BudgetError as e:
         floor = e.smallest_budget
@@ -118,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--budget-fraction", type=float, default=0.3,
                    help="budget between the smallest that fits (0) and no recomputation (1)")
+    p.add_argument("--compiler", default="auto", choices=("auto", "inductor", "eager"),
+                   help="what runs the planned graphs (autoremat.optimize's compiler)")
     p.add_argument("--output-dir", default=None, help="where the Trainer saves (default: a temporary folder)")
     args = p.parse_args(argv)
     if args.steps < 2:
@@ -135,14 +140,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     example = default_data_collator(train[:args.batch])
     # (a float tensor: the Trainer divides the count by the parallel group sizes)
     example["num_items_in_batch"] = example["labels"][..., 1:].ne(-100).sum() / 1
-    budget, floor, everything = budget_between(model, example, args.budget_fraction)
+    budget, floor, everything = budget_between(model, example, args.budget_fraction, args.compiler)
     fmt = autoremat.format_bytes
     print(f"GPT-2 from config: {sum(t.numel() for t in model.parameters()) / 1e6:.2f} M parameters, "
           f"{args.n_layer} layers, batch {args.batch} x {args.seq}")
     print(f"smallest budget that fits {fmt(floor)}, nothing recomputed {fmt(everything)}: budget {fmt(budget)}\n")
 
     t0 = time.perf_counter()
-    opt_model = autoremat.optimize(model, budget, example_inputs=example, optimizer="adamw")
+    opt_model = autoremat.optimize(model, budget, example_inputs=example, optimizer="adamw", compiler=args.compiler)
     print("\n".join(opt_model.plan.summary().splitlines()[:4]))
     print(f"(planned in {time.perf_counter() - t0:.1f} s)\n")
 

@@ -132,12 +132,12 @@ def plan_step(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optim
     t0 = time.perf_counter()
     if args.fit:
         sample = (train[:args.seq], train[1:args.seq + 1])  # one example: (input bytes, next bytes)
-        cfg = autoremat.fit(model, budget, args.batch, sample, optimizer=opt)
+        cfg = autoremat.fit(model, budget, args.batch, sample, optimizer=opt, compiler=args.compiler)
         print(cfg.report(), "\n")
         plan, micro, steps, opt_model = cfg.plan, cfg.micro_batch, cfg.accumulation_steps, cfg.model
     else:
         x, y = get_batch(train, args.batch, args.seq, torch.Generator().manual_seed(0))
-        opt_model = autoremat.optimize(model, budget, example_inputs=(x, y), optimizer=opt)
+        opt_model = autoremat.optimize(model, budget, example_inputs=(x, y), optimizer=opt, compiler=args.compiler)
         plan, micro, steps = opt_model.plan, args.batch, 1
     print("\n".join(plan.summary().splitlines()[:4]))
     print(f"(planned in {time.perf_counter() - t0:.1f} s)\n")
@@ -165,6 +165,8 @@ def main() -> None:
                    help="let autoremat.fit choose micro-batch and accumulation steps for --batch")
     p.add_argument("--corpus-mb", type=float, default=4.0)
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--compiler", default="auto", choices=("auto", "inductor", "eager"),
+                   help="what runs the planned graphs (autoremat.optimize's compiler)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     args = p.parse_args()
     for name in ("steps", "batch", "seq", "n_layer", "d", "n_head", "eval_every"):

@@ -9,14 +9,14 @@ from autoremat.ledger import Ledger
 def budget_range(model, example_inputs) -> tuple[int, int]:
     """(smallest budget that fits, the step's total with nothing recomputed). The first can exceed the second
     by the 1 KiB of slack a BudgetError adds when recomputation cannot lower the peak."""
-    big = autoremat.optimize(model, budget=10**12, example_inputs=example_inputs, verify=False)
+    big = autoremat.optimize(model, budget=10**12, example_inputs=example_inputs, verify=False, compiler="eager")
     fixed = Ledger.from_dict(big.plan.ledger).fixed
     hi = fixed + big.plan.baseline_peak
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=fixed + 1, example_inputs=example_inputs, verify=False)
+        autoremat.optimize(model, budget=fixed + 1, example_inputs=example_inputs, verify=False, compiler="eager")
     lo = err.value.smallest_budget
     try:  # the verified plan may reserve scratch the memory model missed: that raises the floor
-        autoremat.optimize(model, budget=lo, example_inputs=example_inputs)
+        autoremat.optimize(model, budget=lo, example_inputs=example_inputs, compiler="eager")
     except autoremat.BudgetError as verified:
         lo = verified.smallest_budget
     return lo, hi

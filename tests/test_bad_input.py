@@ -21,7 +21,7 @@ def _mlp():
 def test_malformed_budgets_name_the_accepted_forms(budget):
     model, ex = _mlp()
     with pytest.raises(ValueError, match="budget must be .*20GB"):
-        autoremat.optimize(model, budget=budget, example_inputs=ex)
+        autoremat.optimize(model, budget=budget, example_inputs=ex, compiler="eager")
 
 
 @pytest.mark.parametrize("opts, match", [
@@ -40,7 +40,7 @@ def test_malformed_solver_options(opts, match):
 def test_wrong_shape_says_inputs_do_not_fit_and_shows_the_original_error(capfd):
     model, _ = _mlp()
     with pytest.raises(ValueError) as err:
-        autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(8, 16),), verify=False)
+        autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(8, 16),), verify=False, compiler="eager")
     msg = str(err.value)
     assert msg.startswith("example_inputs do not fit the model: MLP cannot run on (Tensor[8, 16])")
     assert "must have same reduction dim" in msg  # the original error, not dynamo's explanation
@@ -52,13 +52,13 @@ def test_wrong_shape_says_inputs_do_not_fit_and_shows_the_original_error(capfd):
 def test_wrong_number_of_arguments(args):
     model, _ = _mlp()
     with pytest.raises(TypeError, match=r"example_inputs do not fit the model: MLP.forward\(x.*\) cannot take"):
-        autoremat.optimize(model, budget="1GB", example_inputs=args)
+        autoremat.optimize(model, budget="1GB", example_inputs=args, compiler="eager")
 
 
 def test_example_inputs_of_the_wrong_kind():
     model, _ = _mlp()
     with pytest.raises(TypeError, match="example_inputs must be a tensor"):
-        autoremat.optimize(model, budget="1GB", example_inputs=3)
+        autoremat.optimize(model, budget="1GB", example_inputs=3, compiler="eager")
 
 
 def _grads(model, fn, x):
@@ -92,7 +92,7 @@ class DataDependent(nn.Module):
 def test_data_dependent_control_flow_is_planned_per_graph_and_jointly():
     torch.manual_seed(0)
     model, x = DataDependent(), torch.randn(8, 16)
-    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,))
+    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), compiler="eager")
     assert om.num_graphs == 2
     assert any("2 graphs" in n and "planned jointly" in n for n in om.plan.notes), om.plan.notes
     _assert_same_grads(model, om, x)
@@ -118,7 +118,7 @@ def test_a_model_that_mutates_a_global_is_reported_and_not_resolved_each_call():
     torch.manual_seed(0)
     model, x = MutatesGlobal(), torch.randn(8, 16)
     before = STEPS
-    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,))
+    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), compiler="eager")
     assert STEPS > before  # the side effect happened (dynamo replays it)
     assert any("recompiled on its second call" in n for n in om.plan.notes), om.plan.notes
     _assert_same_grads(model, om, x)
@@ -154,14 +154,14 @@ class WithCustomOp(nn.Module):
 def test_custom_ops_are_saved_never_recomputed_and_listed_in_the_plan():
     torch.manual_seed(0)
     model, x = WithCustomOp(), torch.randn(64, 16)
-    small = autoremat.optimize(model, budget=10**9, example_inputs=(x,), verify=False)
+    small = autoremat.optimize(model, budget=10**9, example_inputs=(x,), verify=False, compiler="eager")
     gp = small._planner.profiles[0]
     banned = {n: p.recompute_ban for n, p in gp.nodes.items() if p.target.startswith("autoremat_test")}
     assert banned and all(r.startswith("custom op") for r in banned.values())
     fixed = autoremat.plan.Ledger.from_dict(small.plan.ledger).fixed
     with pytest.raises(autoremat.BudgetError) as err:  # the tightest budget: recompute all it may
-        autoremat.optimize(model, budget=fixed + 1, example_inputs=(x,), verify=False)
-    om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=(x,))
+        autoremat.optimize(model, budget=fixed + 1, example_inputs=(x,), verify=False, compiler="eager")
+    om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=(x,), compiler="eager")
     assert not set(banned) & set(om.plan.graphs[0].recomputed)
     assert any("autoremat_test.mysin.default" in n and "never recomputed" in n for n in om.plan.notes), om.plan.notes
     _assert_same_grads(model, om, x)
@@ -169,7 +169,7 @@ def test_custom_ops_are_saved_never_recomputed_and_listed_in_the_plan():
 
 def test_new_input_shapes_are_planned_once_each():
     model, ex = _mlp()
-    om = autoremat.optimize(model, budget="1GB", example_inputs=ex, verify=False)
+    om = autoremat.optimize(model, budget="1GB", example_inputs=ex, verify=False, compiler="eager")
     planned = len(om.plans)
     for batch in (4, 12, 4, 12, 8):
         _assert_same_grads(model, om, torch.randn(batch, 32))
@@ -178,8 +178,8 @@ def test_new_input_shapes_are_planned_once_each():
 
 def test_a_new_shape_that_does_not_fit_raises_budget_error_itself():
     model, ex = _mlp()
-    lo = autoremat.plan.Ledger.from_dict(autoremat.optimize(model, 10**9, ex, verify=False).plan.ledger).fixed
-    om = autoremat.optimize(model, budget=lo + 64 * 1024, example_inputs=ex, verify=False)
+    lo = autoremat.plan.Ledger.from_dict(autoremat.optimize(model, 10**9, ex, verify=False, compiler="eager").plan.ledger).fixed
+    om = autoremat.optimize(model, budget=lo + 64 * 1024, example_inputs=ex, verify=False, compiler="eager")
     with pytest.raises(autoremat.BudgetError, match="smallest budget that fits"):
         om(torch.randn(4096, 32)).backward()
 
@@ -188,7 +188,7 @@ def test_no_grad_and_eval_with_grad():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 1))
     x = torch.randn(8, 16)
-    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,))
+    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), compiler="eager")
     n = len(om.plans)
     with torch.no_grad():  # no backward: runs the model eagerly, nothing traced or planned
         torch.manual_seed(2)
@@ -206,7 +206,7 @@ def test_no_grad_and_eval_with_grad():
 def test_meta_device_plans_without_verification():
     model = models.TransformerStack(n_layer=2, d=32, n_head=4).to("meta")
     x = torch.empty(2, 16, 32, device="meta")
-    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,))
+    om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), compiler="eager")
     assert om.plan.graphs and om.plan.activation_peak > 0
     assert any("meta device" in n for n in om.plan.notes)
     assert not any(n.startswith("verified") for n in om.plan.notes)

@@ -28,11 +28,11 @@ def _no_solver(monkeypatch):
 
 def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
     model, ex = _model()
-    first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path)
+    first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
     assert first.plan.solver["path"] != "cache"
     assert len(list(tmp_path.glob("*.json"))) == 1
     _no_solver(monkeypatch)
-    second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path)
+    second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
     assert second.plan.solver["path"] == "cache"
     assert second.plan.solver["solved_by"] == first.plan.solver["path"]
     assert second.plan.graphs[0].saved == first.plan.graphs[0].saved
@@ -47,10 +47,10 @@ def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
 
 def test_key_covers_budget_and_options(tmp_path):
     model, ex = _model()
-    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False)
-    other = autoremat.optimize(model, budget="2GB", example_inputs=ex, cache=tmp_path, verify=False)
+    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
+    other = autoremat.optimize(model, budget="2GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
     assert other.plan.solver["path"] != "cache"
-    sgd = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, optimizer="sgd")
+    sgd = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, optimizer="sgd", compiler="eager")
     assert sgd.plan.solver["path"] != "cache"
     assert len(list(tmp_path.glob("*.json"))) == 3
 
@@ -58,9 +58,9 @@ def test_key_covers_budget_and_options(tmp_path):
 def test_env_var_sets_the_default_location(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOREMAT_CACHE_DIR", str(tmp_path / "c"))
     model, ex = _model()
-    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=True, verify=False)
+    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=True, verify=False, compiler="eager")
     assert len(list((tmp_path / "c").glob("*.json"))) == 1
-    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=False, verify=False)
+    autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=False, verify=False, compiler="eager")
     assert len(list((tmp_path / "c").glob("*.json"))) == 1
 
 
@@ -73,7 +73,7 @@ def _entry(tmp_path):
                                     "other_torch"])
 def test_damaged_entries_are_ignored_and_rewritten(tmp_path, damage):
     model, ex = _model()
-    good = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False).plan
+    good = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager").plan
     path = _entry(tmp_path)
     entry = json.loads(path.read_text())
     plan = entry["plan"]
@@ -95,28 +95,28 @@ def test_damaged_entries_are_ignored_and_rewritten(tmp_path, damage):
         path.write_text(json.dumps(entry))
     if damage == "too_big":  # make the lie matter: a budget the all-saved plan cannot meet
         return _too_big(tmp_path, model, ex, good)
-    again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False)
+    again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
     assert again.plan.solver["path"] != "cache"
     assert again.plan.graphs[0].saved == good.graphs[0].saved
     fresh = json.loads(_entry(tmp_path).read_text())  # rewritten with a good plan
     assert fresh["plan"]["graphs"][0]["saved"] == good.graphs[0].saved
     assert autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
-                              verify=False).plan.solver["path"] == "cache"
+                              verify=False, compiler="eager").plan.solver["path"] == "cache"
 
 
 def _too_big(tmp_path, model, ex, good):
     ledger = autoremat.plan.Ledger.from_dict(good.ledger)
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, verify=False)
+        autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, verify=False, compiler="eager")
     budget = (err.value.smallest_budget + ledger.fixed + good.baseline_peak) // 2  # forces recomputation
-    tight = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False).plan
+    tight = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False, compiler="eager").plan
     assert tight.graphs[0].recomputed
     path = max(tmp_path.glob("*.json"), key=lambda p: p.stat().st_mtime)
     entry = json.loads(path.read_text())
     entry["plan"]["graphs"][0]["saved"] = sorted(set(tight.graphs[0].saved) | set(tight.graphs[0].recomputed))
     entry["plan"]["graphs"][0]["recomputed"] = []
     path.write_text(json.dumps(entry))
-    again = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False)
+    again = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
     assert again.plan.solver["path"] != "cache"  # re-simulated: it would overshoot, so not trusted
     assert again.plan.graphs[0].saved == tight.graphs[0].saved
 
@@ -135,9 +135,9 @@ def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
 
     torch.manual_seed(0)
     model, x = DataDependent(), torch.randn(8, 16)
-    first = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path)
+    first = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
     _no_solver(monkeypatch)
-    second = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path)
+    second = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
     assert second.num_graphs == 2 and second.plan.solver["path"] == "cache"
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
 

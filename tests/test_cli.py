@@ -61,11 +61,12 @@ def work(tmp_path_factory) -> Path:
 def runs(work: Path) -> dict[str, Result]:
     commands = {
         "plan": ["plan", *SMALL, "--budget", "100MB", "--json", "plan.json", "--plot", "timeline.png",
-                 "--pareto", "pareto.svg"],
+                 "--pareto", "pareto.svg", "--compiler", "eager"],
         "ledger": ["ledger", "--params", "7B", "--param-dtype", "fp16", "--optimizer", "adamw"],
-        "infeasible": ["plan", *SMALL, "--budget", "1KB"],
+        "infeasible": ["plan", *SMALL, "--budget", "1KB", "--compiler", "eager"],
         "bad_budget_debug": ["plan", *SMALL, "--budget", "12XB", "--debug"],
-        "bf16": ["plan", *SMALL, "--budget", "100MB", "--precision", "bf16", "--json", "plan_bf16.json"],
+        "bf16": ["plan", *SMALL, "--budget", "100MB", "--precision", "bf16", "--json", "plan_bf16.json",
+                 "--compiler", "eager"],
     }
     procs = {name: start(args, work) for name, args in commands.items()}
     return {name: finish(p) for name, p in procs.items()}

@@ -151,7 +151,7 @@ def ddp_scenarios(rank: int, world: int, dropout: float, steps: int = 2) -> dict
     def optimize_then_ddp():
         # "Compile the inner module, then wrap" (the torch.compile docs' order): optimize, then DDP.
         m = copy.deepcopy(base)
-        om = autoremat.optimize(m, BUDGET, (x,), optimizer="adamw", world_size=world)
+        om = autoremat.optimize(m, BUDGET, (x,), optimizer="adamw", world_size=world, compiler="eager")
         res = _train(DDP(om), list(m.parameters()), x, rank, steps)
         return dict(diff=_max_diff(ref, res), losses=res["losses"], graphs=om.num_graphs,
                     planned=om.num_graphs, recomputed=_recomputed([om.plan]))
@@ -175,7 +175,7 @@ def ddp_scenarios(rank: int, world: int, dropout: float, steps: int = 2) -> dict
         dist._DEFAULT_FIRST_BUCKET_BYTES = int(BUCKET_MB * 1024 * 1024)
         m = copy.deepcopy(base)
         om = autoremat.optimize(DDP(m, bucket_cap_mb=BUCKET_MB), BUDGET, (x,), optimizer="adamw",
-                                world_size=world)
+                                world_size=world, compiler="eager")
         res = _train(om, list(m.parameters()), x, rank, steps)
         return dict(diff=_max_diff(ref, res), losses=res["losses"], graphs=om.num_graphs, planned=om.num_graphs,
                     recomputed=_recomputed([om.plan]), peak=om.plan.predicted_peak, budget=om.plan.budget)
@@ -206,7 +206,7 @@ def fsdp2_scenario(rank: int, world: int, mode: str, steps: int = 2) -> dict:
         fm = torch.compile(m, backend=be)
     else:
         fm = om = autoremat.optimize(m, FSDP_BUDGET, (_batch(x, rank, 0),), optimizer="adamw", world_size=world,
-                                     sharding="fsdp")
+                                     sharding="fsdp", compiler="eager")
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     diffs = []
     for step in range(steps):
@@ -398,7 +398,7 @@ def test_optimize_puts_the_per_rank_ledger_in_the_plan():
     torch.manual_seed(0)
     model, (x,) = transformer_stack(dropout=0.0, **MODEL)
     want = ledger_for_model(model, "adamw", inputs=((x,), {}), world_size=2, sharding="fsdp")
-    om = autoremat.optimize(model, FSDP_BUDGET, (x,), optimizer="adamw", world_size=2, sharding="fsdp")
+    om = autoremat.optimize(model, FSDP_BUDGET, (x,), optimizer="adamw", world_size=2, sharding="fsdp", compiler="eager")
     got = om.plan.ledger
     for key in ("parameters", "gradients", "optimizer_state", "master_weights", "inputs"):
         assert got[key] == getattr(want, key), key
@@ -415,7 +415,7 @@ def test_sharding_makes_a_tight_budget_fit():
     replicated = ledger_for_model(model, "adamw", inputs=((x,), {}))
     budget = replicated.fixed  # nothing left for activations unless something is sharded
     with pytest.raises(autoremat.BudgetError):
-        autoremat.optimize(model, budget, (x,), optimizer="adamw")
+        autoremat.optimize(model, budget, (x,), optimizer="adamw", compiler="eager")
     # 8 ranks: each holds an eighth of the states, plus one gathered block and its prefetched neighbour
-    om = autoremat.optimize(model, budget, (x,), optimizer="adamw", world_size=8, sharding="fsdp")
+    om = autoremat.optimize(model, budget, (x,), optimizer="adamw", world_size=8, sharding="fsdp", compiler="eager")
     assert om.plan.predicted_peak <= budget

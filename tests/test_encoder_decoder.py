@@ -48,7 +48,7 @@ def _check_budget(model: torch.nn.Module, inputs: dict, state: dict, ref_loss, r
                   budget: int) -> tuple[autoremat.Plan, int]:
     """Plan under `budget`, then: gradients equal eager's, the measured peak fits, the prediction is close."""
     model.load_state_dict(state)
-    om = autoremat.optimize(model, budget=budget, example_inputs=inputs)
+    om = autoremat.optimize(model, budget=budget, example_inputs=inputs, compiler="eager")
     model.load_state_dict(state)
     loss, grads = _grads(model, om, inputs)
     _assert_close(loss, ref_loss)
@@ -73,12 +73,12 @@ def test_t5_middle_budget():
     model, inputs = _t5()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref_loss, ref = _grads(model, model, inputs)
-    big = autoremat.optimize(model, budget=10**12, example_inputs=inputs, verify=False)
+    big = autoremat.optimize(model, budget=10**12, example_inputs=inputs, verify=False, compiler="eager")
     kinds = {p.kind for graph in big._planner.profiles for p in graph.nodes.values()}
     assert "constant" in kinds, "no lifted tensor constant reached the planner"
     fixed = Ledger.from_dict(big.plan.ledger).fixed
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=fixed + 1, example_inputs=inputs, verify=False)
+        autoremat.optimize(model, budget=fixed + 1, example_inputs=inputs, verify=False, compiler="eager")
     lo, hi = err.value.smallest_budget, fixed + big.plan.baseline_peak
     assert lo < hi, (lo, hi)  # else the middle budget would not make the plan recompute anything
     plan, _ = _check_budget(model, inputs, state, ref_loss, ref, (lo + hi) // 2)

@@ -40,7 +40,7 @@ def test_budgets_hold_and_gradients_are_exact(name):
     for frac in (1.0, 0.5, 0.1):
         budget = int(lo + frac * (hi - lo))
         model.load_state_dict(state)
-        om = autoremat.optimize(model, budget=budget, example_inputs=ex)
+        om = autoremat.optimize(model, budget=budget, example_inputs=ex, compiler="eager")
         model.load_state_dict(state)  # planning must not have moved buffers; reset anyway for the reference
         loss, grads = _grads(model, ex, om)
         assert_close_for(loss, ref_loss, depth=batch_depth(ex))
@@ -67,7 +67,7 @@ def test_dropout_is_never_recomputed_with_fresh_randomness():
     model, ex = models.transformer_stack(n_layer=2, d=64, seq=32, dropout=0.5)
     _, ref = _grads(model, ex, model)
     lo, hi = budget_range(model, ex)
-    om = autoremat.optimize(model, budget=lo + (hi - lo) // 20, example_inputs=ex)
+    om = autoremat.optimize(model, budget=lo + (hi - lo) // 20, example_inputs=ex, compiler="eager")
     assert om.plan.graphs[0].recomputed, "a tight budget should recompute something"
     _, grads = _grads(model, ex, om)
     for g, r in zip(grads, ref, strict=True):
@@ -95,7 +95,7 @@ def test_batchnorm_running_stats_update_once_per_step():
     model, ex = models.convnet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lo, hi = budget_range(model, ex)
-    om = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex)
+    om = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex, compiler="eager")
     for k, v in model.state_dict().items():  # planning left no trace
         torch.testing.assert_close(v, before[k])
     _call(om, ex).backward()
@@ -117,7 +117,7 @@ def test_batchnorm_outputs_are_recomputed_exactly_and_stats_update_once():
     eager.load_state_dict(before)
     lo, _ = budget_range(model, ex)
     model.load_state_dict(before)
-    om = autoremat.optimize(model, budget=lo, example_inputs=ex)
+    om = autoremat.optimize(model, budget=lo, example_inputs=ex, compiler="eager")
     recomputed = {n for g in om.plan.graphs for n in g.recomputed}
     assert any(n.startswith("_native_batch_norm_legit_functional") for n in recomputed), sorted(recomputed)[:20]
     model.load_state_dict(before)
@@ -138,7 +138,7 @@ def test_frozen_parameters_get_no_gradient():
     for p in model.blocks[0].parameters():
         p.requires_grad_(False)
     _, ref = _grads(model, ex, model)
-    om = autoremat.optimize(model, budget=10**12, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**12, example_inputs=ex, compiler="eager")
     _, grads = _grads(model, ex, om)
     assert all(p.grad is None for p in model.blocks[0].parameters())
     for g, r in zip(grads, ref, strict=True):
@@ -160,7 +160,7 @@ def test_graph_breaks_are_planned_jointly():
     model = Broken()
     ex = (torch.randn(8, 32),)
     _, ref = _grads(model, ex, model)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     assert om.num_graphs == 2
     assert any("jointly" in n for n in om.plan.notes)
     _, grads = _grads(model, ex, om)
@@ -171,29 +171,29 @@ def test_graph_breaks_are_planned_jointly():
 def test_budget_errors_name_the_smallest_budget():
     model, ex = models.mlp(batch=8, width=32, depth=2)
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget="1KB", example_inputs=ex)
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, compiler="eager")
     assert err.value.smallest_budget > 1000
     assert "smallest budget that fits" in str(err.value) and "parameters" in str(err.value)
-    om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex)
+    om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex, compiler="eager")
     assert om.plan.predicted_peak <= err.value.smallest_budget
     with pytest.raises(ValueError, match="20GB"):
-        autoremat.optimize(model, budget="20 gb", example_inputs=ex)
+        autoremat.optimize(model, budget="20 gb", example_inputs=ex, compiler="eager")
 
 
 def test_plan_round_trips_and_reapplies(tmp_path):
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=64, seq=16)
     lo, hi = budget_range(model, ex)
-    om = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex)
+    om = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex, compiler="eager")
     path = tmp_path / "plan.json"
     om.plan.save(path)
     loaded = autoremat.Plan.load(path)
     assert loaded == om.plan
-    again = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex, plan=loaded)
+    again = autoremat.optimize(model, budget=(lo + hi) // 2, example_inputs=ex, plan=loaded, compiler="eager")
     assert again.plan.graphs[0].saved == om.plan.graphs[0].saved
     other, other_ex = models.transformer_stack(n_layer=3, d=64, seq=16)
     with pytest.raises(autoremat.PlanMismatch, match="traced to graph"):
-        autoremat.optimize(other, budget=10**12, example_inputs=other_ex, plan=loaded)
+        autoremat.optimize(other, budget=10**12, example_inputs=other_ex, plan=loaded, compiler="eager")
 
 
 def test_backend_face():
@@ -211,7 +211,7 @@ def test_backend_face():
 
 def test_no_grad_runs_eagerly_without_planning_again():
     model, ex = models.mlp(batch=8, width=32, depth=2)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     n = len(om._planner.profiles)
     with torch.no_grad():
         torch.testing.assert_close(om(*ex), model(*ex))

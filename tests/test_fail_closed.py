@@ -71,7 +71,7 @@ def _x(batch: int = 32, d: int = 64) -> torch.Tensor:
 
 def _floor(model: nn.Module, x: torch.Tensor) -> int:
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget="1KB", example_inputs=(x,), verify=False)
+        autoremat.optimize(model, budget="1KB", example_inputs=(x,), verify=False, compiler="eager")
     return err.value.smallest_budget
 
 
@@ -104,7 +104,7 @@ def test_graph_breaks_near_the_floor_hold_the_budget():
     torch.manual_seed(0)
     model, x = Broken(), _x()
     budget = int(_floor(model, x) * NEAR)
-    om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,), compiler="eager")
     assert om.num_graphs >= 3  # three pieces between the breaks, each cut further into its blocks
     assert any(n.startswith("verified on one real step") for n in om.plan.notes), om.plan.notes
     assert om.plan.predicted_peak <= budget
@@ -117,9 +117,9 @@ def test_eager_code_between_graphs_is_measured_and_replanned():
     is made again with them reserved, and the re-planned step fits."""
     torch.manual_seed(0)
     model, x = EagerBetween(), _x()
-    roomy = autoremat.optimize(model, budget=10**12, example_inputs=(x,), verify=False).plan
+    roomy = autoremat.optimize(model, budget=10**12, example_inputs=(x,), verify=False, compiler="eager").plan
     budget = roomy.predicted_peak + 1024  # saving everything is predicted to fit, and is the fastest plan
-    om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,), compiler="eager")
     assert any(n.startswith("re-planned with") for n in om.plan.notes), om.plan.notes
     assert _steady_total(om, model, x, om.plan) <= budget
     _assert_same_grads(model, om, x)
@@ -130,20 +130,20 @@ def test_eager_code_that_cannot_fit_raises_instead_of_running_over():
     model, x = EagerBetween(), _x()
     floor = _floor(model, x)  # the graphs' floor: the gate's hidden 256 KiB cannot fit on top of it
     with pytest.raises(autoremat.BudgetError, match="not met on a real step|smallest budget that fits"):
-        autoremat.optimize(model, budget=floor, example_inputs=(x,))
+        autoremat.optimize(model, budget=floor, example_inputs=(x,), compiler="eager")
 
 
 def test_a_forward_dynamo_cannot_capture_is_refused():
     model, x = LoopBreak(), _x()
     with pytest.raises(autoremat.CaptureError, match="captured no graph"):
-        autoremat.optimize(model, budget="1GB", example_inputs=(x,))
+        autoremat.optimize(model, budget="1GB", example_inputs=(x,), compiler="eager")
 
 
 def test_a_second_batch_size_is_planned_verified_and_held_to_the_budget():
     torch.manual_seed(0)
     model, x = Broken(), _x(batch=32)
     budget = int(_floor(model, x) * NEAR)
-    om = autoremat.optimize(model, budget=budget, example_inputs=(x,))
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,), compiler="eager")
     small = _x(batch=24)  # the last, smaller batch of an epoch
     _assert_same_grads(model, om, small)
     assert len(om.plans) == 2
@@ -158,7 +158,7 @@ def test_a_second_batch_size_is_planned_verified_and_held_to_the_budget():
 def test_a_larger_batch_that_cannot_fit_raises():
     torch.manual_seed(0)
     model, x = Broken(), _x(batch=32)
-    om = autoremat.optimize(model, budget=int(_floor(model, x) * NEAR), example_inputs=(x,))
+    om = autoremat.optimize(model, budget=int(_floor(model, x) * NEAR), example_inputs=(x,), compiler="eager")
     with pytest.raises(autoremat.BudgetError, match="smallest budget that fits"):
         om(_x(batch=256)).backward()
 
@@ -173,7 +173,7 @@ def test_many_shapes_warn_once_past_the_recompile_limit(caplog):
 def _many_shapes(caplog) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Block(16), nn.Tanh())
-    om = autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(2, 16),), verify=False)
+    om = autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(2, 16),), verify=False, compiler="eager")
     with caplog.at_level(logging.WARNING, logger="autoremat"):
         for batch in (3, 4, 5, 3):
             x = torch.randn(batch, 16)

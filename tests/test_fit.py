@@ -48,11 +48,11 @@ def _grad_depth(model: Net, batch: int) -> int:
 
 def _tight_budget(model: nn.Module, sample, optimizer) -> int:
     """A budget where the whole global batch cannot be one step but half of it can, with recompute."""
-    roomy = fit(model, 10**12, GLOBAL, sample, optimizer=optimizer, verify=False)
+    roomy = fit(model, 10**12, GLOBAL, sample, optimizer=optimizer, verify=False, compiler="eager")
     assert roomy.micro_batch == GLOBAL  # with room to spare, one step is the fastest
     half = next(c for c in roomy.candidates if c.micro_batch == GLOBAL // 2)
     with pytest.raises(autoremat.BudgetError) as full:  # the least the whole batch needs, recomputing all it may
-        autoremat.optimize(model, budget=1, example_inputs=_data(GLOBAL)[0], optimizer=optimizer, verify=False)
+        autoremat.optimize(model, budget=1, example_inputs=_data(GLOBAL)[0], optimizer=optimizer, verify=False, compiler="eager")
     # Below both: half the batch must recompute a little, and the full batch cannot fit at all.
     return min(half.no_recompute_peak, full.value.smallest_budget) - 1
 
@@ -71,7 +71,7 @@ def test_accumulated_steps_equal_one_full_batch_step(tight):
     eager = copy.deepcopy(model)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
     x, y = _data(GLOBAL)
-    cfg = fit(model, budget, GLOBAL, x[0], optimizer=opt)
+    cfg = fit(model, budget, GLOBAL, x[0], optimizer=opt, compiler="eager")
 
     assert cfg.accumulation_steps > 1 and cfg.micro_batch * cfg.accumulation_steps == GLOBAL
     assert cfg.plan.recompute_time_s > 0, "the tight budget should make the chosen plan recompute"
@@ -111,7 +111,7 @@ def test_accumulated_steps_equal_one_full_batch_step(tight):
 
 def test_last_smaller_batch_is_planned_once_and_exact(tight):
     model, opt, budget = tight
-    cfg = fit(model, budget, GLOBAL, _data(1)[0][0], optimizer=opt)
+    cfg = fit(model, budget, GLOBAL, _data(1)[0][0], optimizer=opt, compiler="eager")
     assert cfg.micro_batch > 1
     x, y = _data(3 * cfg.micro_batch + 1, seed=1)  # a dataset that does not divide: last batch of 1
     profiles = len(cfg.model.plans)
@@ -134,7 +134,7 @@ def test_last_smaller_batch_is_planned_once_and_exact(tight):
 
 def test_report_lists_every_candidate(tight):
     model, opt, budget = tight
-    cfg = fit(model, budget, GLOBAL, _data(1)[0][0], optimizer=opt, verify=False)
+    cfg = fit(model, budget, GLOBAL, _data(1)[0][0], optimizer=opt, verify=False, compiler="eager")
     assert [c.micro_batch for c in cfg.candidates] == [1, 2, 4, 8]
     text = cfg.report()
     assert "<- chosen" in text and "time/global batch" in text and "predicted peak" in text
@@ -150,7 +150,7 @@ def test_meta_planning_counts_the_real_optimizer_and_leaves_the_model_alone():
     model = Net()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters())
-    cfg = fit(model, 10**12, 4, _data(1)[0][0], optimizer=opt, verify=False)
+    cfg = fit(model, 10**12, 4, _data(1)[0][0], optimizer=opt, verify=False, compiler="eager")
     n = sum(p.numel() for p in model.parameters())
     assert cfg.plan.ledger["optimizer_state"] == 2 * 4 * n  # two fp32 moments per parameter
     assert all(p.device.type == "cpu" for p in model.parameters())
@@ -168,7 +168,7 @@ def test_meta_plan_equals_the_real_plan_with_cross_entropy_inside():
     torch.manual_seed(0)
     model = NetWithLoss()
     x, y = _data(4)
-    cfg = fit(model, 10**12, 4, (x[0], y[0]), micro_batches=[4], verify=False)
+    cfg = fit(model, 10**12, 4, (x[0], y[0]), micro_batches=[4], verify=False, compiler="eager")
     meta = cfg.candidates[0]
     assert meta.predicted_peak == cfg.plan.predicted_peak
     assert meta.step_time_s == pytest.approx(cfg.plan.forward_time_s + cfg.plan.recompute_time_s)
@@ -179,13 +179,13 @@ def test_batchnorm_warns_when_accumulating():
     torch.manual_seed(0)
     model, (x, y) = models.convnet(batch=GLOBAL, size=8, channels=8, blocks=1)
     sample = (x[0], y[0])  # a tuple of positional arguments; y[0] is a 0-d label
-    roomy = fit(model, 10**12, GLOBAL, sample, verify=False)
+    roomy = fit(model, 10**12, GLOBAL, sample, verify=False, compiler="eager")
     assert roomy.accumulation_steps == 1 and not roomy.warnings
     # CPU convolutions have kernel scratch that only the real trace measures: size the budget there.
-    two = autoremat.optimize(model, 10**12, example_inputs=(x[:2], y[:2]), verify=False)
+    two = autoremat.optimize(model, 10**12, example_inputs=(x[:2], y[:2]), verify=False, compiler="eager")
     budget = two.plan.predicted_peak + 2048
     with pytest.warns(UserWarning, match="BatchNorm") as record:
-        cfg = fit(model, budget, GLOBAL, sample, verify=False)
+        cfg = fit(model, budget, GLOBAL, sample, verify=False, compiler="eager")
     assert 1 < cfg.accumulation_steps and cfg.plan.predicted_peak <= budget
     msg = next(str(r.message) for r in record if "BatchNorm" in str(r.message))
     assert "stem.1" in msg and "blocks.0.1" in msg and "GroupNorm" in msg and "SyncBatchNorm" in msg
@@ -195,7 +195,7 @@ def test_batchnorm_warns_when_accumulating():
 def test_budget_error_when_one_example_does_not_fit():
     model = Net()
     with pytest.raises(autoremat.BudgetError) as err:
-        fit(model, "100KB", GLOBAL, _data(1)[0][0])
+        fit(model, "100KB", GLOBAL, _data(1)[0][0], compiler="eager")
     assert err.value.smallest_budget > 100_000
     assert err.value.ledger.parameters > 0
     assert "smallest budget that fits" in str(err.value)
@@ -203,4 +203,4 @@ def test_budget_error_when_one_example_does_not_fit():
 
 def test_micro_batches_must_divide():
     with pytest.raises(ValueError, match="divide"):
-        fit(Net(), 10**12, GLOBAL, _data(1)[0][0], micro_batches=[3])
+        fit(Net(), 10**12, GLOBAL, _data(1)[0][0], micro_batches=[3], compiler="eager")

@@ -26,7 +26,7 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def run() -> dict:
     return hf_trainer.main(["--steps", "8", "--n-layer", "2", "--n-embd", "64", "--seq", "64", "--batch", "4",
-                            "--lr", "3e-3"])
+                            "--lr", "3e-3", "--compiler", "eager"])
 
 
 def test_trainer_trains_the_planned_step_under_the_budget(run: dict) -> None:

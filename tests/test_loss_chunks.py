@@ -171,7 +171,7 @@ def largest_allocation(step) -> int:
 
 def floor_of(model: nn.Module, ex: dict, outputs: str) -> int:
     with pytest.raises(autoremat.BudgetError) as info:
-        autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs=outputs)
+        autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs=outputs, compiler="eager")
     return info.value.smallest_budget
 
 
@@ -181,7 +181,7 @@ def at_floor():
     torch.set_num_threads(1)
     model, ex = small_lm()
     budget = floor_of(model, ex, "loss")
-    opt = autoremat.optimize(model, budget, ex, optimizer=None, outputs="loss")
+    opt = autoremat.optimize(model, budget, ex, optimizer=None, outputs="loss", compiler="eager")
     return model, ex, opt, budget
 
 
@@ -230,7 +230,7 @@ def test_plan_records_prints_and_reapplies_the_chunks(at_floor) -> None:
     assert set(plan.loss["candidates"]) == {str(c) for c in LC.candidates(BATCH * SEQ)}
     again = Plan.from_json(plan.to_json())
     assert again == plan
-    re = autoremat.optimize(copy.deepcopy(model), budget, ex, optimizer=None, plan=again)
+    re = autoremat.optimize(copy.deepcopy(model), budget, ex, optimizer=None, plan=again, compiler="eager")
     assert re(**ex).logits is None  # outputs="loss" came with the plan
     torch.testing.assert_close(re(**ex).loss, opt(**ex).loss, rtol=0, atol=0)
 
@@ -238,7 +238,7 @@ def test_plan_records_prints_and_reapplies_the_chunks(at_floor) -> None:
 def test_bad_outputs_value() -> None:
     model, ex = gpt2(batch=1, seq=8, n_layer=1, n_embd=16, vocab=64)
     with pytest.raises(ValueError, match="outputs must be 'all'.*or 'loss'"):
-        autoremat.optimize(model, "1GB", ex, outputs="logits")
+        autoremat.optimize(model, "1GB", ex, outputs="logits", compiler="eager")
 
 
 def test_chunked_after_the_bf16_rewrite() -> None:

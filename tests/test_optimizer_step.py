@@ -59,12 +59,12 @@ def test_the_whole_step_with_optimizer_step_fits_near_the_floor(kind):
     opt = _opt(model, kind)
     ledger = ledger_for_model(model, opt, inputs=(ex, {}))
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, optimizer=opt, verify=False)
+        autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, optimizer=opt, verify=False, compiler="eager")
     floor = err.value.smallest_budget
     if kind == "foreach":  # here the optimizer's temporaries, not the activations, set the floor
         assert floor - ledger.fixed > ledger.optimizer_step > 0
     budget = int(floor * NEAR)
-    om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=opt)
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=opt, compiler="eager")
     assert om.plan.predicted_peak <= budget
 
     def step() -> None:

@@ -18,12 +18,12 @@ torch.set_num_threads(1)
 def plan() -> autoremat.Plan:
     torch.manual_seed(0)
     model, inputs = models.transformer_stack(batch=2, seq=32, n_layer=2, d=64)
-    big = autoremat.optimize(model, budget=10**12, example_inputs=inputs, verify=False)
+    big = autoremat.optimize(model, budget=10**12, example_inputs=inputs, verify=False, compiler="eager")
     hi = Ledger.from_dict(big.plan.ledger).fixed + big.plan.baseline_peak
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=1, example_inputs=inputs, verify=False)
+        autoremat.optimize(model, budget=1, example_inputs=inputs, verify=False, compiler="eager")
     p = autoremat.optimize(model, budget=(err.value.smallest_budget + hi) // 2, example_inputs=inputs,
-                           verify=False).plan
+                           verify=False, compiler="eager").plan
     assert any(g.recomputed for g in p.graphs)  # the case where the two curves run different ops
     return p
 

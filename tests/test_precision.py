@@ -39,7 +39,7 @@ def _bf16_depth(model) -> int:
 
 def _smallest(model, ex, **kw):
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=1024, example_inputs=ex, verify=False, **kw)
+        autoremat.optimize(model, budget=1024, example_inputs=ex, verify=False, **{"compiler": "eager", **kw})
     return err.value.smallest_budget
 
 
@@ -54,7 +54,7 @@ def test_bf16_gradients_match_autocast_and_stay_fp32(stack):
     ref_loss, ref = _step_grads(model, ex, model)
     ac_loss, ac = _step_grads(model, ex, model, autocast=True)
     torch.manual_seed(1)  # optimize leaves the random stream as it found it: its error check sees seed 1 too
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", compiler="eager")
     picked = om.plan.precision["dtypes"][0]
     assert picked and set(picked.values()) == {"bf16"}
     assert not om.plan.needs_grad_scaler
@@ -90,7 +90,7 @@ class Huge(nn.Module):
 def test_planted_huge_activation_is_kept_out_of_fp16():
     torch.manual_seed(0)
     model, x = Huge(), torch.randn(8, 16)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=(x,), precision="fp16")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=(x,), precision="fp16", compiler="eager")
     calls = om.plan.precision["calls"]
     huge = [c for c, s in calls.items() if s["max_abs"] > 65504 / 8]
     assert huge, calls
@@ -99,7 +99,7 @@ def test_planted_huge_activation_is_kept_out_of_fp16():
     assert all(not calls[c]["fp16_safe"] for c in huge)
     assert any(d == "fp16" for d in picked.values())  # the small ones do run in fp16
     assert om.plan.needs_grad_scaler
-    auto = autoremat.optimize(model, budget=10**9, example_inputs=(x,), precision="auto", device="h100")
+    auto = autoremat.optimize(model, budget=10**9, example_inputs=(x,), precision="auto", device="h100", compiler="eager")
     assert all(auto.plan.precision["dtypes"] == [] or auto.plan.precision["dtypes"][0].get(c) != "fp16"
                for c in huge)
     loss = models.loss_of(om(x))
@@ -113,7 +113,7 @@ def test_auto_never_peaks_above_fp32_at_the_same_budget(stack):
     budget = lo32 + 200_000
     peaks = {}
     for mode in ("fp32", "auto"):
-        om = autoremat.optimize(model, budget=budget, example_inputs=ex, precision=mode, device="h100")
+        om = autoremat.optimize(model, budget=budget, example_inputs=ex, precision=mode, device="h100", compiler="eager")
 
         def step(om=om):
             torch.manual_seed(1)
@@ -135,8 +135,8 @@ def test_tight_budget_fp32_cannot_meet_is_met_with_auto():
     assert lo16 < lo32
     budget = (lo16 + lo32) // 2
     with pytest.raises(autoremat.BudgetError):
-        autoremat.optimize(model, budget=budget, example_inputs=ex)
-    om = autoremat.optimize(model, budget=budget, example_inputs=ex, precision="auto")
+        autoremat.optimize(model, budget=budget, example_inputs=ex, compiler="eager")
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, precision="auto", compiler="eager")
     assert any(om.plan.precision["dtypes"][0].values())
     assert om.plan.predicted_peak <= budget
 
@@ -153,7 +153,7 @@ def test_tight_budget_fp32_cannot_meet_is_met_with_auto():
 
 def test_auto_with_default_tolerance_is_as_accurate_as_autocast(stack):
     model, ex = stack
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100", compiler="eager")
     ref_loss, ref = _step_grads(model, ex, model)
     _, ac = _step_grads(model, ex, model, autocast=True)
     loss, grads = _step_grads(model, ex, om)
@@ -165,9 +165,9 @@ def test_auto_with_default_tolerance_is_as_accurate_as_autocast(stack):
 
 def test_tolerance_bounds_the_summed_error_estimate(stack):
     model, ex = stack
-    full = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100")
+    full = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100", compiler="eager")
     tol = full.plan.precision["error_estimate"] / 3
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100", tolerance=tol)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100", tolerance=tol, compiler="eager")
     assert om.plan.precision["error_estimate"] <= tol + 1e-12
     assert om.plan.precision["tolerance"] == tol
 
@@ -175,7 +175,7 @@ def test_tolerance_bounds_the_summed_error_estimate(stack):
 def test_fp16_steps_with_grad_scaler_stay_finite(stack):
     model, ex = stack
     model = type(model)(2, 32, 4, 0.1)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="fp16")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="fp16", compiler="eager")
     assert om.plan.needs_grad_scaler
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", enabled=om.plan.needs_grad_scaler)
@@ -189,10 +189,10 @@ def test_fp16_steps_with_grad_scaler_stay_finite(stack):
 
 def test_plan_json_reapplies_the_dtypes(stack, tmp_path):
     model, ex = stack
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", compiler="eager")
     path = tmp_path / "plan.json"
     om.plan.save(path)
-    again = autoremat.optimize(model, budget=10**9, example_inputs=ex, plan=Plan.load(path))
+    again = autoremat.optimize(model, budget=10**9, example_inputs=ex, plan=Plan.load(path), compiler="eager")
     assert json.loads(path.read_text())["precision"]["dtypes"] == again.plan.precision["dtypes"]
     _, a = _step_grads(model, ex, om)
     _, b = _step_grads(model, ex, again)
@@ -203,7 +203,7 @@ def test_convnet_bf16_keeps_batchnorm_in_fp32_and_updates_stats_once():
     torch.manual_seed(0)
     model, ex = models.convnet(batch=4, size=8, channels=8, blocks=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", compiler="eager")
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)  # planning and the error check left no trace
     _, ref = _step_grads(model, ex, model)
@@ -231,15 +231,15 @@ def test_auto_on_meta_asks_for_real_inputs():
     model = models.TransformerStack(2, 32, 4, 0.1).to("meta")
     with pytest.raises(ValueError, match="real example inputs"):
         autoremat.optimize(model, budget=10**9, example_inputs=torch.empty(2, 8, 32, device="meta"),
-                           precision="auto")
+                           precision="auto", compiler="eager")
 
 
 def test_fp32_ops_override_makes_softmax_castable(stack):
     model, ex = stack
-    default = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False)
+    default = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False, compiler="eager")
     kept = [op for op in autoremat.precision_measure.FP32_KEPT if op != "softmax"]
     unlocked = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False,
-                                  fp32_ops=kept)
+                                  fp32_ops=kept, compiler="eager")
     assert not any("softmax" in c for c in default.plan.precision["dtypes"][0])
     assert any("softmax" in c for c in unlocked.plan.precision["dtypes"][0])
     assert unlocked.plan.precision["fp32_ops"] == kept
@@ -248,14 +248,14 @@ def test_fp32_ops_override_makes_softmax_castable(stack):
 def test_fit_says_which_precisions_it_takes(stack):
     model, ex = stack
     with pytest.raises(ValueError, match="precision 'fp32' or 'bf16'"):
-        autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="auto")
-    cfg = autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="bf16", optimizer=None)
+        autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="auto", compiler="eager")
+    cfg = autoremat.fit(model, budget=10**9, global_batch=4, sample=ex[0][0], precision="bf16", optimizer=None, compiler="eager")
     assert set(cfg.plan.precision["dtypes"][0].values()) == {"bf16"}
 
 
 def test_a_new_input_shape_keeps_the_dtypes(stack):
     model, ex = stack
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False, compiler="eager")
     x = ex[0]
     models.loss_of(om(x[:1])).backward()  # another batch size: traced and planned once more
     new = om._planners[-1].profiles

@@ -39,15 +39,15 @@ def test_block_of_reads_the_repeated_block_from_a_module_path():
 
 def test_one_graph_per_block_and_one_for_the_tail():
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager")
     assert om.num_graphs == 4 + 1  # four blocks; ln_f and the loss after the last block
-    whole = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, regions=False)
+    whole = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, regions=False, compiler="eager")
     assert whole.num_graphs == 1
 
 
 def test_post_accumulate_grad_hooks_fire_once_per_parameter_per_backward():
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     fired: dict[str, int] = {}
     handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
                for name, p in model.named_parameters()]
@@ -64,7 +64,7 @@ def test_post_accumulate_grad_hooks_fire_once_per_parameter_per_backward():
 
 def test_gradients_equal_eagers_with_dropout():
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     grads = []
     for fn in (model, om):
         model.zero_grad(set_to_none=True)
@@ -87,7 +87,7 @@ def test_gradients_no_longer_leave_all_at_once():
     all_grads = sum(p.numel() * p.element_size() for p in model.parameters())
     peaks = {}
     for split in (False, True):
-        om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=split)
+        om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=split, compiler="eager")
         peaks[split] = _steady(om, model, ex)
         assert abs(peaks[split] - om.plan.activation_peak) <= 0.05 * peaks[split], (split, peaks[split],
                                                                                      om.plan.activation_peak)
@@ -103,7 +103,7 @@ def test_each_gradient_leaves_as_soon_as_it_is_computed():
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=4, d=64, n_head=4, seq=4, batch=1, dropout=0.1)
     per_block = min(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     peak = _steady(om, model, ex)
     assert peak < per_block, (peak, per_block)
     assert abs(peak - om.plan.activation_peak) <= 0.05 * peak, (peak, om.plan.activation_peak)
@@ -113,7 +113,7 @@ def test_autograd_grad_with_respect_to_inputs_leaves_dot_grad_alone():
     """Gradients are released into `.grad` only by a backward that accumulates there: torch.autograd.grad
     with respect to the input (a gradient penalty) and backward(inputs=...) leave every `.grad` as it was."""
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     x = ex[0].clone().requires_grad_(True)
     torch.manual_seed(1)
     (gx,) = torch.autograd.grad(models.loss_of(om(x)), [x])
@@ -131,13 +131,13 @@ def test_autograd_grad_with_respect_to_parameters_needs_release_grads_off():
     params = list(model.parameters())
     torch.manual_seed(1)
     ref = torch.autograd.grad(models.loss_of(model(*ex)), params)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, release_grads=False)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, release_grads=False, compiler="eager")
     torch.manual_seed(1)
     got = torch.autograd.grad(models.loss_of(om(*ex)), params)
     assert all(p.grad is None for p in params)
     for g, r in zip(got, ref, strict=True):
         assert_close_for(g, r, depth=ex[0][..., 0].numel())
-    released = autoremat.optimize(model, budget=10**9, example_inputs=ex)
+    released = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     with pytest.raises(RuntimeError, match=r"release_grads=False"):
         torch.autograd.grad(models.loss_of(released(*ex)), params)
     model.zero_grad(set_to_none=True)
@@ -147,9 +147,9 @@ def test_autograd_grad_with_respect_to_parameters_needs_release_grads_off():
 def test_budgets_near_the_floor_hold_with_regions(frac):
     model, ex = _stack()
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget="1KB", example_inputs=ex, verify=False)
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, verify=False, compiler="eager")
     lo = err.value.smallest_budget
-    roomy = autoremat.optimize(model, budget=10**12, example_inputs=ex, verify=False).plan
+    roomy = autoremat.optimize(model, budget=10**12, example_inputs=ex, verify=False, compiler="eager").plan
     budget = int(lo + frac * (roomy.predicted_peak - lo))
-    om = autoremat.optimize(model, budget=budget, example_inputs=ex)
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, compiler="eager")
     assert Ledger.from_dict(om.plan.ledger).fixed + _steady(om, model, ex) <= budget

@@ -158,9 +158,9 @@ def test_gap_and_time_limit_reach_the_solver(monkeypatch):
     monkeypatch.setattr(planner_module, "solve", spy)
     torch.manual_seed(0)
     model, ex = models.mlp(batch=256, width=32, depth=3)
-    base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False).plan
+    base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager").plan
     budget = Ledger.from_dict(base.ledger).fixed + (base.baseline_peak * 9) // 10
-    autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, gap=0.05, time_limit=7.0)
+    autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, gap=0.05, time_limit=7.0, compiler="eager")
     assert seen["gap"] == 0.05 and seen["time_limit"] == 7.0
 
 
@@ -194,10 +194,10 @@ DETERMINISM = textwrap.dedent("""
 def test_same_model_and_budget_give_the_same_plan_in_fresh_processes():
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
-    base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False).plan
+    base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager").plan
     fixed = Ledger.from_dict(base.ledger).fixed
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=fixed + 1, example_inputs=ex, verify=False)
+        autoremat.optimize(model, budget=fixed + 1, example_inputs=ex, verify=False, compiler="eager")
     budget = (err.value.smallest_budget + fixed + base.baseline_peak) // 2
     root = str(Path(__file__).resolve().parents[1])
     script = DETERMINISM.format(root=root, budget=budget)

@@ -7,6 +7,9 @@ runs this file on every torch version the package claims (2.11 and 2.13).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +314,29 @@ def test_weak_id_key_dictionary_keys_tensors_by_identity():
     assert owners[a] == "a" and owners[b] == "b"
     del a
     assert len(owners) == 1  # the entry went with its tensor
+
+
+def test_inductor_cpp_compiler_names_the_compiler_inductor_would_call():
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        with pytest.raises(Exception, match="C\\+\\+ compiler"):
+            ti.inductor_cpp_compiler()
+    else:
+        assert Path(shutil.which(ti.inductor_cpp_compiler()) or "").name == Path(shutil.which(cxx)).name
+
+
+def test_has_triton_agrees_with_importing_triton():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        assert ti.has_triton() is False
+    else:  # importable: True exactly when a device Triton supports is there too
+        assert isinstance(ti.has_triton(), bool)
+        if torch.cuda.is_available():
+            assert ti.has_triton()
+
+
+def test_inductor_realize_reads_threshold_is_a_small_positive_count():
+    import torch._inductor.config as inductor_config
+
+    assert ti.inductor_realize_reads_threshold() == inductor_config.realize_reads_threshold >= 1

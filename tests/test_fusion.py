@@ -1,0 +1,116 @@
+"""Inductor's pointwise fusion in the memory model (autoremat/fusion.py): which values own no bytes,
+that plans never save them, and that the predicted peak matches what Inductor's code measures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import autoremat
+from autoremat.capture import capture
+from autoremat.compilers import inductor_problem
+from autoremat.fusion import fused_nodes
+from autoremat.heuristics import save_all
+from autoremat.measure import measure_peak
+from autoremat.memory import make_schedule, simulate
+from autoremat.profile import profile_graph
+from autoremat.torch_internals import inductor_realize_reads_threshold
+
+
+def _names(gm, targets) -> dict[str, str]:
+    """First node of each target packet name, in graph order: {"relu": "relu", "mul": "mul", ...}."""
+    out: dict[str, str] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            out.setdefault(n.target.overloadpacket.__name__, n.name)
+    return {t: out[t] for t in targets}
+
+
+def test_a_pointwise_chain_into_a_reduction_is_fused_but_a_matmul_input_is_not():
+    def f(x, w):
+        h = torch.mm(x, w)
+        s = (torch.relu(h) * 2.0).sum()  # relu -> mul -> sum: one loop
+        return s, torch.mm(torch.exp(h), w)  # exp is read by a matmul: written out
+
+    gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4))
+    n = _names(gm, ["mm", "relu", "mul", "exp"])
+    fused = fused_nodes(gm, outputs=set(), aliases={}, banned=set())
+    assert n["relu"] in fused and n["mul"] in fused
+    assert n["exp"] not in fused and n["mm"] not in fused
+    assert fused_nodes(gm, outputs={n["mul"]}, aliases={}, banned=set()) == {n["relu"]}  # an output is written
+    assert n["relu"] not in fused_nodes(gm, outputs=set(), aliases={}, banned={n["relu"]})  # may not recompute
+
+
+@pytest.mark.parametrize("readers", [1, 4, 5])
+def test_more_readers_than_inductors_threshold_are_written_out(readers):
+    def f(x):
+        a = x.sin()
+        return sum((a + float(i)).sum() for i in range(readers))
+
+    gm = make_fx(f)(torch.randn(8))
+    sin = _names(gm, ["sin"])["sin"]
+    fused = fused_nodes(gm, outputs=set(), aliases={}, banned=set())
+    assert (sin in fused) == (readers <= inductor_realize_reads_threshold())
+
+
+def test_a_matmul_reading_through_a_view_keeps_the_value():
+    def f(x, w):
+        return torch.mm(x.sin().view(4, 4), w).sum()
+
+    def g(x, w):
+        return x.sin().view(4, 4).sum()  # through the same view into a reduction: one loop
+
+    for fn, kept in ((f, True), (g, False)):
+        gm = make_fx(fn)(torch.randn(16), torch.randn(4, 4))
+        n = _names(gm, ["sin", "view"])
+        assert (n["sin"] not in fused_nodes(gm, outputs=set(), aliases={n["view"]: n["sin"]}, banned=set())) == kept
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x), written out: a pointwise chain whatever the decomposition table."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), QuickGELU(), nn.Linear(256, 256), QuickGELU(), nn.Linear(256, 1))
+
+
+def test_fused_values_own_no_bytes_and_are_never_handed_to_the_backward():
+    model, x = _mlp(), torch.randn(128, 64)
+    (cg,) = capture(model, (x,))
+    eager, ind = profile_graph(cg), profile_graph(dataclasses.replace(cg, compiler="inductor"))
+    fused = [n for n, p in ind.nodes.items() if p.fused]
+    assert fused and not any(p.fused for p in eager.nodes.values())
+    assert all(ind.nodes[n].nbytes == 0 and eager.nodes[n].nbytes > 0 for n in fused)
+    (everything,) = save_all([ind])
+    assert set(fused) & everything  # the backward reads some fused values: the sigmoids
+    sched = make_schedule(ind, everything)
+    assert not set(fused) & set(sched.saved)
+    assert set(fused) & set(sched.recomputed)  # recomputed inside the backward's loops instead
+    assert simulate([(ind, sched)]).peak < simulate([(eager, make_schedule(eager, everything))]).peak
+
+
+def test_inductor_peak_is_predicted_within_five_percent():
+    problem = inductor_problem("cpu")
+    if problem is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {problem}")
+    model, x = _mlp(), torch.randn(512, 64)
+    om = autoremat.optimize(model, budget=10**10, example_inputs=(x,), optimizer=None, compiler="inductor",
+                            verify=False, progress=False)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step():
+        om(x).sum().backward()
+
+    step()
+    _, m = measure_peak(step, baseline_objs=(model, x))
+    predicted = om.plan.activation_peak
+    assert abs(predicted - m.delta_peak_bytes) <= 0.05 * m.delta_peak_bytes, (predicted, m.delta_peak_bytes)
