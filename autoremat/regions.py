@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import torch
@@ -123,7 +123,9 @@ class RegionLinks:
     sources: list[tuple[int, int] | None]  # per input: (producing region's position, its output index)
     outputs: int  # how many values this region returns
     exported: set[int]  # indices of the outputs the dynamo graph itself returns (the user sees them)
-    shared: set[int] = field(default_factory=set)  # indices of inputs another region reads too (tied weights)
+    # inputs another region reads too (tied weights): index -> the input's name in the dynamo graph, the
+    # same in every region that reads it
+    shared: dict[int, str] = field(default_factory=dict)
 
 
 def _link(cut: fx.GraphModule) -> None:
@@ -144,7 +146,7 @@ def _link(cut: fx.GraphModule) -> None:
         outputs = max([o for (r, o) in produced.values() if r == position[call]], default=-1) + 1
         sub.meta[LINKS] = RegionLinks(position[call], [produced.get(a) for a in call.args], outputs,
                                       {o for (r, o) in returned if r == position[call]},
-                                      {i for i, a in enumerate(call.args) if readers.get(a, 0) > 1})
+                                      {i: a.name for i, a in enumerate(call.args) if readers.get(a, 0) > 1})
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,7 +184,7 @@ def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor, anchor: torch.Te
         torch.autograd.backward(_OWNER[stand_in], grad)
 
 
-def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[int], shared: set[int]) -> list[int]:
+def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[int], shared: Container[int]) -> list[int]:
     """Rewrite a region's joint graph so that each parameter gradient leaves as soon as it exists.
 
     A compiled region's backward returns its gradients when it ends, so all of one block's weight
