@@ -26,7 +26,7 @@ from torch.utils.flop_counter import flop_registry
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
-from autoremat.passes.rng_replay import is_draw, is_replay
+from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
 from autoremat.regions import accumulate_grad
 from autoremat.torch_internals import (
     OpOverload,
@@ -277,6 +277,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
                 prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
                 if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
                     prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
+                    prof.transient_bytes += draw_scratch(n)
         n.meta["autoremat"] = prof
         nodes[n.name] = prof
 
