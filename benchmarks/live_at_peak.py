@@ -35,6 +35,7 @@ def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
     """Replay the plan in memory.simulate, keeping a copy of the heap at its peak step."""
     best: dict = {"during": -1}
     heaps: list = []
+    graph_position = {g.index: k for k, g in enumerate(profiles)}
     plain_heap, plain_step = memory._Heap, memory.Step
 
     class Observed(plain_heap):
@@ -43,19 +44,17 @@ def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
             heaps.append(self)
             self.snap: dict | None = None
 
-        def add(self, *a) -> None:
-            super().add(*a)
-            self.snap = dict(self.size)  # the heap as the op runs: its inputs and its output
-
-        def drop(self, *a) -> None:
-            super().drop(*a)
-            self.snap = None
+        def add(self, name: str, nbytes: int) -> None:
+            super().add(name, nbytes)
+            # the heap as the op runs (its inputs and its output), before its inputs' last uses free them
+            self.snap = (self.scope, name, dict(self.size))
 
     def step(graph, phase, node, during):
         if during > best["during"] and heaps:
             h = heaps[-1]
-            best.update(during=during, graph=graph, phase=phase, node=node,
-                        live=h.snap if h.snap is not None else dict(h.size))
+            ran = h.snap is not None and h.snap[:2] == (h.scope, profiles[graph_position[graph]].nodes[node].storage)
+            best.update(during=during, graph=graph_position[graph], phase=phase, node=node,
+                        live=h.snap[2] if ran else dict(h.size))
         return plain_step(graph, phase, node, during)
 
     memory._Heap, memory.Step = Observed, step
@@ -111,6 +110,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--top", type=int, default=5)
     ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
+    ap.add_argument("--name", default="live_at_peak_cpu", help="the results file's stem")
+    ap.add_argument("--note", default="", help="a sentence for the header (e.g. which autoremat was imported)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfgs = {c["name"]: c for c in floor.configs(a.quick)}
@@ -123,9 +124,10 @@ def main() -> None:
             f"Command: `python {' '.join(sys.argv)}`, {datetime.datetime.now().isoformat(timespec='seconds')}, "
             f"torch {torch.__version__}, repo {floor.git_state()}, wall {time.perf_counter() - t0:.0f} s. The heap "
             "is the memory model's (autoremat.memory.simulate) replaying the plan; the measured peak says it is "
-            "the real one. Sizes of the benchmark's rows (benchmarks/floor.py).", ""]
+            f"the real one. Sizes of the benchmark's rows (benchmarks/floor.py). autoremat from {autoremat.__file__}. "
+            f"{a.note}", ""]
     text = "\n".join(head + parts)
-    out = Path(a.out) / f"live_at_peak_cpu{'_quick' if a.quick else ''}.md"
+    out = Path(a.out) / f"{a.name}{'_quick' if a.quick else ''}.md"
     out.write_text(text)
     print(text)
     print(f"wrote {out}")
