@@ -15,6 +15,7 @@ Data, per graph (computed by ilp_data.py, lifetimes.py and memory.py):
                with block drag, a chain of recomputed users in the same block pulls it earlier)
   last(v)      the last backward step that reads v (Lifetimes.last_read)
   out_g        bytes of graph g's forward outputs (held by the caller, or by later regions)
+  wait_g       bytes of later regions' tied-weight gradients waiting in autograd during g's backward
 
 Variables:
   s_v, r_v in {0,1}   v is saved for the backward / recomputed in it
@@ -39,7 +40,7 @@ Rows, one method of `IlpModel` per family:
                     fw_t + sum_{die(v) < t} S_v + sum_{h<g} S^h + sum_{h<g} out_h <= cap
   backward memory   (`_backward_memory`)  for each backward step t of graph g:
                     bw_t + sum_{last(v) >= t} S_v + sum_{first(v) <= t <= last(v)} R_v
-                         + sum_{h<g} S^h + sum_{h != g, still held} out_h <= cap
+                         + sum_{h<g} S^h + sum_{h != g, still held} out_h + wait_g <= cap
                     where S^h = sum_v S_v over graph h (what an earlier graph saved stays alive)
   dtype             (`_dtype`)  b_c + f_c <= 1;  pi_O <= b_c + f_c for c in O;
                     sig_v <= s_v, sig_v <= pi_O(v);  rho_v <= r_v, rho_v <= pi_O(v)
@@ -73,7 +74,7 @@ from dataclasses import dataclass
 import pulp
 
 from autoremat.ilp_data import base_size, block_twins, owned_size, static_profile
-from autoremat.lifetimes import Lifetimes, lifetimes, output_spans
+from autoremat.lifetimes import Lifetimes, lifetimes, output_spans, waiting_bytes
 from autoremat.memory import INF
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
@@ -165,7 +166,8 @@ class IlpModel:
             fw_rows = self._forward_memory(g, life, saved_bytes, fw_static, core, slot)
             bw_rows = self._backward_memory(life, saved_bytes, recomputed_bytes, bw_static)
             per_graph_rows.append((fw_rows, bw_rows))
-        self._step_rows(per_graph_rows, saved_total, output_spans(graphs, granularity))
+        self._step_rows(per_graph_rows, saved_total, output_spans(graphs, granularity),
+                        waiting_bytes(graphs, granularity))
         self._capacity()
         self.total_bytes = max(1, sum(owned_size(g, v, 1) for g in graphs for v in g.nodes))  # B_all
         self.total_time = max(1e-12, sum(p.time_s for g in graphs for p in g.nodes.values()))  # T_all
@@ -338,21 +340,22 @@ class IlpModel:
                                                      for v in ends[t]))
         return rows
 
-    def _step_rows(self, per_graph_rows, saved_total, spans) -> None:
+    def _step_rows(self, per_graph_rows, saved_total, spans, waiting) -> None:
         """The step's rows: each graph's memory rows plus what the other graphs hold then.
 
         Graph g's forward runs after the forwards of graphs h < g, and its backward before theirs:
         what they saved (S^h) is alive in both. Their forward outputs are constants here: the caller
         holds a user's output to the end of the step; a region's output that only later regions read
         lives until the last of them has run its backward, at most (memory.handed_over frees it
-        sooner if nothing saves it).
+        sooner if nothing saves it). A later region's tied-weight gradient waits through this backward
+        if the region that reads the weight too comes at or before it (`waiting`, a constant as well).
         """
         for gi, (fw_rows, bw_rows) in enumerate(per_graph_rows):
             before_out = sum(b for k in range(gi) for b, _ in spans[k])
             others_out = sum(b for k, span in enumerate(spans) if k != gi for b, last in span
                              if last is None or gi >= last)
             fw_rows = [(static + before_out, expr) for static, expr in fw_rows]
-            bw_rows = [(static + others_out, expr) for static, expr in bw_rows]
+            bw_rows = [(static + others_out + waiting[gi], expr) for static, expr in bw_rows]
             # Consecutive steps share one expression until a value starts or ends: only the
             # largest static part among them can bind, so keep one row per expression.
             best: dict[int, tuple[int, pulp.LpAffineExpression]] = {}

@@ -2,14 +2,15 @@
 
 `lifetimes` gives, per forward-side value, the first and last backward step that read it and the
 earliest step a recomputed copy may be needed at; `output_spans` how long each graph's forward
-outputs stay alive across the graphs of one step. Both are bounds: memory.simulate is exact.
+outputs stay alive across the graphs of one step; `waiting_bytes` the tied gradients alive in each
+backward. The first two are bounds: memory.simulate is exact.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoremat.memory import INF, _round, region_handoffs
+from autoremat.memory import INF, _round, region_handoffs, tied_waits
 from autoremat.profile import GraphProfile
 from autoremat.regions import block_of
 
@@ -86,3 +87,16 @@ def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[
         roots = {g.nodes[o].storage: o for o in g.fw_outputs if g.nodes[o].storage}
         spans.append([(_round(g.nodes[r].nbytes, granularity), last.get((k, o))) for r, o in roots.items()])
     return spans
+
+
+def waiting_bytes(graphs: list[GraphProfile], granularity: int = 1) -> list[int]:
+    """Per graph, the bytes of other regions' tied-weight gradients that wait in autograd while its
+    backward runs (memory.tied_waits): from the backward after the one that computed them to the end
+    of the one they wait for."""
+    waiting = [0] * len(graphs)
+    for until, grads in tied_waits(graphs).items():
+        for k, name in grads:
+            nbytes = _round(graphs[k].nodes[graphs[k].nodes[name].storage].nbytes, granularity)
+            for j in range(until, k):
+                waiting[j] += nbytes
+    return waiting

@@ -27,7 +27,7 @@ from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.fusion import fused_nodes
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
-from autoremat.passes.rng_replay import is_draw, is_replay
+from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
 from autoremat.regions import accumulate_grad
 from autoremat.torch_internals import (
     OpOverload,
@@ -84,6 +84,10 @@ class GraphProfile:
     sources: dict[str, tuple[int, int]] = field(default_factory=dict)
     user_outputs: list[str | None] = field(default_factory=list)
     exported: list[str] = field(default_factory=list)
+    # Gradients of inputs another region of the same step reads too (a tied embedding / LM head): gradient
+    # output -> a key naming the input, the same in every region that reads it. Autograd sums such a
+    # gradient before the input's one AccumulateGrad, so the one computed first waits for the others.
+    tied: dict[str, str] = field(default_factory=dict)
 
     def forward_side(self) -> list[str]:
         return [n for n, p in self.nodes.items() if p.kind == "forward"]
@@ -275,6 +279,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
                 prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
                 if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
                     prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
+                    prof.transient_bytes += draw_scratch(n)
         n.meta["autoremat"] = prof
         nodes[n.name] = prof
 
@@ -297,7 +302,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         fingerprint=fingerprint(gm),
         device=dev.name,
         notes=_constant_notes(gm),
-        **_region_links(cg, primals, outs[: cg.num_fwd_outputs]),
+        **_region_links(cg, primals, outs[: cg.num_fwd_outputs], outs[cg.num_fwd_outputs:]),
     )
 
 
@@ -311,7 +316,7 @@ def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSp
         p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
 
 
-def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list) -> dict:
+def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list, grads: list) -> dict:
     """A region's links (capture.CapturedGraph.links) in this graph's names. AOTAutograd keeps the
     region's inputs in order as its primals and returns its outputs last, after any mutated
     buffers; if the counts disagree (an output aliasing an input is returned outside the graph),
@@ -322,7 +327,11 @@ def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list) -> d
     user = [o.name if isinstance(o, fx.Node) else None for o in fw_outs[len(fw_outs) - links.outputs:]]
     sources = {p.name: (cg.index - links.position + src[0], src[1])
                for p, src in zip(primals, links.sources) if src is not None}
-    return {"sources": sources, "user_outputs": user, "exported": [user[i] for i in links.exported if user[i]]}
+    first = cg.index - links.position  # the index of the dynamo graph's first region: keys are per dynamo graph
+    tied = {grads[i].name: f"{first}:{key}" for i, key in links.shared.items()
+            if len(grads) == len(primals) and isinstance(grads[i], fx.Node)}
+    return {"sources": sources, "user_outputs": user, "exported": [user[i] for i in links.exported if user[i]],
+            "tied": tied}
 
 
 def _constant_notes(gm: fx.GraphModule) -> list[str]:

@@ -4,10 +4,12 @@ Checked on real steps near the floor: the plan recomputes masks rather than savi
 draws once (the random stream after a step is eager's), the backward's replay gives eager's masks
 (gradients equal eager's with dropout on), and the floor is below what saving every mask costs."""
 
+import pytest
 import torch
 
 import autoremat
-from autoremat.passes import rng_replay
+from autoremat.capture import capture
+from autoremat.passes import decompositions, rng_replay
 from examples import models
 from tests.budgets import budget_range
 from tests.tolerances import assert_close_for
@@ -24,7 +26,17 @@ def _step(fn, ex, seed: int = 1) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def test_masks_are_replayed_and_match_eagers_draws():
+@pytest.fixture(params=["bernoulli", "fused kernel"])
+def mask_path(request, monkeypatch):
+    """The CPU's bernoulli mask, or the path a fused-dropout device (CUDA) takes, forced here on CPU: the
+    mask drawn by the device's own native_dropout kernel (`autoremat::dropout_mask`), the scale computed
+    by the graph. Everything after the draw (replay, planning, the split) is the same code on both."""
+    if request.param == "fused kernel":
+        monkeypatch.setattr(decompositions, "BERNOULLI_DEVICES", ())
+    return request.param
+
+
+def test_masks_are_replayed_and_match_eagers_draws(mask_path):
     model, ex = _stack()
     lo, _ = budget_range(model, ex)
     om = autoremat.optimize(model, budget=lo, example_inputs=ex, compiler="eager")
@@ -52,3 +64,34 @@ def test_replay_lowers_the_floor(monkeypatch):
     monkeypatch.setattr(rng_replay, "REPLAYED", ())  # no replay: every mask is saved, as before this pass
     without, _ = budget_range(model, ex)
     assert with_replay < without, (with_replay, without)
+
+
+def test_a_fused_dropout_kernel_becomes_its_mask_and_a_masked_scale(monkeypatch):
+    """Where the bernoulli draw is not eager's (CUDA), the joint graph has no native_dropout either: the
+    mask is the fused kernel's own draw, saved-state and replayable like bernoulli's, and the output a
+    pure where(mask, x * scale) of it, so a dropout costs a 1-byte mask and its multiply is recomputable.
+    The draw's scratch (the kernel's output, dropped) is in the profile."""
+    monkeypatch.setattr(decompositions, "BERNOULLI_DEVICES", ())
+    model, ex = models.transformer_stack(n_layer=1, d=32, seq=8, dropout=0.2)
+    (g,) = capture(model, ex)
+    calls = [n for n in g.joint.graph.nodes if n.op == "call_function"]
+    assert not any(n.target in (torch.ops.aten.native_dropout.default, torch.ops.aten.bernoulli.p) for n in calls)
+    draws = [n for n in calls if rng_replay.is_draw(n.target)]
+    replays = [n for n in calls if rng_replay.is_replay(n.target)]
+    assert len(draws) == len(replays) == 3
+    assert all(n.args[0] is torch.ops.autoremat.dropout_mask.default for n in draws)
+    assert all(n.args[1] is torch.ops.autoremat.dropout_mask.default for n in replays)
+    for r in replays:
+        x = r.args[2].meta["val"]
+        assert rng_replay.draw_scratch(r) == x.numel() * x.element_size()
+        assert {u.target for u in r.users} >= {torch.ops.aten.where.self}
+
+
+def test_dropout_mask_is_native_dropouts_draw():
+    x = torch.randn(6, 40).t()  # a transposed input: the mask keeps its layout
+    torch.manual_seed(5)
+    out, mask = torch.ops.aten.native_dropout.default(x, 0.3, True)
+    torch.manual_seed(5)
+    drawn = torch.ops.autoremat.dropout_mask(x, 0.3)
+    assert drawn.dtype == torch.bool and drawn.stride() == torch.empty_like(x).stride()
+    assert torch.equal(drawn, mask)

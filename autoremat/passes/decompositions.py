@@ -18,34 +18,59 @@ import torch
 
 from autoremat.torch_internals import OpOverload
 
+# Devices where a bool bernoulli draw in the input's memory order is eager's dropout draw, bit for bit.
+BERNOULLI_DEVICES = ("cpu", "meta")
+
+
+@torch.library.custom_op("autoremat::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """The bool keep-mask of `native_dropout(x, p, True)`: the draw of the device's own fused kernel
+    (CUDA's Philox), so masks are eager's wherever bernoulli would draw otherwise. The kernel's output
+    is made and dropped here (scratch the size of `x`: `rng_replay.draw_scratch`)."""
+    mask = torch.ops.aten.native_dropout.default(x, p, True)[1]
+    laid_out = torch.empty_like(x, dtype=torch.bool)
+    if mask.stride() == laid_out.stride():
+        return mask
+    return laid_out.copy_(mask)
+
+
+@dropout_mask.register_fake
+def _(x: torch.Tensor, p: float) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.bool)
+
 
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
     """Dropout as a random bool mask and a masked scale, so that the output can be recomputed.
 
     The mask is the only random value (1 byte per element if saved; `rng_replay` lets the plan replay
-    its draw instead); the output becomes a pure function of the input and the mask. On CPU this reproduces eager's dropout draw for draw:
-    eager fills a noise tensor laid out like the input (`bernoulli_`, in memory order), divides it
-    by 1 - p and multiplies; we draw the mask in the input's memory order, then compute the same
-    products (checked bit for bit, transposed inputs too; where eager's x * 0 gives -0.0 or NaN for
-    a dropped element, this gives +0.0). CUDA's fused kernel draws differently: left
-    alone there, so dropout outputs are saved rather than recomputed on GPUs.
+    its draw instead); the output becomes a pure function of the input and the mask, on every device.
+    On CPU this reproduces eager's dropout draw for draw: eager fills a noise tensor laid out like the
+    input (`bernoulli_`, in memory order), divides it by 1 - p and multiplies; we draw the mask in the
+    input's memory order, then compute the same products (checked bit for bit, transposed inputs too;
+    where eager's x * 0 gives -0.0 or NaN for a dropped element, this gives +0.0). A fused kernel
+    (CUDA's) draws otherwise: there the mask is the kernel's own (`dropout_mask`), and only the
+    masked scale is computed here.
     """
-    if x.device.type not in ("cpu", "meta") or train is False or p == 0 or x.numel() == 0:
+    if train is False or p == 0 or x.numel() == 0:
         return NotImplemented
     if p >= 1:
         return torch.zeros_like(x), torch.zeros_like(x, dtype=torch.bool)
+    # Eager multiplies by a noise tensor of 0 and 1 / (1 - p), the latter computed by the same div
+    # kernel as `scale` here: x * scale where kept is the same product, bit for bit. Selecting with
+    # the mask, rather than multiplying by a float copy of it, leaves the backward needing only the
+    # bool mask (where's gradient), never a float noise tensor (measured: a saved or recomputed
+    # float noise cost a full-size tensor at the attention backward's peak).
+    if x.device.type not in BERNOULLI_DEVICES:
+        # A fused kernel scales in its compute type (fp32 for 16-bit inputs): so does a Python-float scale.
+        mask = torch.ops.autoremat.dropout_mask(x, p)
+        return torch.where(mask, torch.mul(x, 1 / (1 - p)), 0), mask
+    scale = torch.div(torch.ones((), dtype=x.dtype, device=x.device), 1 - p)
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost in memory first
     if not x.permute(order).is_contiguous():
         return NotImplemented  # overlapping or gapped layout: keep the fused op (saved, not recomputed)
     drawn = torch.ops.aten.bernoulli.p(torch.empty([x.shape[d] for d in order], dtype=torch.bool, device=x.device),
                                        1 - p)
     mask = drawn.permute([order.index(d) for d in range(x.dim())])
-    # Eager multiplies by a noise tensor of 0 and 1 / (1 - p), the latter computed by the same div
-    # kernel as `scale` here: x * scale where kept is the same product, bit for bit. Selecting with
-    # the mask, rather than multiplying by a float copy of it, leaves the backward needing only the
-    # bool mask (where's gradient), never a float noise tensor (measured: a saved or recomputed
-    # float noise cost a full-size tensor at the attention backward's peak).
-    scale = torch.div(torch.ones((), dtype=x.dtype, device=x.device), 1 - p)
     return torch.where(mask, torch.mul(x, scale), 0), mask
 
 

@@ -1,7 +1,7 @@
 """Random draws that the backward can replay: a dropout mask costs its generator state, not its bytes.
 
-Dropout reaches the joint graph as a bool mask drawn by `aten.bernoulli.p` and a masked scale
-(`capture._native_dropout`). The mask is a random value: recomputed as it is, it would be a fresh
+Dropout reaches the joint graph as a bool mask drawn by `aten.bernoulli.p` (CPU) or by the device's
+fused kernel (`autoremat::dropout_mask`, CUDA), and a masked scale (`decompositions._native_dropout`). The mask is a random value: recomputed as it is, it would be a fresh
 draw, so the plan had to save it, 1 byte per element. `torch.utils.checkpoint` saves the random
 generator's state instead and replays the draw; on a 12-block transformer at its smallest budget the
 saved masks were 5.5 MiB of the 24.9 MiB of activations, more than the gap to checkpointing.
@@ -29,10 +29,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoremat.passes.decompositions import dropout_mask  # noqa: F401 - registers autoremat::dropout_mask
 from autoremat.torch_internals import is_tangent
 
-# Random ops whose draws we replay: the bool mask of autoremat's dropout decomposition.
-REPLAYED = (torch.ops.aten.bernoulli.p,)
+# Random ops whose draws we replay: the bool mask of autoremat's dropout decomposition, drawn by bernoulli
+# (CPU) or by the device's fused dropout kernel (`decompositions.dropout_mask`: CUDA).
+REPLAYED = (torch.ops.aten.bernoulli.p, torch.ops.autoremat.dropout_mask.default)
 # Bytes of the generator state saved per draw: torch.get_rng_state() (the CPU Mersenne Twister) or
 # torch.cuda.get_rng_state() (Philox seed and offset).
 STATE_BYTES = {"cuda": 16}
@@ -129,6 +131,17 @@ def forward_draws_once(fw: fx.GraphModule) -> None:
     if replays:
         fw.graph.lint()
         fw.recompile()
+
+
+def draw_scratch(node: fx.Node) -> int:
+    """Bytes a draw or replay allocates and frees while it runs: the fused dropout kernel's output,
+    which `dropout_mask` drops (bernoulli allocates only its mask)."""
+    if node.target in (draw_saving_state, replay_draw) and torch.ops.autoremat.dropout_mask.default in node.args:
+        x = node.args[node.args.index(torch.ops.autoremat.dropout_mask.default) + 1]
+        val = x.meta.get("val") if isinstance(x, fx.Node) else None
+        if isinstance(val, torch.Tensor):
+            return val.numel() * val.element_size()
+    return 0
 
 
 def is_draw(target: object) -> bool:
