@@ -70,6 +70,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pulp
 
@@ -79,6 +80,9 @@ from autoremat.memory import INF
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
 
+if TYPE_CHECKING:  # the choice model builds this one inside its own problem
+    from autoremat.ilp_choice import Alternative
+
 # Weight of saved bytes in the budgeted objective: small enough never to outweigh recompute time,
 # large enough to break its ties toward saving less (keeps the plan's peak monotonic in the budget).
 TIE_BYTES = 1e-4
@@ -87,22 +91,6 @@ FP16_PENALTY = 1e-3
 # Weight of recompute time (scaled to bytes) when minimising the peak: among plans with the same
 # peak, the cheapest one, without letting time move the peak by more than a rounding.
 MIN_PEAK_TIME_WEIGHT = 1e-3
-
-
-@dataclass
-class Alternative:
-    """This model is one of several alternative traces of the step inside one larger ILP (ilp_choice.py).
-
-    Its variables live in `prob` under `prefix`; `gate` in {0,1} says whether this trace is the one
-    run: every s_v, r_v (and dtype choice) is at most the gate and the needed rows read
-    s_v + r_v >= gate, so an unchosen trace saves and recomputes nothing, and each memory row reads
-    static * gate + (variable bytes) <= cap: exact for the chosen trace, 0 <= cap for the others.
-    """
-
-    prob: pulp.LpProblem
-    cap: pulp.LpVariable
-    gate: pulp.LpVariable
-    prefix: str
 
 
 @dataclass

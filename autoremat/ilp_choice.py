@@ -29,8 +29,24 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from autoremat.ilp import MIN_PEAK_TIME_WEIGHT, TIE_BYTES, Alternative, IlpModel, quiet_stdout
+from autoremat.ilp import MIN_PEAK_TIME_WEIGHT, TIE_BYTES, IlpModel, quiet_stdout
 from autoremat.profile import GraphProfile
+
+
+@dataclass
+class Alternative:
+    """This model is one of several alternative traces of the step inside one larger ILP (ilp_choice.py).
+
+    Its variables live in `prob` under `prefix`; `gate` in {0,1} says whether this trace is the one
+    run: every s_v, r_v (and dtype choice) is at most the gate and the needed rows read
+    s_v + r_v >= gate, so an unchosen trace saves and recomputes nothing, and each memory row reads
+    static * gate + (variable bytes) <= cap: exact for the chosen trace, 0 <= cap for the others.
+    """
+
+    prob: pulp.LpProblem
+    cap: pulp.LpVariable
+    gate: pulp.LpVariable
+    prefix: str
 
 
 @dataclass
