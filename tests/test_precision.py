@@ -227,11 +227,18 @@ def test_bad_precision_options(stack, kw, match):
         autoremat.optimize(model, budget=10**9, example_inputs=ex, **kw)
 
 
-def test_auto_on_meta_asks_for_real_inputs():
+def test_fp16_on_meta_asks_for_real_inputs_and_auto_plans_with_estimated_errors():
+    # Issue 14 changed this: "auto" plans on meta (large shapes are planned there) with each call's bf16
+    # error estimated as bf16's unit roundoff and fp16 never offered; only fp16 needs measured ranges.
     model = models.TransformerStack(2, 32, 4, 0.1).to("meta")
+    ex = torch.empty(2, 8, 32, device="meta")
     with pytest.raises(ValueError, match="real example inputs"):
-        autoremat.optimize(model, budget=10**9, example_inputs=torch.empty(2, 8, 32, device="meta"),
-                           precision="auto")
+        autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="fp16")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="auto", device="h100")
+    assert om.plan.precision["auto"]["chosen"] in ("fp32", "ilp", "bf16")
+    assert not om.plan.needs_grad_scaler
+    assert all(d == "bf16" for pick in om.plan.precision.get("dtypes", []) for d in pick.values())
+    assert any("precision='auto' chose" in n for n in om.plan.notes)
 
 
 def test_fp32_ops_override_makes_softmax_castable(stack):

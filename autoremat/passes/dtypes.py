@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from autoremat.passes.attention import attention_16bit
 from autoremat.precision_measure import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
 
-
 _INHERITED = ("nn_module_stack", "stack_trace", "source_fn_stack")
 
 
