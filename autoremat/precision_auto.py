@@ -136,6 +136,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
     times = {name: step_time(r[0]) for name, r in candidates.items()}
     chosen = min(times, key=times.__getitem__)
     plan = candidates[chosen][0]
+    plan.precision.setdefault("dtypes", [])  # fp32 chosen: no call runs in 16 bits
     info["auto"] = {"chosen": chosen, "predicted_step_s": times, "not_taken": why}
     info["dtypes_chosen_by"] = {"fp32": "fp32", "ilp": "ilp (joint with save/recompute)", "bf16": "all-bf16"}[chosen]
     others = ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in times.items() if n != chosen)

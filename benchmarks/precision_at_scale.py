@@ -124,9 +124,11 @@ def run_model(name: str, log) -> dict:
     ac = autocast_checkpoint(bf16_all[1])
     floors["autocast + ckpt"] = {k: ac[k] for k in ("total", "fixed", "activations")}
     log(f"{name}: autocast + ckpt {ac['total'] / GiB:.2f} GiB, {ac['time_s'] * 1e3:.1f} ms")
-    # Three budgets: the lowest floor of all rows (with 1% room), autocast + ckpt's peak, and fp32's floor;
-    # sorted, duplicates (closer than 1%) merged, topped up with 1.25 x the largest.
-    points = sorted({int(min(f["total"] for f in floors.values()) * 1.01), ac["total"], floors["fp32"]["total"]})
+    # Three budgets, each with 1% room (the slack and allocator rounding a floor leaves no room for): the lowest
+    # floor of all rows, autocast + ckpt's peak, and fp32's floor; duplicates (closer than 1%) merged, topped
+    # up with 1.25 x the largest.
+    points = sorted({int(x * 1.01) for x in (min(f["total"] for f in floors.values()), ac["total"],
+                                             floors["fp32"]["total"])})
     budgets: list[int] = []
     for b in points:
         if not budgets or b > budgets[-1] * 1.01:
@@ -160,9 +162,9 @@ def goals(res: dict) -> dict:
     return {"bf16_activation_ratio": ratio, "ratio_goal_met": ratio <= 0.6, "auto_fastest_everywhere": auto_ok}
 
 
-def markdown(results: dict, argv: str) -> str:
+def markdown(results: dict) -> str:
     lines = [f"# Mixed precision at scale, planned on the meta device ({DEVICE} roofline)", "",
-             f"`{argv}`; torch {torch.__version__}; loss region in {results['chunks']} chunks for every row. "
+             f"torch {torch.__version__}; loss region in {results['chunks']} chunks for every row. "
              "How each row is made: see the docstring of benchmarks/precision_at_scale.py. The autocast + "
              "checkpoint row is the graph precision='bf16' captures (matmul-class calls in bf16, autocast's fp32 "
              "calls in fp32, attention with 16-bit scores and probabilities as GPU kernels keep them), with "
@@ -171,7 +173,7 @@ def markdown(results: dict, argv: str) -> str:
              ""]
     for res in results["models"].values():
         g = res["goals"]
-        lines += [f"## {res['label']}", "", "| row | smallest budget | fixed | activation part | x fp32's activations |",
+        lines += [f"## {res['label']}", "", f"`{res['command']}`", "", "| row | smallest budget | fixed | activation part | x fp32's activations |",
                   "|---|---|---|---|---|"]
         fp32_act = res["floors"]["fp32"]["activations"]
         for m, f in res["floors"].items():
@@ -214,9 +216,15 @@ def main() -> None:
         res["goals"] = goals(res)
         results["models"][name] = res
     out = REPO / "benchmarks" / "results" / "precision_at_scale"
+    argv = ("python benchmarks/precision_at_scale.py " + " ".join(sys.argv[1:])).strip()
+    for res in results["models"].values():
+        res["command"] = argv
+    if out.with_suffix(".json").exists():  # one model at a time: keep the other models' latest results
+        before = json.loads(out.with_suffix(".json").read_text())
+        if before.get("chunks") == a.chunks:
+            results["models"] = {**before.get("models", {}), **results["models"]}
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    argv = "python benchmarks/precision_at_scale.py " + " ".join(sys.argv[1:])
-    out.with_suffix(".md").write_text(markdown(results, argv.strip()) + "\n")
+    out.with_suffix(".md").write_text(markdown(results) + "\n")
     print(f"wrote {out}.md")
 
 

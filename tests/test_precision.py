@@ -4,6 +4,7 @@ Models stay tiny: bf16/fp16 matmuls are 10x slower than fp32 on these CPUs.
 """
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -122,7 +123,12 @@ def test_auto_never_peaks_above_fp32_at_the_same_budget(stack):
         step()
         _, m = measure_peak(step, baseline_objs=(model, ex))
         peaks[mode] = (om.plan.predicted_peak, Ledger.from_dict(om.plan.ledger).fixed + m.delta_peak_bytes, om)
-    assert peaks["auto"][2].plan.precision.get("dtypes"), "the h100 roofline makes bf16 worth it"
+    # Issue 14: auto keeps the fastest of its candidates (fp32 among them), so it is never predicted slower
+    # than fp32 at the same budget; on this 32-wide stack the casts make fp32 the fastest (it used to assert
+    # that bf16 was chosen, which the ILP's estimate said and the traced plans do not).
+    auto_plan, fp32_plan = peaks["auto"][2].plan, peaks["fp32"][2].plan
+    assert (auto_plan.forward_time_s + auto_plan.recompute_time_s
+            <= fp32_plan.forward_time_s + fp32_plan.recompute_time_s + 1e-12)
     assert peaks["auto"][0] <= peaks["fp32"][0]
     assert peaks["auto"][1] <= peaks["fp32"][1]
     assert peaks["auto"][1] <= budget
@@ -160,7 +166,10 @@ def test_auto_with_default_tolerance_is_as_accurate_as_autocast(stack):
     assert as_accurate(_rel(grads, ref), _rel(ac, ref))
     p = om.plan.precision
     assert p["error_estimate"] <= p["tolerance"] + 1e-12
-    assert "error vs fp32" in om.plan.summary()
+    # The summary shows the measured errors of a mixed plan, and says when auto kept fp32 (issue 14: auto
+    # now takes the fastest candidate, fp32 on this tiny stack).
+    shown = "error vs fp32" if p["dtypes"] else "precision='auto' chose fp32"
+    assert shown in om.plan.summary()
 
 
 def test_tolerance_bounds_the_summed_error_estimate(stack):
@@ -268,3 +277,36 @@ def test_a_new_input_shape_keeps_the_dtypes(stack):
     new = om._planners[-1].profiles
     assert len(om.plans) == 2
     assert any(p.dtype == "bfloat16" for g in new for p in g.nodes.values()), "the new shape lost its bf16 casts"
+
+
+def test_bf16_lowers_the_floor_of_an_hf_gpt2_and_auto_says_what_it_chose():
+    # Issue 14: a 4-layer HF GPT-2 (scaled-dot-product attention, the path passes/attention.py runs in 16
+    # bits) at a budget between the bf16 and the fp32 floors: fp32 does not fit, bf16 does and holds the
+    # budget on a real step, and "auto" states what it chose.
+    torch.manual_seed(0)
+    model, ex = models.gpt2(batch=1, seq=64, n_layer=4, n_embd=64, n_head=4, vocab=256)
+    lo32, lo16 = _smallest(model, ex), _smallest(model, ex, precision="bf16")
+    assert lo16 < lo32
+    budget = (lo16 + lo32) // 2
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, precision="bf16")
+
+    def step(om=om):
+        torch.manual_seed(1)
+        models.loss_of(om(**ex)).backward()
+
+    step()
+    _, m = measure_peak(step, baseline_objs=(model, ex))
+    assert Ledger.from_dict(om.plan.ledger).fixed + m.delta_peak_bytes <= budget
+    p = om.plan.precision
+    assert as_accurate(p["grad_rel_err"], p["autocast_grad_rel_err"]), p
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        auto = autoremat.optimize(model, budget=budget, example_inputs=ex, precision="auto", device="h100")
+    a = auto.plan.precision
+    chosen = a["auto"]["chosen"]
+    assert chosen in ("ilp", "bf16") and "fp32" not in a["auto"]["predicted_step_s"]  # fp32 does not fit
+    assert any(f"precision='auto' chose {chosen}" in n for n in auto.plan.notes)
+    accurate = as_accurate(a["loss_rel_err"], a["autocast_loss_rel_err"]) and as_accurate(
+        a["grad_rel_err"], a["autocast_grad_rel_err"])
+    warned = any("no plan within it was as accurate" in str(w.message) for w in seen)
+    assert warned == (not accurate)  # never a silent fallback to a plan less accurate than autocast
