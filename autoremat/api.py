@@ -29,7 +29,7 @@ from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
-from autoremat.pipeline import build, plan_precision
+from autoremat.pipeline import build
 from autoremat.plan import Plan
 from autoremat.planner import (
     CapturePlanner,
@@ -40,6 +40,7 @@ from autoremat.planner import (
     own_errors,
     require_graphs,
 )
+from autoremat.precision_auto import plan_precision
 from autoremat.precision_measure import FP32_KEPT
 from autoremat.progress import stages_on_stderr
 from autoremat.solver import DEFAULT_GAP
@@ -393,8 +394,9 @@ def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, whe
         raise ValueError(f"tolerance must be a finite number >= 0 (a summed relative error), got {tolerance!r}")
     if isinstance(fp32_ops, str) or not all(isinstance(o, str) for o in fp32_ops):
         raise TypeError(f"fp32_ops must be a list of call names such as {list(FP32_KEPT[:3])}, got {fp32_ops!r}")
-    if precision in ("auto", "fp16") and where.type == "meta":
-        raise ValueError(f"precision={precision!r} measures value ranges and errors on the example batch, which "
-                         "meta tensors do not have: give real example inputs, or use precision='bf16' on meta")
+    if precision == "fp16" and where.type == "meta":
+        raise ValueError("precision='fp16' measures value ranges on the example batch (fp16 overflows where bf16 "
+                         "does not), which meta tensors do not have: give real example inputs, or use "
+                         "precision='bf16' or 'auto' on meta (auto then offers bf16 only, with estimated errors)")
 
 

@@ -4,14 +4,12 @@
     -> run one real step in the accumulation steady state and measure it -> re-plan with the
     measured gap, or refuse with BudgetError: the budget never passes silently.
 
-`build` is that pipeline for given compute dtypes; `plan_precision` chooses the dtypes first
-(precision="bf16" / "fp16" / "auto", autoremat.precision_plan) and checks the result against fp32 and
-torch.autocast on the example batch.
+`build` is that pipeline for given compute dtypes; `precision_auto.plan_precision` chooses the dtypes
+first (precision="bf16" / "fp16" / "auto") and checks the result against fp32 and torch.autocast.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -39,15 +37,6 @@ from autoremat.planner import (
 from autoremat.solver import smallest_peak
 from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
-
-# precision="auto": tries of the joint dtype ILP before falling back to fp32 (or all-bf16).
-AUTO_TRIES = 3
-# When the ILP's dtypes do not fit once traced, the next try asks for this share of the activation
-# cap: the mixed graphs need more than the fp32-traced rows saw (casts, 16-bit copies).
-AUTO_CAP_SHRINK = 0.95
-# When the mixed plan's measured error is above autocast's, the next try divides the tolerance by
-# this: the per-call errors add up to more than their sum on the example batch suggested.
-AUTO_TOLERANCE_DIVISOR = 4
 
 
 def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
@@ -209,126 +198,6 @@ def loss_of(out: Any) -> torch.Tensor:
     if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
         return out["loss"]
     return sum(t.float().sum() for t in leaves)
-
-
-def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, args, kwargs, where, fp32_ops,
-                    store, fields):
-    """precision="bf16" | "fp16" | "auto": choose dtypes, then plan the step traced with them.
-
-    "auto" first plans in fp32 (the fallback, and the memory the mixed plan must not exceed), then
-    solves the joint dtype ILP on the fp32 graphs, traces with its dtypes and plans exactly. The
-    result is checked on the example batch against fp32 and against torch.autocast; while its loss
-    or gradient error is above autocast's, the tolerance is cut and the dtypes chosen again.
-    """
-    with Restore(model), torch.enable_grad():
-        an = precision_plan.analyse(model, args, kwargs, dev, fp32_ops, measure=where.type != "meta")
-    info: dict[str, Any] = {"mode": mode}
-    if mode in ("bf16", "fp16"):
-        dtypes, unsafe = precision_plan.fixed_dtypes(an, mode)
-        plan, compiled, planner = build(budget, dtypes, store, fields)
-        if unsafe:
-            plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
-                              f"kept in fp32: {', '.join(unsafe[:8])}")
-            info["kept_fp32_unsafe"] = unsafe
-    else:
-        tol = an.default_tolerance() if tolerance is None else float(tolerance)
-        info["tolerance"] = tol
-        try:
-            fp32 = build(budget, [], None, fields)
-        except BudgetError:
-            fp32 = None
-        cap = budget - ledger.fixed - SLACK
-        if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
-            cap = min(cap, fp32[0].activation_peak)
-        result, why = None, "the joint ILP found no dtypes within the budget"
-        for attempt in range(AUTO_TRIES):
-            dtypes = precision_plan.auto_dtypes(an, cap, tol, dev, **opts)
-            if dtypes is not None and not any(dtypes):
-                why = "the joint ILP chose fp32 for every call (16-bit is not faster here and not needed to fit)"
-                break
-            if dtypes is None:
-                break
-            try:
-                result = build(min(budget, ledger.fixed + cap + SLACK), dtypes, store, fields)
-            except BudgetError:
-                result, why = None, "the ILP's dtypes did not fit once traced"
-                cap = int(cap * AUTO_CAP_SHRINK)
-                continue
-            errors = precision_errors(model, result[1], args, kwargs, where)
-            result[0].precision.update(errors)
-            if as_accurate_as_autocast(errors):
-                break
-            why = f"after {attempt + 1} tries the mixed plan's error was still above autocast's"
-            result, tol = None, tol / AUTO_TOLERANCE_DIVISOR
-        if result is None and fp32 is not None:
-            result = fp32
-            result[0].notes.append(f"precision='auto' kept every call in fp32: {why}")
-        elif result is None:  # fp32 does not fit: autocast's choice, every castable call in bf16
-            result = build(budget, precision_plan.fixed_dtypes(an, "bf16")[0], store, fields)  # BudgetError if not
-            errors = precision_errors(model, result[1], args, kwargs, where)
-            result[0].precision.update(errors)
-            result[0].notes.append("precision='auto': fp32 does not fit and the joint ILP's dtypes did not fit or "
-                                   "were less accurate than autocast; every castable call runs in bf16")
-            if not as_accurate_as_autocast(errors):
-                result[0].notes.append("this all-bf16 plan's error is above autocast's on the example batch "
-                                       "(see plan.precision); no plan within the budget was as accurate")
-        plan, compiled, planner = result
-        info["dtypes_chosen_by"] = "ilp (joint with save/recompute)" if plan.precision.get("dtypes") else "fp32"
-    stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
-    picked = plan.precision.get("dtypes") or []
-    info["error_estimate"] = precision_plan.error_estimate(an, picked) if an.stats and any(an.stats) else None
-    info["calls"] = stats
-    plan.precision = {**info, **plan.precision}
-    if where.type != "meta" and "loss_rel_err" not in plan.precision and picked:
-        plan.precision.update(precision_errors(model, compiled, args, kwargs, where))
-    plan.budget = budget
-    return plan, compiled, planner
-
-
-def as_accurate_as_autocast(errors: dict[str, float]) -> bool:
-    # "As accurate" up to the rounding of the fp32 results compared: each relative error is measured
-    # from a value and a reference that are each within one fp32 rounding (eps / 2) of what they stand
-    # for, so two errors equal before rounding can differ by 2 * eps after it. Without this margin a
-    # loss one ulp from fp32's counted as less accurate than autocast's loss that landed exactly on it.
-    margin = 2 * torch.finfo(torch.float32).eps
-    return (errors["loss_rel_err"] <= errors["autocast_loss_rel_err"] + margin
-            and errors["grad_rel_err"] <= errors["autocast_grad_rel_err"] + margin)
-
-
-def precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
-    """Relative error of the loss and of all gradients versus fp32 eager, for the compiled step and
-    for torch.autocast(bf16) on the same batch (same random stream, state restored after each)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-
-    def run(fn, autocast: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        with Restore(model):
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
-            for p in params:
-                p.grad = None
-            amp = torch.autocast(where.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-            with torch.enable_grad(), amp:
-                loss = loss_of(fn(*args, **kwargs))
-            loss.backward()
-            grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten()
-                               for p in params])
-            return loss.detach().double(), grads
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        den = b.norm().item()
-        return (a - b).norm().item() / den if den else float((a - b).norm().item())
-
-    progress.info("measuring the precision errors against fp32 and autocast")
-    ref_loss, ref_grads = run(model)
-    ac_loss, ac_grads = run(model, autocast=True)
-    loss, grads = run(compiled)
-    return {"loss_rel_err": rel(loss, ref_loss), "grad_rel_err": rel(grads, ref_grads),
-            "autocast_loss_rel_err": rel(ac_loss, ref_loss), "autocast_grad_rel_err": rel(ac_grads, ref_grads)}
-
-
 
 
 def pareto_points(profiles: list, plan: Plan, device: str, *, solver: str = "auto", time_limit: float = 10.0,

@@ -25,6 +25,15 @@ from autoremat.profile import GraphProfile, profile_graph
 from autoremat.solver import choose_dtypes
 
 MODES = ("fp32", "bf16", "fp16", "auto")
+# Without values (the meta device), a call's bf16 error is taken as bf16's unit roundoff: the relative
+# error of rounding a value to its 8 significand bits, what casting an input costs. Every call then costs
+# the same, and fp16, whose safety needs the values' range, is not offered.
+BF16_ROUNDING = 2.0**-8
+
+
+def estimated_stats() -> P.OpStats:
+    """What a call is assumed to do when there is no batch to measure it on (see BF16_ROUNDING)."""
+    return P.OpStats(max_abs=float("inf"), underflow=1.0, err_bf16=BF16_ROUNDING, err_fp16=float("inf"))
 
 
 @dataclass
@@ -44,7 +53,7 @@ class Analysis:
 
 def analyse(model: torch.nn.Module, args: tuple, kwargs: dict, device: DeviceSpec,
             fp32_ops: Iterable[str] = P.FP32_KEPT, measure: bool = True) -> Analysis:
-    """Trace `model` in fp32; with `measure`, run each graph once on the example batch."""
+    """Trace `model` in fp32; with `measure`, run each graph once on the example batch (else `estimated_stats`)."""
     fp32_ops = tuple(fp32_ops)
     an = Analysis()
 
@@ -52,7 +61,7 @@ def analyse(model: torch.nn.Module, args: tuple, kwargs: dict, device: DeviceSpe
         names = P.castable(gm, fp32_ops)
         an.castable.append(names)
         an.kept.append({n.name for n in gm.graph.nodes if P.call_name(n) in fp32_ops})
-        an.stats.append(P.measure(gm, inputs, names) if measure else {})
+        an.stats.append(P.measure(gm, inputs, names) if measure else {c: estimated_stats() for c in names})
 
     graphs = capture(model, args, kwargs, pre_pass=look)
     for cg in graphs:

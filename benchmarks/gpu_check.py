@@ -3,7 +3,7 @@
 For eager, checkpoint-every-block (HF gradient checkpointing, non-reentrant) and autoremat at a
 few absolute budgets (the smallest feasible one, the midpoint, the no-recompute total, and the
 checkpoint row's measured peak), then autocast(bf16) + checkpoint-every-block and autoremat
-precision="auto" at that row's measured peak, it measures one training step (forward + backward, no optimizer,
+precision="auto" and precision="bf16" at that row's measured peak, and precision="bf16" at its own smallest budget, it measures one training step (forward + backward, no optimizer,
 gradients already allocated by a warm-up step):
   - torch.cuda.max_memory_allocated (absolute, only this row's model, grads and inputs on the device),
     against the budget and against autoremat's predicted peak,
@@ -193,19 +193,25 @@ def main() -> None:
     run_row("eager", "-", eager)
     ck = run_row("checkpoint", "every block", ckpt)
 
-    # the smallest feasible budget, from the BudgetError of budget=1
-    smallest = None
-    t = time.perf_counter()
-    try:
+    def floor_of(precision: str) -> int | None:
+        """The smallest feasible budget, from the BudgetError of budget=1."""
+        if time.perf_counter() - t_start > a.max_seconds:
+            return None
+        found = None
+        t = time.perf_counter()
+        try:
+            free(dev)
+            autoremat.optimize(copy.deepcopy(pristine).to(dev), budget=1, example_inputs=ex, optimizer=None,
+                               time_limit=a.time_limit, precision=precision, compiler="eager")
+        except autoremat.BudgetError as e:
+            found = e.smallest_budget
+        except Exception:  # noqa: BLE001
+            print(traceback.format_exc(), flush=True)
         free(dev)
-        autoremat.optimize(copy.deepcopy(pristine).to(dev), budget=1, example_inputs=ex, optimizer=None,
-                           time_limit=a.time_limit, compiler="eager")
-    except autoremat.BudgetError as e:
-        smallest = e.smallest_budget
-    except Exception:  # noqa: BLE001
-        print(traceback.format_exc(), flush=True)
-    free(dev)
-    print(f"  smallest feasible budget: {smallest} ({time.perf_counter() - t:.1f} s)", flush=True)
+        print(f"  smallest feasible budget ({precision}): {found} ({time.perf_counter() - t:.1f} s)", flush=True)
+        return found
+
+    smallest = floor_of("fp32")
 
     if smallest:
         first = run_row("autoremat", "smallest", ar(smallest), smallest)
@@ -222,6 +228,12 @@ def main() -> None:
     if ca.get("status") == "ok":
         run_row("autoremat", "precision=auto @ autocast+ckpt's peak", ar(ca["measured_peak"], "auto"),
                 ca["measured_peak"])
+        # issue 14: every matmul-class call in bf16, at autocast + checkpoint's peak and at its own floor
+        run_row("autoremat", "precision=bf16 @ autocast+ckpt's peak", ar(ca["measured_peak"], "bf16"),
+                ca["measured_peak"])
+        bf16_floor = floor_of("bf16")
+        if bf16_floor is not None:
+            run_row("autoremat", "precision=bf16 @ its smallest budget", ar(bf16_floor, "bf16"), bf16_floor)
 
     # table
     by = {r["method"]: r for r in rows if r.get("status") == "ok" and r["method"] in ("eager", "checkpoint")}

@@ -67,3 +67,14 @@ def batch_depth(inputs) -> int:
     (another graph split, another kernel), so this is the depth to compare their gradients at."""
     leaves = torch.utils._pytree.tree_leaves(inputs)
     return max(1, sum(t.numel() for t in leaves if isinstance(t, torch.Tensor)))
+
+
+def as_accurate_with_extra_roundings(err: float, reference_err: float, depth: int, extra: int,
+                                     dtype: torch.dtype = torch.float32) -> bool:
+    """A computation that rounds `extra` more times along its longest chain than a reference that rounds
+    `depth` times, in the same low dtype: to first order the relative error grows linearly with the
+    roundings on the chain (module docstring), so its error may be the reference's times
+    (depth + extra) / depth, plus the 2 * eps of measuring any error from rounded results."""
+    if depth < 1 or extra < 0:
+        raise ValueError(f"depth must be >= 1 and extra >= 0, got {depth}, {extra}")
+    return err <= reference_err * (depth + extra) / depth + 2 * eps(dtype)

@@ -2,7 +2,8 @@
 
 `apply_dtypes(gm, dtypes)` casts the inputs of the chosen calls, lets the low dtype flow through the
 ops that follow (type promotion decides, as in eager), and casts back to fp32 in front of every
-`FP32_KEPT` call. It is applied to each dynamo graph before AOTAutograd traces it (precision_plan.pre_pass),
+`FP32_KEPT` call. An attention call run in 16 bits becomes `passes.attention.attention_16bit`: scores
+and probabilities in 16 bits, as GPU kernels keep them. It is applied to each dynamo graph before AOTAutograd traces it (precision_plan.pre_pass),
 so the joint graph, its profile and its plan see the 16-bit values.
 """
 
@@ -12,8 +13,12 @@ from collections.abc import Iterable
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
+from autoremat.passes.attention import attention_16bit
 from autoremat.precision_measure import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
+
+_INHERITED = ("nn_module_stack", "stack_trace", "source_fn_stack")
 
 
 def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[str] = FP32_KEPT) -> int:
@@ -38,7 +43,14 @@ def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[
             return arg
         with graph.inserting_before(node):
             casts += 1
-            return graph.call_method("to", (arg, dtype))
+            new = graph.call_method("to", (arg, dtype))
+        # The cast belongs to the call it feeds: same module path, so the region cut, checkpointing
+        # and the plan's per-module table put it beside that call (a cast without one looked like a
+        # value crossing blocks, and checkpointing saved every cast).
+        for key in _INHERITED:
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        return new
 
     def recast(node: fx.Node, dtype: torch.dtype, only_low: bool) -> None:
         def one(a):
@@ -53,6 +65,8 @@ def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[
         if node.name in low:
             recast(node, low[node.name], only_low=False)
             maybe_low.add(node)
+            if node.target is F.scaled_dot_product_attention:
+                node.target = attention_16bit  # not the math fallback's fp32 interior (passes/attention.py)
         elif call_name(node) in kept or is_matmul(node):
             # fp32 calls; matmuls do not promote mixed dtypes, so a fp32 one gets fp32 inputs too
             recast(node, torch.float32, only_low=True)

@@ -1,0 +1,239 @@
+"""Mixed precision at the scale people train: floors and predicted step times, planned on the meta device.
+
+    python benchmarks/precision_at_scale.py                       # GPT-2 small 8 x 1024 and the 7B Llama shape
+    python benchmarks/precision_at_scale.py --models gpt2-small   # one model
+
+Nothing runs on a GPU: each step is captured on the meta device and timed by autoremat's H100 roofline
+(autoremat/devices.py), AdamW, fp32 master weights and gradients in every row. Rows:
+
+  fp32              autoremat.optimize(precision="fp32")
+  bf16              autoremat.optimize(precision="bf16"): every matmul-class call in bf16
+  auto              autoremat.optimize(precision="auto"): fastest of fp32 / the joint ILP's dtypes / all-bf16
+                    (on meta each call's error is bf16's unit roundoff; the tolerance is autocast's)
+  autocast + ckpt   the graph precision="bf16" captures (autocast's policy: matmul-class calls in bf16, the
+                    calls autocast keeps in fp32 in fp32, attention as a GPU kernel runs it in bf16), planned
+                    as checkpoint-every-block: heuristics.checkpoint_blocks saves each block's inputs (and
+                    what may not be recomputed), every value inside a block is recomputed in its backward;
+                    peak from the same simulator (memory.simulate), time = every op once + the recomputation.
+
+Per model: the smallest budget each row fits in (total, and the activation part beyond the fixed ledger),
+and the predicted step time at three budgets derived from those floors. The loss region's chunk count is
+fixed for every row (--chunks, default 16: what the planner picks at GPT-2 small's fp32 floor), so the rows
+differ only in precision and plan; one candidate instead of four also keeps the run short.
+
+Writes benchmarks/results/precision_at_scale.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO))
+
+import autoremat  # noqa: E402
+from autoremat.decision import evaluate  # noqa: E402
+from autoremat.devices import get_device  # noqa: E402
+from autoremat.heuristics import checkpoint_blocks  # noqa: E402
+from autoremat.ledger import Ledger  # noqa: E402
+from autoremat.passes import loss_chunks  # noqa: E402
+
+GiB = 2**30
+TINY = 10**9  # 1 GB: below every floor here, so optimize reports the smallest budget that fits
+HUGE = 10**13  # nothing recomputed
+MODES = ("fp32", "bf16", "auto")
+DEVICE = "h100"
+
+
+def gpt2_small():
+    from examples.models import gpt2_small as factory
+
+    with torch.device("meta"):
+        model, inputs = factory(batch=8, seq=1024)
+    return model, inputs, "GPT-2 small (124M), batch 8 x 1024"
+
+
+def llama_7b():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+        ids = torch.randint(0, cfg.vocab_size, (1, 2048))
+    return model, {"input_ids": ids, "labels": ids}, "Llama 7B shape (6.74B), batch 1 x 2048"
+
+
+MODELS = {"gpt2-small": gpt2_small, "llama-7b": llama_7b}
+
+
+def optimize(model, inputs, budget: int, precision: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return autoremat.optimize(model, budget=budget, example_inputs=inputs, device=DEVICE, optimizer="adamw",
+                                  precision=precision, progress=False, compiler="eager")
+
+
+def floor(model, inputs, precision: str) -> dict:
+    try:
+        optimize(model, inputs, TINY, precision)
+    except autoremat.BudgetError as e:
+        fixed = e.ledger.fixed
+        return {"total": e.smallest_budget, "fixed": fixed, "activations": e.smallest_budget - fixed}
+    raise SystemExit(f"{precision}: 1 GB fits; pick a larger model")
+
+
+def step(model, inputs, budget: int, precision: str) -> dict:
+    try:
+        om = optimize(model, inputs, budget, precision)
+    except autoremat.BudgetError:
+        return {"fits": False}
+    p = om.plan
+    out = {"fits": True, "time_s": p.forward_time_s + p.recompute_time_s, "peak": p.predicted_peak,
+           "recompute_s": p.recompute_time_s}
+    if precision == "auto":
+        out["chosen"] = p.precision.get("auto", {}).get("chosen")
+    return out, om
+
+
+def autocast_checkpoint(om) -> dict:
+    """Checkpoint-every-block on the graphs `om` (a bf16 plan) captured, through the same simulator."""
+    profiles = om._planner.profiles
+    dev = get_device(DEVICE)
+    saved = checkpoint_blocks(profiles)
+    _, timeline, recompute = evaluate(profiles, saved, dev.alloc_granularity)
+    fixed = Ledger.from_dict(om.plan.ledger).fixed
+    every_op = sum(p.time_s for g in profiles for p in g.nodes.values())
+    return {"total": fixed + timeline.peak, "fixed": fixed, "activations": timeline.peak,
+            "time_s": every_op + recompute, "recompute_s": recompute}
+
+
+def run_model(name: str, log, floors_only: bool = False) -> dict:
+    model, inputs, label = MODELS[name]()
+    t0 = time.perf_counter()
+    floors = {m: floor(model, inputs, m) for m in MODES}
+    log(f"{name}: floors " + ", ".join(f"{m} {f['total'] / GiB:.2f} GiB" for m, f in floors.items()))
+    bf16_all = step(model, inputs, HUGE, "bf16")
+    ac = autocast_checkpoint(bf16_all[1])
+    floors["autocast + ckpt"] = {k: ac[k] for k in ("total", "fixed", "activations")}
+    log(f"{name}: autocast + ckpt {ac['total'] / GiB:.2f} GiB, {ac['time_s'] * 1e3:.1f} ms")
+    # Three budgets, each with 1% room (the slack and allocator rounding a floor leaves no room for): the lowest
+    # floor of all rows, autocast + ckpt's peak, and fp32's floor; duplicates (closer than 1%) merged, topped
+    # up with 1.25 x the largest.
+    points = sorted({int(x * 1.01) for x in (min(f["total"] for f in floors.values()), ac["total"],
+                                             floors["fp32"]["total"])})
+    budgets: list[int] = []
+    for b in points:
+        if not budgets or b > budgets[-1] * 1.01:
+            budgets.append(b)
+    while len(budgets) < 3:
+        budgets.append(int(budgets[-1] * 1.25))
+    rows = {}
+    for b in ([] if floors_only else budgets):
+        row = {m: step(model, inputs, b, m) for m in MODES}
+        row = {m: (r[0] if isinstance(r, tuple) else r) for m, r in row.items()}
+        row["autocast + ckpt"] = ({"fits": True, "time_s": ac["time_s"], "peak": ac["total"]}
+                                  if ac["total"] <= b else {"fits": False})
+        rows[str(b)] = row
+        log(f"{name}: at {b / GiB:.2f} GiB " + ", ".join(
+            f"{m} {r['time_s'] * 1e3:.1f} ms" if r["fits"] else f"{m} -" for m, r in row.items()))
+    return {"label": label, "floors": floors, "budgets": rows, "no_recompute_bf16": bf16_all[0],
+            "wall_s": time.perf_counter() - t0}
+
+
+def goals(res: dict) -> dict:
+    f = res["floors"]
+    ratio = f["bf16"]["activations"] / f["fp32"]["activations"]
+    auto_ok = True
+    for row in res["budgets"].values():
+        if not row["auto"]["fits"]:
+            auto_ok = auto_ok and not any(row[m]["fits"] for m in ("bf16", "autocast + ckpt"))
+            continue
+        for other in ("bf16", "autocast + ckpt"):
+            if row[other]["fits"] and row["auto"]["time_s"] > row[other]["time_s"] * (1 + 1e-9):
+                auto_ok = False
+    return {"bf16_activation_ratio": ratio, "ratio_goal_met": ratio <= 0.6,
+            "auto_fastest_everywhere": auto_ok if res["budgets"] else None}
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Mixed precision at scale, planned on the meta device ({DEVICE} roofline)", "",
+             f"torch {torch.__version__}; loss region in {results['chunks']} chunks for every row. "
+             "How each row is made: see the docstring of benchmarks/precision_at_scale.py. The autocast + "
+             "checkpoint row is the graph precision='bf16' captures (matmul-class calls in bf16, autocast's fp32 "
+             "calls in fp32, attention with 16-bit scores and probabilities as GPU kernels keep them), with "
+             "heuristics.checkpoint_blocks's saved set (each block's inputs; every value inside a block recomputed "
+             "in its backward), simulated by memory.simulate; its time is every op once plus that recomputation.",
+             ""]
+    for res in results["models"].values():
+        g = res["goals"]
+        lines += [f"## {res['label']}", "", f"`{res['command']}`", "", "| row | smallest budget | fixed | activation part | x fp32's activations |",
+                  "|---|---|---|---|---|"]
+        fp32_act = res["floors"]["fp32"]["activations"]
+        for m, f in res["floors"].items():
+            lines.append(f"| {m} | {f['total'] / GiB:.2f} GiB | {f['fixed'] / GiB:.2f} GiB | "
+                         f"{f['activations'] / GiB:.2f} GiB | {f['activations'] / fp32_act:.3f} |")
+        budgets = list(res["budgets"])
+        if not budgets:
+            lines += ["", f"Step times not run (--floors-only). bf16's activation part / fp32's = "
+                      f"{g['bf16_activation_ratio']:.3f} (goal <= 0.6: {'met' if g['ratio_goal_met'] else 'NOT met'}). "
+                      f"Wall time {res['wall_s']:.0f} s.", ""]
+            continue
+        lines += ["", "Predicted step time (ms) at each budget (- : does not fit):", "",
+                  "| row | " + " | ".join(f"{int(b) / GiB:.2f} GiB" for b in budgets) + " |",
+                  "|---|" + "---|" * len(budgets)]
+        for m in (*MODES, "autocast + ckpt"):
+            cells = []
+            for b in budgets:
+                r = res["budgets"][b][m]
+                cell = f"{r['time_s'] * 1e3:.2f}" if r["fits"] else "-"
+                if m == "auto" and r["fits"] and r.get("chosen"):
+                    cell += f" ({r['chosen']})"
+                cells.append(cell)
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines += ["", f"Goals: bf16's activation part / fp32's = {g['bf16_activation_ratio']:.3f} (goal <= 0.6: "
+                  f"{'met' if g['ratio_goal_met'] else 'NOT met'}); auto's time <= bf16's and autocast + ckpt's at "
+                  f"every budget: {'met' if g['auto_fastest_everywhere'] else 'NOT met'}. Wall time "
+                  f"{res['wall_s']:.0f} s.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--floors-only", action="store_true", help="the smallest budgets and autocast + ckpt only")
+    ap.add_argument("--chunks", type=int, default=16, help="the loss region's chunk count, the same for every row")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    loss_chunks.CANDIDATES = (a.chunks,)
+
+    def log(s: str) -> None:
+        print(s, flush=True)
+
+    results = {"device": DEVICE, "chunks": a.chunks, "torch": torch.__version__, "models": {}}
+    for name in a.models:
+        res = run_model(name, log, a.floors_only)
+        res["goals"] = goals(res)
+        results["models"][name] = res
+    out = REPO / "benchmarks" / "results" / "precision_at_scale"
+    argv = ("python benchmarks/precision_at_scale.py " + " ".join(sys.argv[1:])).strip()
+    for res in results["models"].values():
+        res["command"] = argv
+    if out.with_suffix(".json").exists():  # one model at a time: keep the other models' latest results
+        before = json.loads(out.with_suffix(".json").read_text())
+        if before.get("chunks") == a.chunks:
+            results["models"] = {**before.get("models", {}), **results["models"]}
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    out.with_suffix(".md").write_text(markdown(results) + "\n")
+    print(f"wrote {out}.md")
+
+
+if __name__ == "__main__":
+    main()
