@@ -159,9 +159,10 @@ def _gpt2_floor(outputs: str = "loss"):
     torch.manual_seed(0)  # a wide vocabulary, few tokens: the tied 1024 x 64 embedding's gradient is 256 KiB
     model, ex = models.gpt2(batch=2, seq=32, n_layer=2, n_embd=64, n_head=4, vocab=1024, dropout=0.1)
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs=outputs, verify=False)
+        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs=outputs, verify=False,
+                           compiler="eager")
     return model, ex, autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex,
-                                         optimizer=None, outputs=outputs, verify=False)
+                                         optimizer=None, outputs=outputs, verify=False, compiler="eager")
 
 
 def test_a_tied_weights_gradient_waits_for_the_other_regions_and_the_plan_predicts_it():
@@ -200,9 +201,9 @@ def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch):
         torch.manual_seed(0)
         model, ex = models.transformer_stack(n_layer=3, d=64, n_head=4, seq=64, batch=4, dropout=0.1)
         with pytest.raises(autoremat.BudgetError) as err:
-            autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, verify=False)
+            autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, verify=False, compiler="eager")
         om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex, optimizer=None,
-                                verify=False)
+                                verify=False, compiler="eager")
         peak = _steady(om, model, ex)
         assert abs(peak - om.plan.activation_peak) <= 0.05 * peak, (peak, om.plan.activation_peak)
         return peak
