@@ -72,12 +72,14 @@ def one(cfg: dict, top: int) -> str:
     args, kwargs = peers.split(ex)
     torch._dynamo.reset()
     try:
-        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs="loss", verify=False)
+        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
+                           compiler="eager")
         raise RuntimeError("budget=1 did not raise BudgetError")
     except autoremat.BudgetError as e:
         budget = e.smallest_budget
     torch._dynamo.reset()
-    om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, outputs="loss", verify=False)
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
+                           compiler="eager")
     step = peers.make_step(om, args, kwargs)
     step()
     _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
