@@ -25,7 +25,7 @@ simulator refuses it, asks this model again with that trace excluded.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pulp
 
@@ -58,7 +58,6 @@ class Choice:
     predicted_peak: float | None = None  # the chosen trace's largest row at the solution
     predicted_time_s: float | None = None  # the chosen trace's ops once, plus the recomputation the plan adds
     saved: list[set[str]] | None = None  # per graph of the chosen trace, the values the solution saves
-    floors: dict = field(default_factory=dict)  # per trace: its rows without variables (the least it can peak at)
 
 
 class ChoiceModel:
@@ -78,7 +77,7 @@ class ChoiceModel:
             for i, (k, graphs) in enumerate(alternatives.items()):
                 within = Alternative(self.prob, self.cap, self.z[k], f"k{i}_")
                 self.models[k] = IlpModel(graphs, granularity, block_drag, shared_blocks, within=within)
-                self.base_time[k] = _compute_time(graphs)
+                self.base_time[k] = ops_once_time(graphs)
         self.time_expr = pulp.lpSum(t * self.z[k] for k, t in self.base_time.items()) + pulp.lpSum(
             m.time_expr for m in self.models.values())
         self.bytes_expr = pulp.lpSum(m.bytes_expr for m in self.models.values())
@@ -91,9 +90,8 @@ class ChoiceModel:
 
     def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False) -> Choice:
         """The trace and plan of least predicted time under `budget` bytes (or, `min_peak`, the least peak)."""
-        floors = {k: m.floor for k, m in self.models.items()}
-        if not min_peak and all(floors[k] > budget or self.z[k].upBound == 0 for k in floors):
-            return Choice("infeasible", floors=floors)
+        if not min_peak and all(m.floor > budget or self.z[k].upBound == 0 for k, m in self.models.items()):
+            return Choice("infeasible")
         if min_peak:
             self.cap.lowBound, self.cap.upBound = 0, None
             self.prob.setObjective(self.cap + MIN_PEAK_TIME_WEIGHT * self.total_bytes / self.total_time
@@ -105,14 +103,15 @@ class ChoiceModel:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.prob.solve(solver)
         if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return Choice(pulp.LpStatus[self.prob.status].lower(), floors=floors)
+            return Choice(pulp.LpStatus[self.prob.status].lower())
         status = "optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
         chosen = max(self.z, key=lambda k: self.z[k].value() or 0)
         rows = self.models[chosen].rows
         peak = max((static + (pulp.value(expr) or 0) for static, expr in rows), default=0)
         saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.models[chosen].s]
-        return Choice(status, chosen, peak, pulp.value(self.time_expr), saved, floors)
+        return Choice(status, chosen, peak, pulp.value(self.time_expr), saved)
 
 
-def _compute_time(graphs: list[GraphProfile]) -> float:
+def ops_once_time(graphs: list[GraphProfile]) -> float:
+    """T0: the predicted time of every op of `graphs` run once (no recomputation)."""
     return sum(p.time_s for g in graphs for p in g.nodes.values())

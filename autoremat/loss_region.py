@@ -19,7 +19,7 @@ from collections.abc import Callable
 from autoremat import precision_plan
 from autoremat.decision import evaluate
 from autoremat.heuristics import save_all
-from autoremat.ilp_choice import ChoiceModel
+from autoremat.ilp_choice import ChoiceModel, ops_once_time
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.plan import BudgetError
@@ -57,8 +57,10 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
         return build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=1, **kw)
     dev, opts = kw["dev"], kw["opts"]
     activations = activation_budget(budget, kw["ledger"], dev)
-    ilp = ChoiceModel({k: t.profiles for k, t in traces.items()}, dev.alloc_granularity)
-    table = {k: f"ops once {1e3 * ilp.base_time[k]:.3f} ms" for k in traces}
+    base_time = {k: ops_once_time(t.profiles) for k, t in traces.items()}
+    table = {k: f"ops once {1e3 * base_time[k]:.3f} ms" for k in traces}
+    # Built only when some budget is left for activations (a floor query, budget=1, goes straight on).
+    ilp = ChoiceModel({k: t.profiles for k, t in traces.items()}, dev.alloc_granularity) if activations > 0 else None
     refused: dict[int, BudgetError] = {}
     while activations > 0:
         choice = choose_trace(ilp, activations, solver=opts["solver"], time_limit=opts["time_limit"], gap=opts["gap"])
@@ -77,7 +79,7 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
         table[k] += (f"; chosen by the ILP (predicted {1e3 * choice.predicted_time_s:.3f} ms with its recomputation, "
                      f"activation rows up to {format_bytes(choice.predicted_peak)})")
         return _record(plan, table, "ilp"), compiled, planner
-    k = _fastest_in_full(traces, refused, table, budget, kw)
+    k = _fastest_in_full(traces, base_time, refused, table, budget, kw)
     plan, compiled, planner = build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=k, **kw)
     return _record(plan, table, "each count planned in full (the ILP found no plan)"), compiled, planner
 
@@ -91,7 +93,7 @@ def _trace(model, loss: LossOption, k: int, budget: int, dtypes, kw) -> CaptureP
     return planner
 
 
-def _fastest_in_full(traces: dict, refused: dict, table: dict, budget: int, kw) -> int:
+def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, budget: int, kw) -> int:
     """Plan every count the ILP did not already see refused; the fastest that fits, or the BudgetError
     of the count with the lowest floor."""
     best: tuple[float, int] | None = None
@@ -104,7 +106,7 @@ def _fastest_in_full(traces: dict, refused: dict, table: dict, budget: int, kw) 
             refused[k] = e
             table[k] += "; planned in full: does not fit"
             continue
-        time_s = sum(p.time_s for g in planner.profiles for p in g.nodes.values()) + d.recompute_time_s
+        time_s = base_time[k] + d.recompute_time_s
         table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
         if best is None or time_s < best[0]:
             best = (time_s, k)
