@@ -3,10 +3,12 @@
 `save_all` recomputes nothing. `checkpoint_blocks` saves only what crosses a repeated block
 (checkpointing), `block_mode_plans` searches a family of per-block modes (save / selective /
 checkpoint), and `greedy` turns saved values into recomputed ones while the simulated peak shrinks. The ILP (solver.py) starts from these and must beat them.
+`spend_slack` goes the other way: it saves recomputed values back while the plan still fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from autoremat.decision import Decision, evaluate
@@ -139,3 +141,84 @@ def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, 
                 found.append(Decision(saved, schedules, tl, cost, "heuristic",
                                       f"block-modes(checkpoint {k}, selective {j})"))
     return found
+
+
+def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granularity: int, deadline: float) -> Decision:
+    """`plan` with recomputed values saved back, while the simulated peak still fits `budget`.
+
+    A plan from a heuristic (or an ILP whose rows were pessimistic) can leave budget unused; each
+    byte of it may buy back recomputation. Values are tried most recompute seconds per byte first,
+    only those that fit in what is left, each kept if the simulated peak fits and the predicted
+    recompute time falls. Stops at `deadline` (each try simulates the whole step).
+    """
+    candidates = []
+    for gi, (g, schedule) in enumerate(zip(graphs, plan.schedules)):
+        for v in schedule.recomputed:
+            p = g.nodes[v]
+            if p.time_s > 0 and p.nbytes and not p.is_tuple:
+                candidates.append((p.time_s, gi, v))
+    best, tried = plan, 0
+    for _, gi, v in sorted(candidates, reverse=True):
+        if time.perf_counter() > deadline or best.recompute_time_s == 0:
+            break
+        if graphs[gi].nodes[v].nbytes > budget - best.peak:
+            continue
+        trial = [set(s) for s in best.saved]
+        trial[gi].add(v)
+        tried += 1
+        try:
+            schedules, tl, cost = evaluate(graphs, trial, granularity)
+        except ValueError:
+            continue
+        if tl.peak <= budget and cost < best.recompute_time_s:
+            best = dataclasses.replace(best, saved=trial, schedules=schedules, timeline=tl, recompute_time_s=cost)
+    if best is not plan:
+        best = dataclasses.replace(best, path=plan.path + "+slack-spent", notes=[*plan.notes, (
+            f"saved back recomputed values into the {budget - plan.peak:,} B the plan left unused "
+            f"({tried} tried): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
+            f"{best.recompute_time_s * 1e3:.2f} ms")])
+    return best
+
+
+
+def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max_tries: int = 150) -> Decision:
+    """`plan` with values saved back where that lowers the simulated peak.
+
+    Saving a value can lower the peak: the recomputation it spares may otherwise run before the
+    peak and hold its inputs and outputs there (checkpointing a transformer block recomputes
+    attention before the MLP's backward, where the peak is, only because the MLP reads attention's
+    output). So each round tries, in the graph holding the peak, every value recomputed before the
+    peak step and keeps the one that lowers the peak most (the cheaper on a tie; the first that
+    lowers it is a worse guide: a small early value moves the recomputations and ends the search);
+    rounds go on until none lowers it or after `max_tries` simulations of the whole step. A count,
+    not a deadline, bounds it: the plan at a floor must be the plan the floor was found with.
+    """
+    best, tries = plan, 0
+    while tries < max_tries:
+        step = best.timeline.peak_step
+        if step is None or step.phase != "backward":
+            break
+        g, schedule = graphs[step.graph], best.schedules[step.graph]
+        recomputed = set(schedule.recomputed)
+        before = schedule.backward[:schedule.backward.index(step.node)]
+        found = None
+        for v in before:
+            if v not in recomputed or g.nodes[v].is_tuple or not g.nodes[v].nbytes or g.nodes[v].storage != v:
+                continue
+            if tries >= max_tries:
+                break
+            tries += 1
+            trial = [set(s) for s in best.saved]
+            trial[step.graph].add(v)
+            try:
+                schedules, tl, cost = evaluate(graphs, trial, granularity)
+            except ValueError:
+                continue
+            if (tl.peak, cost) < (best.peak, best.recompute_time_s) and (found is None or (tl.peak, cost) < found[0]):
+                found = ((tl.peak, cost), trial, schedules, tl)
+        if found is None:
+            break
+        (_, cost), trial, schedules, tl = found
+        path = best.path if best.path.endswith("+peak-lowered") else best.path + "+peak-lowered"
+        best = dataclasses.replace(best, saved=trial, schedules=schedules, timeline=tl, recompute_time_s=cost, path=path)
+    return best

@@ -25,14 +25,15 @@ import warnings
 import pulp
 
 from autoremat.decision import Decision, evaluate
-from autoremat.heuristics import block_mode_plans, checkpoint_blocks, greedy, save_all
+from autoremat.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.ilp import IlpModel, IlpResult
 from autoremat.ilp_choice import Choice, ChoiceModel
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
-           "choose_dtypes", "choose_trace", "evaluate", "greedy", "save_all", "smallest_peak", "solve"]
+           "choose_dtypes", "choose_trace", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
+           "spend_slack"]
 
 # Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
 # the same objective (benchmarks/solver_scale.py).
@@ -144,7 +145,8 @@ def solve(
 
     Two ILP models are solved: one that keeps recomputation local (exact start times) and one that
     lets it span a repeated block (checkpoint-like segments, start times bounded). The cheaper
-    plan the simulator accepts wins; then the greedy plan, then the smallest-peak plan.
+    plan the simulator accepts wins; then the greedy plan, then the smallest-peak plan. Whatever
+    budget the chosen plan leaves unused is spent saving recomputed values back (`spend_slack`).
     Raises `Infeasible` carrying the smallest activation peak any plan reached.
     """
     t0 = time.perf_counter()
@@ -178,6 +180,8 @@ def solve(
         if tl.peak <= budget:
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
+    if best is not None and best.peak < budget and best.recompute_time_s > 0:
+        best = spend_slack(graphs, best, budget, granularity, t0 + time_limit)
     if best is None:
         smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
                                  models=models)
@@ -217,7 +221,8 @@ def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_
 def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None) -> Decision:
     """The plan with the smallest simulated activation peak we can find.
 
-    Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy.
+    Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy;
+    the smallest is then lowered further by saving values back (`heuristics.lower_peak`).
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
@@ -244,7 +249,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if best is None or (tl.peak, cost) < (best.peak, best.recompute_time_s):
             best = Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
                             granularity=granularity)
-    return best
+    return lower_peak(graphs, best, granularity) if best is not None else best
 
 
 class Infeasible(Exception):
