@@ -215,9 +215,37 @@ def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[i
         node.meta["val"] = None
         outs[num_fwd_outputs + i] = None
     out.args = (tuple(outs),)
+    _weight_gradients_first(joint)
     joint.graph.lint()
     joint.recompile()
     return released
+
+
+def _weight_gradients_first(joint: fx.GraphModule) -> None:
+    """Compute each released weight gradient as soon as its inputs exist, and hand it over at once.
+
+    Autograd's formula for a linear layer computes the input's gradient first, then the weight's, so
+    the input gradient (d_in x tokens: the 4x-wide MLP's is the largest tensor of a block's backward)
+    is alive while the weight gradient reads the activation. Nothing orders the two: with the weight
+    gradient first, the activation it reads (saved or recomputed) can die before the input gradient
+    is allocated. The nodes moved are those only the gradient needs (its matmul, a transpose, a bias
+    gradient's sum); each goes right after the latest of its inputs, in graph order.
+    """
+    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    for acc in [n for n in joint.graph.nodes if n.op == "call_function" and n.target is accumulate_grad]:
+        own = {acc}
+        todo = [acc.args[1]]
+        while todo:
+            n = todo.pop()
+            if n.op != "call_function" or n in own or not all(u in own for u in n.users):
+                continue
+            own.add(n)
+            todo.extend(n.all_input_nodes)
+        for n in sorted(own, key=order.__getitem__):
+            after = max(n.all_input_nodes, key=order.__getitem__, default=None)
+            if after is not None and order[after] + 1 < order[n]:
+                after.append(n)
+                order = {n: i for i, n in enumerate(joint.graph.nodes)}
 
 
 def with_stand_ins(compiled: Callable, released: list[int]) -> Callable:
