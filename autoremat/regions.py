@@ -123,8 +123,8 @@ class RegionLinks:
     sources: list[tuple[int, int] | None]  # per input: (producing region's position, its output index)
     outputs: int  # how many values this region returns
     exported: set[int]  # indices of the outputs the dynamo graph itself returns (the user sees them)
-    # inputs another region reads too (tied weights): index -> the input's name in the dynamo graph, the
-    # same in every region that reads it
+    # inputs another region reads too (tied weights; a region's output two later regions read): index ->
+    # the input's name in the dynamo graph, the same in every region that reads it
     shared: dict[int, str] = field(default_factory=dict)
 
 
@@ -139,7 +139,9 @@ def _link(cut: fx.GraphModule) -> None:
         if not any(u in produced for u in call.users):
             produced[call] = (position[call], 0)
     returned = {produced[a] for a in cut.graph.find_nodes(op="output")[0].all_input_nodes if a in produced}
-    readers = {p: sum(u in position for u in p.users) for p in cut.graph.find_nodes(op="placeholder")}
+    # A value several regions read: a tied weight (a placeholder), or a region's output that more than
+    # one later region reads (a residual stream crossing a region's end). Its gradients meet in autograd.
+    readers = {v: sum(u in position for u in v.users) for v in [*cut.graph.find_nodes(op="placeholder"), *produced]}
     for call in calls:
         sub = getattr(cut, str(call.target))
         sub.meta = dict(sub.meta)  # copy_split_metadata gave every region the one dict of the whole graph
