@@ -90,9 +90,9 @@ def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[
 
 
 def waiting_bytes(graphs: list[GraphProfile], granularity: int = 1) -> list[int]:
-    """Per graph, the bytes of other regions' tied-weight gradients that wait in autograd while its
-    backward runs (memory.tied_waits): from the backward after the one that computed them to the end
-    of the one they wait for."""
+    """Per graph, the bytes of other regions' gradients of a shared input (a tied weight, an output two
+    regions read) that wait in autograd while its backward runs (memory.tied_waits): from the backward
+    after the one that computed them to the end of the one they wait for."""
     waiting = [0] * len(graphs)
     for until, grads in tied_waits(graphs).items():
         for k, name in grads:

@@ -350,6 +350,9 @@ def tied_waits(profiles: list[GraphProfile]) -> dict[int, list[tuple[int, str]]]
     later region's backward runs first: its gradient waits there until the earlier region's backward
     returns the other one (measured: GPT-2's 4 MiB 4096 x 256 embedding gradient, alive through every
     block's backward). Any gradient arriving in between is added to it in place and dies at once.
+    The same holds for a region's output that two later regions read (a residual stream whose add
+    falls in the next region: `x + block(x)` written outside the block): the later reader's gradient
+    of it waits for the earlier reader's.
     """
     by_key: dict[str, list[tuple[int, str]]] = {}
     for k, g in enumerate(profiles):

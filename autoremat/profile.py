@@ -84,9 +84,10 @@ class GraphProfile:
     sources: dict[str, tuple[int, int]] = field(default_factory=dict)
     user_outputs: list[str | None] = field(default_factory=list)
     exported: list[str] = field(default_factory=list)
-    # Gradients of inputs another region of the same step reads too (a tied embedding / LM head): gradient
-    # output -> a key naming the input, the same in every region that reads it. Autograd sums such a
-    # gradient before the input's one AccumulateGrad, so the one computed first waits for the others.
+    # Gradients of inputs another region of the same step reads too (a tied embedding / LM head, or an
+    # earlier region's output two regions read): gradient output -> a key naming the input, the same in
+    # every region that reads it. Autograd sums such gradients in the input's one buffer (AccumulateGrad,
+    # or the producing region's backward), so the one computed first waits for the others.
     tied: dict[str, str] = field(default_factory=dict)
 
     def forward_side(self) -> list[str]:

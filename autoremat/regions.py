@@ -123,8 +123,8 @@ class RegionLinks:
     sources: list[tuple[int, int] | None]  # per input: (producing region's position, its output index)
     outputs: int  # how many values this region returns
     exported: set[int]  # indices of the outputs the dynamo graph itself returns (the user sees them)
-    # inputs another region reads too (tied weights): index -> the input's name in the dynamo graph, the
-    # same in every region that reads it
+    # inputs another region reads too (tied weights; a region's output two later regions read): index ->
+    # the input's name in the dynamo graph, the same in every region that reads it
     shared: dict[int, str] = field(default_factory=dict)
 
 
@@ -139,7 +139,9 @@ def _link(cut: fx.GraphModule) -> None:
         if not any(u in produced for u in call.users):
             produced[call] = (position[call], 0)
     returned = {produced[a] for a in cut.graph.find_nodes(op="output")[0].all_input_nodes if a in produced}
-    readers = {p: sum(u in position for u in p.users) for p in cut.graph.find_nodes(op="placeholder")}
+    # A value several regions read: a tied weight (a placeholder), or a region's output that more than
+    # one later region reads (a residual stream crossing a region's end). Its gradients meet in autograd.
+    readers = {v: sum(u in position for u in v.users) for v in [*cut.graph.find_nodes(op="placeholder"), *produced]}
     for call in calls:
         sub = getattr(cut, str(call.target))
         sub.meta = dict(sub.meta)  # copy_split_metadata gave every region the one dict of the whole graph
@@ -215,9 +217,37 @@ def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[i
         node.meta["val"] = None
         outs[num_fwd_outputs + i] = None
     out.args = (tuple(outs),)
+    _weight_gradients_first(joint)
     joint.graph.lint()
     joint.recompile()
     return released
+
+
+def _weight_gradients_first(joint: fx.GraphModule) -> None:
+    """Compute each released weight gradient as soon as its inputs exist, and hand it over at once.
+
+    Autograd's formula for a linear layer computes the input's gradient first, then the weight's, so
+    the input gradient (d_in x tokens: the 4x-wide MLP's is the largest tensor of a block's backward)
+    is alive while the weight gradient reads the activation. Nothing orders the two: with the weight
+    gradient first, the activation it reads (saved or recomputed) can die before the input gradient
+    is allocated. The nodes moved are those only the gradient needs (its matmul, a transpose, a bias
+    gradient's sum); each goes right after the latest of its inputs, in graph order.
+    """
+    order = {n: i for i, n in enumerate(joint.graph.nodes)}
+    for acc in [n for n in joint.graph.nodes if n.op == "call_function" and n.target is accumulate_grad]:
+        own = {acc}
+        todo = [acc.args[1]]
+        while todo:
+            n = todo.pop()
+            if n.op != "call_function" or n in own or not all(u in own for u in n.users):
+                continue
+            own.add(n)
+            todo.extend(n.all_input_nodes)
+        for n in sorted(own, key=order.__getitem__):
+            after = max(n.all_input_nodes, key=order.__getitem__, default=None)
+            if after is not None and order[after] + 1 < order[n]:
+                after.append(n)
+                order = {n: i for i, n in enumerate(joint.graph.nodes)}
 
 
 def with_stand_ins(compiled: Callable, released: list[int]) -> Callable:
