@@ -88,6 +88,22 @@ def test_auto_uses_inductor_where_the_cpu_probe_passes() -> None:
     assert "Inductor's compilers" in om.plan.summary()
 
 
+def test_the_backend_defaults_to_auto_and_chooses_at_its_first_graph() -> None:
+    problem = inductor_problem("cpu")
+    model, ex = _tiny()
+    model.zero_grad(set_to_none=True)
+    model(*ex).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    be = autoremat.backend(budget="1GB")
+    assert be.planner.compiler is None  # no graph yet: no device to choose for
+    torch.compile(model, backend=be)(*ex).sum().backward()
+    c = be.planner.compiler
+    assert (c.requested, c.used) == ("auto", "eager" if problem else "inductor"), c
+    for p, r in zip(model.parameters(), ref, strict=True):
+        assert_close_for(p.grad, r, depth=3)
+
+
 def test_auto_falls_back_to_eager_once_when_no_cpp_compiler_works(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-g++"
     script = tmp_path / "child.py"
