@@ -137,3 +137,18 @@ def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
     sched = make_schedule(g, {n for c in chains for n in (f"view_{c}", f"mul_{c}")})
     assert sched.saved == [f"mm_{c}" for c in chains]
     assert set(sched.recomputed) == {n for c in chains for n in (f"exp_{c}", f"view_{c}", f"mul_{c}")}
+
+
+def test_the_exact_start_ilp_accepts_fused_chains():
+    """Fused values are always recomputed where they are read, so a fused reader drags its inputs in
+    every model (lifetimes.follows): the local ILP, which forbids other drags, must stay feasible."""
+    from autoremat.ilp import IlpModel
+    from autoremat.solver import _pick_solver, evaluate
+
+    model, x = _mlp(), torch.randn(128, 64)
+    (cg,) = capture(model, (x,))
+    ind = profile_graph(dataclasses.replace(cg, compiler="inductor"))
+    everything = save_all([ind])
+    peak = evaluate([ind], everything, 1)[1].peak
+    result = IlpModel([ind], 1, block_drag=False).solve(peak, _pick_solver("auto", 10.0, 0.01))
+    assert result.status == "optimal" and result.saved is not None, result.status
