@@ -137,6 +137,10 @@ def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
     sched = make_schedule(g, {n for c in chains for n in (f"view_{c}", f"mul_{c}")})
     assert sched.saved == [f"mm_{c}" for c in chains]
     assert set(sched.recomputed) == {n for c in chains for n in (f"exp_{c}", f"view_{c}", f"mul_{c}")}
+    from autoremat.ilp import IlpModel
+
+    ilp = IlpModel([g], 1, block_drag=False)  # the ILP may not save the view either (it would cost no bytes)
+    assert all(ilp.s[0][f"view_{c}"].upBound == 0 for c in chains)
 
 
 def test_the_exact_start_ilp_accepts_fused_chains():
