@@ -25,7 +25,7 @@ import torch
 from autoremat import precision_plan
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.capture import COMPILE_CLOCK
-from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler
+from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler, run_with_fallback
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
@@ -343,8 +343,16 @@ def optimize(
                                      kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
                                      regions=regions, release_grads=release_grads, outputs=outputs)
 
-        build_here = builder(args, kwargs, ledger)
-        if plan is not None:
+        def plan_step(used: str) -> tuple[Plan, Any, CapturePlanner]:
+            """Plan the step (or apply `plan`) with compiler `used` (run_with_fallback may ask twice)."""
+            nonlocal compiler, fields
+            compiler, fields = used, {**fields, "compiler": used}
+            build_here = builder(args, kwargs, ledger)
+            if plan is None and precision == "fp32":
+                return build_here(budget_bytes, [], store, fields)
+            if plan is None:
+                return plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev, opts, args,
+                                      kwargs, where, fp32_ops, store, fields)
             dtypes = plan.precision.get("dtypes") or []
             pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
             if plan.loss.get("chunks", 1) > 1 or plan.loss.get("outputs") == "loss":  # the loss region as planned
@@ -359,12 +367,9 @@ def optimize(
                                    f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
                                    "again instead of re-applying this plan.")
             plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
-            plan, planner = plan, applier
-        elif precision == "fp32":
-            plan, compiled, planner = build_here(budget_bytes, [], store, fields)
-        else:
-            plan, compiled, planner = plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev,
-                                                     opts, args, kwargs, where, fp32_ops, store, fields)
+            return plan, compiled, applier
+
+        (plan, compiled, planner), choice = run_with_fallback(choice, plan_step)
         planner.strict = False
         _stamp(plan, choice, started, compiling)
         chosen = plan.precision.get("dtypes") or []

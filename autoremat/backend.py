@@ -98,12 +98,15 @@ def backend(
     solver: str = "auto",
     time_limit: float = 10.0,
     gap: float = DEFAULT_GAP,
-    compiler: str = "eager",
+    compiler: str = "auto",
 ) -> Callable:
     """A `torch.compile` backend that plans every training step under `budget` (module docstring).
 
     The budget pays for the parameters, their gradients and `optimizer` state too. Graph breaks,
     graphs called several times per step and new input shapes all share the one budget.
+    `compiler`: as `autoremat.optimize`'s ("auto", the default: Inductor where it runs, else eager
+    with one warning; "inductor"; "eager"), chosen when the first graph runs, on its inputs' device;
+    `.planner.compiler` then says which and why.
     """
     return _Backend(StepPlanner(budget, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit,
                                 gap=gap, compiler=compiler))

@@ -6,8 +6,16 @@
                 one warning per reason saying why
 
 Inductor needs, on CUDA, Triton importable; on CPU, a C++ compiler that builds a shared library (the
-one Inductor would call: `$CXX`, else g++). Each probe runs once per process and device kind and is
-cached, and the fallback is logged once (a warning on the `autoremat` logger); the CPU probe compiles a one-line library with that compiler (a fraction of a second).
+one Inductor would call: `$CXX`, else g++) and Inductor's own generated C++ building with it. Each
+probe runs once per process and device kind and is cached, and the fallback is logged once (a
+warning on the `autoremat` logger). The CPU probe first builds a one-line library with that compiler
+(a clear reason when there is none), then compiles and runs one small Inductor kernel through the
+compilers autoremat uses (torch_internals.inductor_kernel_probe; its seconds are in
+`PROBE_SECONDS`, and in the plan's planning time).
+
+If Inductor still fails on the model's own graphs at plan time, "auto" plans again with "eager" and
+warns once with Inductor's error (`inductor_failure`); an explicit "inductor" raises
+`InductorFailed` saying what failed and what would work.
 """
 
 from __future__ import annotations
@@ -16,17 +24,32 @@ import functools
 import logging
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
-from autoremat.torch_internals import has_triton, inductor_cpp_compiler
+from autoremat.torch_internals import (
+    BackendCompilerFailed,
+    has_triton,
+    inductor_cpp_compiler,
+    inductor_kernel_probe,
+    is_inductor_error,
+)
 
 COMPILERS = ("auto", "eager", "inductor")
 log = logging.getLogger("autoremat")
 PROBE_TIMEOUT_S = 60.0
 _PROBE_SOURCE = 'extern "C" int autoremat_probe(int x) { return x + 1; }\n'
+T = TypeVar("T")
+PROBE_SECONDS: dict[str, float] = {}  # device kind -> wall time of its probe in this process
+
+
+class InductorFailed(RuntimeError):
+    """compiler="inductor" was asked for and Inductor could not compile the model's graphs."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +80,50 @@ def choose_compiler(compiler: str, device: torch.device | str) -> CompilerChoice
     problem = inductor_problem(kind)
     if problem is None:
         return CompilerChoice("auto", "inductor", f"Inductor runs on {kind} here")
+    return fall_back(problem)
+
+
+def fall_back(problem: str) -> CompilerChoice:
+    """compiler="auto" runs eager because of `problem`: said once per reason."""
     _warn_once(f"autoremat: compiler='auto' uses the eager FX compiler, not Inductor: {problem}. Pass "
                "compiler='eager' to choose it explicitly (and silence this warning).")
     return CompilerChoice("auto", "eager", problem)
+
+
+def run_with_fallback(choice: CompilerChoice, run: Callable[[str], T]) -> tuple[T, CompilerChoice]:
+    """run(choice.used); if Inductor fails to compile, "auto" runs again with "eager" (warned once),
+    and an explicit "inductor" raises InductorFailed. Any other error passes through."""
+    try:
+        return run(choice.used), choice
+    except BackendCompilerFailed as e:
+        failure = inductor_failure(e) if choice.used == "inductor" else None
+        if failure is None:
+            raise
+        if choice.requested != "auto":
+            raise explicit_inductor_failed(failure) from e
+    choice = fall_back(failure)
+    return run("eager"), choice
+
+
+def inductor_failure(e: BaseException) -> str | None:
+    """Inductor's own compile error in one line (its first C++ `error:` line where there is one), or
+    None when `e` is not Inductor failing (dynamo wraps our errors and the user's as well)."""
+    inner = getattr(e, "inner_exception", None) if isinstance(e, BackendCompilerFailed) else e
+    if inner is None or not is_inductor_error(inner):
+        return None
+    return f"Inductor failed to compile ({type(inner).__name__}: {_first_error(str(inner))})"
+
+
+def _first_error(text: str) -> str:
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    errors = [x for x in lines if "error:" in x]
+    line = errors[0][errors[0].index("error:"):] if errors else (lines[-1] if lines else "no message")
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
+def explicit_inductor_failed(failure: str) -> InductorFailed:
+    return InductorFailed(f"compiler='inductor': {failure}. Pass compiler='auto' (Inductor where it compiles, "
+                          "else eager with a warning) or compiler='eager' (no C++ compiler needed).")
 
 
 @functools.cache
@@ -75,7 +139,11 @@ def inductor_problem(kind: str) -> str | None:
             return "CUDA is not available"
         return None if has_triton() else "Triton is not importable (Inductor's CUDA backend generates Triton kernels)"
     if kind == "cpu":
-        return _cpp_problem()
+        started = time.perf_counter()
+        try:
+            return _cpp_problem() or _kernel_problem()
+        finally:
+            PROBE_SECONDS[kind] = time.perf_counter() - started
     return f"Inductor is not used on the {kind!r} device (autoremat runs it on cpu and cuda only)"
 
 
@@ -95,4 +163,15 @@ def _cpp_problem() -> str | None:
         if run.returncode != 0 or not out.exists():
             tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
             return f"the C++ compiler {cxx!r} failed to build a shared library ({tail[0]}; set $CXX to a working one)"
+    return None
+
+
+def _kernel_problem() -> str | None:
+    """Why Inductor's generated C++ does not build or run here, or None (one small kernel compiled)."""
+    try:
+        inductor_kernel_probe()
+    except Exception as e:  # Inductor raises its own CppCompileError, or BackendCompilerFailed wrapping it
+        inner = getattr(e, "inner_exception", None) or e
+        return (f"Inductor's generated C++ for a small kernel did not build or run here ({type(inner).__name__}: "
+                f"{_first_error(str(inner))})")
     return None

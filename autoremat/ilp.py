@@ -180,9 +180,9 @@ class IlpModel:
                     self.prob += r[v] <= self.within.gate
                 continue
             s[v] = pulp.LpVariable(f"{self.name}s{gi}_{v}", cat="Binary")
-            if (p.storage != v and base_size(g, v)) or p.fused:
-                # saving a view would hold its base, saving a fused value would make Inductor write it
-                # out (fusion.py): recompute it instead
+            if (p.storage != v and base_size(g, v)) or p.fused or nodes.get(p.storage, p).fused:
+                # saving a view would hold its base, saving a fused value (or a view of one) would make
+                # Inductor write it out (fusion.py): recompute it instead
                 s[v].upBound = 0
             self._choice_exclusive(s[v], r[v])
         for v, t in twin.items():  # share the first identical block's decisions

@@ -70,7 +70,10 @@ def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
         # A recomputed user drags v to its own start; we allow that inside one repeated block (a
         # checkpoint-like segment) and account for it, and forbid it across blocks.
         same = {w for w in fw_users if block_drag and block_of(nodes[w].module) == block_of(nodes[v].module)}
-        follows[v] = pass_through | same
+        # A fused user (Inductor inlines it: fusion.py) is always recomputed where it is read, and
+        # reads v there: it drags v in every model, which is accounted for, never forbidden.
+        inlined = {w for w in fw_users if nodes[w].fused}
+        follows[v] = pass_through | same | inlined
         start[v] = min([first_read[v], *(start[w] for w in follows[v])])
         later = ((last_read[w] if is_alias(w) else first_read[w]) for w in fw_users)
         last_read[v] = max([direct_last[v], *(t for t in later if t != INF)])

@@ -141,10 +141,11 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
             q = nodes[u]
             if q.kind != "forward" or q.is_tuple or u in saved:
                 continue
-            if q.fused:
-                stack.append(u)
+            root = q.storage if q.storage and nodes[q.storage].kind == "forward" else u
+            if q.fused or nodes[root].fused:  # a view of a fused value unwinds to the value's own inputs
+                stack.append(root)
             else:
-                saved.add(q.storage if q.storage and nodes[q.storage].kind == "forward" else u)
+                saved.add(root)
 
     recomputed: set[str] = set()
     needed_bw: set[str] = set()

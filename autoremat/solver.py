@@ -127,7 +127,11 @@ def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_
             # The ILP was optimistic by this much: ask for less, and for more each time in a row it
             # still overshoots (a plan near the limit tends to move by less than the step asked).
             overshoots += 1
-            target -= (tl.peak - budget) * 2 ** (overshoots - 1)
+            # Below this plan's own row peak, or the ILP hands back the same plan: where its rows see
+            # less than the simulator (fused values under Inductor), a target still above that peak
+            # would be lowered round after round without changing anything.
+            below = min(target, result.predicted_peak) if result.predicted_peak is not None else target
+            target = below - (tl.peak - budget) * 2 ** (overshoots - 1)
     return best
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph, aot_backend
+from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler
 from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import checkpoint_blocks, save_all
@@ -65,9 +66,12 @@ class GraphCall:
 class StepPlanner(Planner):
     """The backend's planner: follows each step's graph calls and plans them together (module docstring)."""
 
-    def __init__(self, budget: int | str | None, *, compiler: str = "eager", **kwargs: Any) -> None:
+    def __init__(self, budget: int | str | None, *, compiler: str = "auto", **kwargs: Any) -> None:
         super().__init__(budget, **kwargs)
-        self.compile_fn = aot_backend(self, compiler=compiler)
+        self.compiler_requested = check_compiler(compiler)
+        # "auto" is resolved when the first graph runs, on the device of its inputs (compilers.py)
+        self.compiler: CompilerChoice | None = None
+        self._compile_fn: Callable | None = None
         self.step: list[GraphCall] = []  # this step's graph calls so far, in forward order
         self.last_step: list[GraphCall] = []
         self.backward_seen = False
@@ -201,12 +205,20 @@ class StepPlanner(Planner):
                 self._window = None
             self._request, count = (use, saved), len(self.profiles)
             try:
-                fn = self.compile_fn(use.gm, list(args))  # real inputs: static shapes
+                fn = self._backend(args)(use.gm, list(args))  # real inputs: static shapes
             finally:
                 self._request = None
             use.inference = len(self.profiles) == count  # AOTAutograd found no backward to partition
             use.compiled[saved] = (fn, frozenset() if use.inference else self._applied)
         return use.compiled[saved]
+
+    def _backend(self, args: tuple) -> Callable:
+        """AOTAutograd with the compiler chosen for this planner (once, at its first graph)."""
+        if self._compile_fn is None:
+            where = self._where or next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            self.compiler = choose_compiler(self.compiler_requested, where)
+            self._compile_fn = aot_backend(self, compiler=self.compiler.used)
+        return self._compile_fn
 
     def _new_step(self) -> None:
         self.step, self.backward_seen, self._candidates = [], False, list(self.steps)

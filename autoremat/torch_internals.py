@@ -30,7 +30,14 @@ Dispatcher and ops:
   composite_with_meta_kernel   torch._C._dispatch_has_kernel_for_dispatch_key and torch._meta_registrations:
                                hide the Python meta kernels of composite ops so meta traces decompose
                                like real devices (capture.meta_traces_like_real)
-  inductor_compilers           torch._inductor.compile_fx.compile_fx_inner, decomposition.select_decomp_table
+  inductor_compilers           torch._inductor.compile_fx.compile_fx_inner, decomposition.select_decomp_table;
+                               each compile runs with config.cpp.simdlen pinned to the vector width
+                               Inductor picks here (cpu_vec_isa.pick_vec_isa, which reads
+                               ATEN_CPU_CAPABILITY): the FX graph cache keys on the config but not on that
+                               variable, so without the pin a kernel cached under one capability is
+                               reused, and fails to build, under another ('at::vec' has not been declared)
+  inductor_kernel_probe        torch._functorch.aot_autograd.aot_function: one tiny pointwise+reduction
+                               kernel through those compilers, no dynamo (safe inside a backend's call)
   inductor_cpp_compiler        torch._inductor.cpp_builder.get_cpp_compiler: the C++ compiler Inductor's
                                CPU backend would call (config.cpp.cxx, from $CXX); raises if none is found
   has_triton                   torch.utils._triton.has_triton: Triton importable for this device
@@ -50,6 +57,7 @@ Dynamo:
                                torch._dynamo.reset, torch._dynamo.utils.counters["graph_break"]
   dynamo_compile_id            the graph's meta["dynamo_compile_id"] (frame_id, frame_compile_id)
   BackendCompilerFailed, TorchRuntimeError, is_dynamo_error   torch._dynamo.exc and its module name
+  is_inductor_error            an exception class from torch._inductor (CppCompileError, ...), by module name
   ddp_optimizer_active         torch._guards.TracingContext.try_get().ddp_optimizer_ctx: DDP's
                                graph splitter has already cut this graph
   copy_split_metadata,         torch._dynamo.backends.distributed: propagate_dynamo_source and
@@ -95,7 +103,7 @@ __all__ = [
     "StorageWeakRef", "TANGENTS_BOXED", "TorchRuntimeError", "aot_autograd", "allocation_events",
     "composite_with_meta_kernel", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
     "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "extract_fwd_bwd_modules", "graph_break_reasons",
-    "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_realize_reads_threshold", "is_dynamo_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
+    "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_kernel_probe", "inductor_realize_reads_threshold", "is_dynamo_error", "is_inductor_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
     "queue_callback", "recompile_limit", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map", "unset_fake_temporarily",
     "WeakIdKeyDictionary", "engine_will_run", "gradient_node",
@@ -193,7 +201,50 @@ def inductor_compilers() -> tuple[Callable, Callable, dict]:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
-    return compile_fx_inner, functools.partial(compile_fx_inner, is_backward=True), select_decomp_table()
+    fw = _pinned_vector_width(compile_fx_inner)
+    return fw, _pinned_vector_width(functools.partial(compile_fx_inner, is_backward=True)), select_decomp_table()
+
+
+def inductor_vector_width() -> int:
+    """Bits of the vector ISA Inductor's CPU code generator uses here (after ATEN_CPU_CAPABILITY); 0 for none."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return int(isa.bit_width()) if isa else 0
+
+
+def _pinned_vector_width(compile_fn: Callable) -> Callable:
+    """compile_fn with config.cpp.simdlen set to the width Inductor would pick anyway (module docstring).
+
+    The generated code is the same; the FX graph cache key then says which vector ISA it is for. A
+    simdlen the user set is left alone.
+    """
+    from torch._inductor import config
+
+    @functools.wraps(compile_fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if config.cpp.simdlen is not None:
+            return compile_fn(*args, **kwargs)
+        with config.patch({"cpp.simdlen": inductor_vector_width()}):
+            return compile_fn(*args, **kwargs)
+    return run
+
+
+def inductor_kernel_probe() -> None:
+    """Compile and run one small CPU kernel (pointwise ops into a reduction) through `inductor_compilers`.
+
+    Raises what Inductor raises when its generated C++ does not build or load here.
+    """
+    from torch._functorch.aot_autograd import aot_function
+
+    fw, _, table = inductor_compilers()
+    x = torch.arange(64, dtype=torch.float32)  # long enough for vector code with a scalar tail
+    fn = aot_function(lambda t: ((t * 0.5).sin() + 1.0).sum(), fw_compiler=fw, decompositions=table)
+    with torch.no_grad():
+        got = fn(x)
+    want = ((x * 0.5).sin() + 1.0).sum()
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
+        raise RuntimeError(f"Inductor's probe kernel computed {got.item()} instead of {want.item()}")
 
 
 def inductor_cpp_compiler() -> str:
@@ -252,6 +303,11 @@ def dynamo_compile_id(gm: fx.GraphModule) -> tuple[int, int] | None:
 def is_dynamo_error(e: BaseException) -> bool:
     """An exception dynamo raised itself (wrapping the user's), not the user's own."""
     return type(e).__module__.startswith("torch._dynamo")
+
+
+def is_inductor_error(e: BaseException) -> bool:
+    """An exception Inductor raised (its C++ build failing, a lowering missing), not dynamo's or the user's."""
+    return type(e).__module__.startswith("torch._inductor")
 
 
 def ddp_optimizer_active() -> bool:

@@ -85,7 +85,7 @@ def _grads(model: nn.Module, fn, x: torch.Tensor) -> list[torch.Tensor]:
 
 def _compile(model: nn.Module, budget: int, **kwargs) -> tuple:
     torch._dynamo.reset()
-    be = autoremat.backend(budget=budget)
+    be = autoremat.backend(budget=budget, compiler="eager")
     return be, torch.compile(model, backend=be, **kwargs)
 
 
@@ -141,7 +141,7 @@ def test_second_batch_size_by_name(cls, dynamic):
     refs = [_grads(model, model, x) for x in (big, small)]
     budget = int(NEAR * _floor(model, big))
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="autoremat", options={"budget": budget}, dynamic=dynamic)
+    compiled = torch.compile(model, backend="autoremat", options={"budget": budget, "compiler": "eager"}, dynamic=dynamic)
     for x, ref in zip((big, small, big), refs + refs[:1]):  # a smaller last batch, then the next epoch
         for g, r in zip(_grads(model, compiled, x), ref, strict=True):
             torch.testing.assert_close(g, r, **FP32)
@@ -275,13 +275,13 @@ def _measured(compiled, model, x) -> int:
 def test_a_planned_step_measured_over_the_budget_is_planned_again_with_the_gap_reserved():
     torch.manual_seed(0)
     model, x = EagerBetween(), torch.randn(BATCH, TOKENS, D)
-    roomy = autoremat.backend(budget=10**12)
+    roomy = autoremat.backend(budget=10**12, compiler="eager")
     _steps(torch.compile(model, backend=roomy), x, 2)
     # The step is checked call by call on its first run, at each call's most frugal plan; above that,
     # saving everything fits on paper, and only the gate's hidden tensors break the budget.
     budget = max(roomy.planner.step_plans[-1].predicted_peak, roomy.planner.smallest_budget) + 1024
     torch._dynamo.reset()
-    be = autoremat.backend(budget=budget)
+    be = autoremat.backend(budget=budget, compiler="eager")
     compiled = torch.compile(model, backend=be)
     _steps(compiled, x, 3)  # 1: each call checked; 2: planned jointly, compiled; 3: runs the joint plan
     fixed = Ledger.from_dict(be.planner.step_plans[-1].ledger).fixed
@@ -299,12 +299,12 @@ def test_a_planned_step_measured_over_the_budget_is_planned_again_with_the_gap_r
 def test_a_planned_step_that_cannot_hold_what_it_measured_is_refused():
     torch.manual_seed(0)
     model, x = EagerBetween(), torch.randn(BATCH, TOKENS, D)
-    probe = autoremat.backend(budget=10**12)
+    probe = autoremat.backend(budget=10**12, compiler="eager")
     _steps(torch.compile(model, backend=probe), x, 1)
     torch._dynamo.reset()
     # The first run's floor, each call at its most frugal plan: the joint plan fits under it with little
     # to spare, not with the gate's hidden tensors on top.
-    be = autoremat.backend(budget=probe.planner.smallest_budget)
+    be = autoremat.backend(budget=probe.planner.smallest_budget, compiler="eager")
     compiled = torch.compile(model, backend=be)
     _steps(compiled, x, 3)
     be.planner._check_measured(_measured(compiled, model, x))

@@ -1,14 +1,18 @@
 """compiler="auto" (optimize's default): Inductor where this machine runs it, else eager and a warning.
 
 Both branches run for real: the Inductor one here when the CPU probe finds a working C++ compiler,
-the fallback in a fresh process whose $CXX names a compiler that does not exist (Inductor reads $CXX
-at import, and the probe is cached per process).
+the fallbacks in fresh processes (Inductor reads $CXX at import, and the probe is cached per
+process) whose $CXX names a compiler that does not exist, or a real g++ behind a wrapper that
+refuses the C++ files containing a given word: every kernel (the probe's kernel fails), or only
+those computing tanh (the probe passes and the model's own graphs fail at plan time). Those
+children use a fresh Inductor cache directory, so nothing compiled before is reused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +23,7 @@ import torch.nn as nn
 
 import autoremat
 from autoremat.compilers import choose_compiler, inductor_problem
+from autoremat.torch_internals import inductor_cpp_compiler
 from tests.tolerances import assert_close_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +88,22 @@ def test_auto_uses_inductor_where_the_cpu_probe_passes() -> None:
     assert "Inductor's compilers" in om.plan.summary()
 
 
+def test_the_backend_defaults_to_auto_and_chooses_at_its_first_graph() -> None:
+    problem = inductor_problem("cpu")
+    model, ex = _tiny()
+    model.zero_grad(set_to_none=True)
+    model(*ex).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    be = autoremat.backend(budget="1GB")
+    assert be.planner.compiler is None  # no graph yet: no device to choose for
+    torch.compile(model, backend=be)(*ex).sum().backward()
+    c = be.planner.compiler
+    assert (c.requested, c.used) == ("auto", "eager" if problem else "inductor"), c
+    for p, r in zip(model.parameters(), ref, strict=True):
+        assert_close_for(p.grad, r, depth=3)
+
+
 def test_auto_falls_back_to_eager_once_when_no_cpp_compiler_works(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-g++"
     script = tmp_path / "child.py"
@@ -97,3 +118,63 @@ def test_auto_falls_back_to_eager_once_when_no_cpp_compiler_works(tmp_path: Path
     assert str(missing) in c["reason"] and "C++ compiler" in c["reason"], c
     said = [x for x in proc.stderr.splitlines() if "compiler='auto' uses the eager FX compiler" in x]
     assert len(said) == 1 and str(missing) in said[0], proc.stderr[-3000:]  # two optimize calls, one warning
+
+
+# A C++ compiler that refuses every .cpp file containing $REFUSE, and passes the rest to the real one.
+WRAPPER = """#!/bin/sh
+for a in "$@"; do
+  case "$a" in *.cpp) if grep -q "$REFUSE" "$a"; then echo "$a:1:1: error: refused by the test's compiler" >&2; exit 1; fi;; esac
+done
+exec {real} "$@"
+"""
+
+
+def _refusing_env(tmp_path: Path, refuse: str) -> dict:
+    try:
+        real = shutil.which(inductor_cpp_compiler())
+    except Exception as e:  # torch's InvalidCxxCompiler
+        pytest.skip(f"no C++ compiler for Inductor here to wrap: {e}")
+    if real is None:
+        pytest.skip("Inductor's C++ compiler is not on PATH here")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    cxx = bindir / "g++"  # Inductor tells gcc from clang by the name
+    cxx.write_text(WRAPPER.format(real=real))
+    cxx.chmod(0o755)
+    return {**ENV, "CXX": str(cxx), "REFUSE": refuse, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+
+
+def _child(tmp_path: Path, script: str, env: dict) -> subprocess.CompletedProcess:
+    path = tmp_path / "child.py"
+    path.write_text(script)
+    proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_auto_falls_back_when_inductors_own_kernel_does_not_build(tmp_path: Path) -> None:
+    proc = _child(tmp_path, CHILD, _refusing_env(tmp_path, "kernel"))  # the one-line library builds; kernels do not
+    c = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("COMPILER=")).removeprefix("COMPILER="))
+    assert (c["requested"], c["used"]) == ("auto", "eager"), c
+    assert "Inductor's generated C++" in c["reason"] and "error: refused by the test's compiler" in c["reason"], c
+    said = [x for x in proc.stderr.splitlines() if "compiler='auto' uses the eager FX compiler" in x]
+    assert len(said) == 1 and "refused by the test's compiler" in said[0], proc.stderr[-3000:]
+
+
+def test_a_compile_failure_at_plan_time_falls_back_for_auto_and_is_an_error_for_inductor(tmp_path: Path) -> None:
+    script = CHILD + """
+from autoremat.compilers import InductorFailed
+try:
+    autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(8, 16),), verify=False, progress=False,
+                       compiler="inductor")
+except InductorFailed as e:
+    print("INDUCTOR_FAILED=" + str(e))
+"""
+    proc = _child(tmp_path, script, _refusing_env(tmp_path, "tanh"))  # the probe's kernel has no tanh: it passes
+    c = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("COMPILER=")).removeprefix("COMPILER="))
+    assert (c["requested"], c["used"]) == ("auto", "eager"), c
+    assert c["reason"].startswith("Inductor failed to compile") and "refused by the test's compiler" in c["reason"], c
+    said = [x for x in proc.stderr.splitlines() if "compiler='auto' uses the eager FX compiler" in x]
+    assert len(said) == 1, proc.stderr[-3000:]
+    failed = next(x for x in proc.stdout.splitlines() if x.startswith("INDUCTOR_FAILED="))
+    assert "compiler='inductor': Inductor failed to compile" in failed and "compiler='eager'" in failed, failed

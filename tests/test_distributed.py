@@ -164,7 +164,7 @@ def ddp_scenarios(rank: int, world: int, dropout: float, steps: int = 2) -> dict
         # this process only) so that small buckets, hence several graphs, are possible.
         dist._DEFAULT_FIRST_BUCKET_BYTES = int(BUCKET_MB * 1024 * 1024)
         m = copy.deepcopy(base)
-        be = autoremat.backend(budget=BUDGET, optimizer="adamw")
+        be = autoremat.backend(budget=BUDGET, optimizer="adamw", compiler="eager")
         res = _train(torch.compile(DDP(m, bucket_cap_mb=BUCKET_MB), backend=be), list(m.parameters()), x, rank,
                      steps)
         return dict(diff=_max_diff(ref, res), losses=res["losses"], graphs=len(be.planner.profiles),
@@ -202,7 +202,7 @@ def fsdp2_scenario(rank: int, world: int, mode: str, steps: int = 2) -> dict:
     fully_shard(m)
     local_param_bytes = sum(p.to_local().untyped_storage().nbytes() for p in m.parameters())
     if mode == "backend":
-        be = autoremat.backend(budget=BUDGET, optimizer="adamw")
+        be = autoremat.backend(budget=BUDGET, optimizer="adamw", compiler="eager")
         fm = torch.compile(m, backend=be)
     else:
         fm = om = autoremat.optimize(m, FSDP_BUDGET, (_batch(x, rank, 0),), optimizer="adamw", world_size=world,

@@ -114,3 +114,45 @@ def test_inductor_peak_is_predicted_within_five_percent():
     _, m = measure_peak(step, baseline_objs=(model, x))
     predicted = om.plan.activation_peak
     assert abs(predicted - m.delta_peak_bytes) <= 0.05 * m.delta_peak_bytes, (predicted, m.delta_peak_bytes)
+
+
+def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
+    """The backward reads a view of a fused value and a fused value read through that view (softmax's
+    output and its alias, in attention). Neither is handed over: the matmul feeding them is. Eight
+    such chains, so a result that depended on the saved set's (hash-seeded) order would show."""
+    from autoremat.profile import GraphProfile, NodeProfile
+
+    nodes: dict[str, NodeProfile] = {}
+    chains = [f"c{i}" for i in range(8)]
+    for c in chains:
+        nodes[f"x_{c}"] = NodeProfile(f"x_{c}", "input", "x", (), f"x_{c}", 64)
+    for c in chains:
+        nodes[f"mm_{c}"] = NodeProfile(f"mm_{c}", "forward", "aten.mm", (f"x_{c}",), f"mm_{c}", 64, time_s=1e-5)
+        nodes[f"exp_{c}"] = NodeProfile(f"exp_{c}", "forward", "aten.exp", (f"mm_{c}",), f"exp_{c}", 0, fused=True)
+        nodes[f"view_{c}"] = NodeProfile(f"view_{c}", "forward", "aten.view", (f"exp_{c}",), f"exp_{c}", 0)
+        nodes[f"mul_{c}"] = NodeProfile(f"mul_{c}", "forward", "aten.mul", (f"view_{c}",), f"mul_{c}", 0, fused=True)
+    for c in chains:
+        nodes[f"g_{c}"] = NodeProfile(f"g_{c}", "backward", "aten.add", (f"view_{c}", f"mul_{c}"), f"g_{c}", 64)
+    g = GraphProfile(nodes=nodes, fw_outputs=[], grad_outputs=[f"g_{c}" for c in chains])
+    sched = make_schedule(g, {n for c in chains for n in (f"view_{c}", f"mul_{c}")})
+    assert sched.saved == [f"mm_{c}" for c in chains]
+    assert set(sched.recomputed) == {n for c in chains for n in (f"exp_{c}", f"view_{c}", f"mul_{c}")}
+    from autoremat.ilp import IlpModel
+
+    ilp = IlpModel([g], 1, block_drag=False)  # the ILP may not save the view either (it would cost no bytes)
+    assert all(ilp.s[0][f"view_{c}"].upBound == 0 for c in chains)
+
+
+def test_the_exact_start_ilp_accepts_fused_chains():
+    """Fused values are always recomputed where they are read, so a fused reader drags its inputs in
+    every model (lifetimes.follows): the local ILP, which forbids other drags, must stay feasible."""
+    from autoremat.ilp import IlpModel
+    from autoremat.solver import _pick_solver, evaluate
+
+    model, x = _mlp(), torch.randn(128, 64)
+    (cg,) = capture(model, (x,))
+    ind = profile_graph(dataclasses.replace(cg, compiler="inductor"))
+    everything = save_all([ind])
+    peak = evaluate([ind], everything, 1)[1].peak
+    result = IlpModel([ind], 1, block_drag=False).solve(peak, _pick_solver("auto", 10.0, 0.01))
+    assert result.status == "optimal" and result.saved is not None, result.status

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -149,6 +150,30 @@ def test_inductor_compilers_resolve():
     fw, bw, table = ti.inductor_compilers()
     assert callable(fw) and callable(bw)
     assert torch.ops.aten.native_dropout.default in table or len(table) > 100
+
+
+def test_the_vector_width_follows_aten_cpu_capability_and_is_pinned_only_when_unset():
+    from torch._inductor import config
+
+    assert ti.inductor_vector_width() in (0, 128, 256, 512)
+    seen = []
+    pinned = ti._pinned_vector_width(lambda: seen.append(config.cpp.simdlen))
+    pinned()
+    with config.patch({"cpp.simdlen": 128}):
+        pinned()
+    assert seen == [ti.inductor_vector_width(), 128] and config.cpp.simdlen is None
+    with mock.patch.dict(os.environ, {"ATEN_CPU_CAPABILITY": "default"}):
+        assert ti.inductor_vector_width() == 0  # no vector ISA: scalar kernels
+
+
+def test_inductor_kernel_probe_compiles_or_says_why():
+    try:
+        cxx = ti.inductor_cpp_compiler()
+    except Exception as e:  # torch's InvalidCxxCompiler
+        pytest.skip(f"no C++ compiler for Inductor here: {e}")
+    if shutil.which(cxx) is None:
+        pytest.skip(f"Inductor's C++ compiler {cxx!r} is not on PATH")
+    ti.inductor_kernel_probe()  # raises Inductor's own error if its kernel does not build and run
 
 
 def test_dynamo_records_linear_as_c_nn_linear():
