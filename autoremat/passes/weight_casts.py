@@ -16,6 +16,8 @@ in the backward), and the forward's copy dies after the forward matmul.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.fx as fx
 
@@ -27,6 +29,10 @@ _LOW = (torch.bfloat16, torch.float16)
 
 def _is_view(n: fx.Node) -> bool:
     return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
+
+
+def _swapped(copies: dict[fx.Node, fx.Node], a: fx.Node) -> fx.Node:
+    return copies.get(a, a)
 
 
 def split_weight_casts(joint: fx.GraphModule) -> int:
@@ -53,18 +59,19 @@ def split_weight_casts(joint: fx.GraphModule) -> int:
         if not readers or not any(u not in backward for v in chain for u in v.users if u not in chain):
             continue  # the backward alone reads it: nothing is held on the forward's behalf
         copies: dict[fx.Node, fx.Node] = {}
+        swap = functools.partial(_swapped, copies)  # node -> its copy; other arguments as they are
         # Among the forward's nodes (PyTorch's partitioner takes what precedes the backward for forward),
         # right after the original: where in the joint it sits does not matter to the plan (a value only
         # the backward reads runs where its inputs exist, or is recomputed before its first reader).
         place = cast
         for v in sorted(chain, key=order.__getitem__):  # a view after what it views
             with graph.inserting_after(place):
-                new = graph.node_copy(v, lambda a: copies.get(a, a))
+                new = graph.node_copy(v, swap)
             new.meta = dict(v.meta)
             copies[v] = place = new
         for r in readers:
-            r.args = fx.node.map_arg(r.args, lambda a: copies.get(a, a))
-            r.kwargs = fx.node.map_arg(r.kwargs, lambda a: copies.get(a, a))
+            r.args = fx.node.map_arg(r.args, swap)
+            r.kwargs = fx.node.map_arg(r.kwargs, swap)
         for v in sorted(chain, key=order.__getitem__, reverse=True):  # the copy's views nobody reads
             if v is not cast and not copies[v].users:
                 graph.erase_node(copies[v])
