@@ -16,6 +16,7 @@ in the backward), and the forward's copy dies after the forward matmul.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -29,6 +30,16 @@ _LOW = (torch.bfloat16, torch.float16)
 
 def _is_view(n: fx.Node) -> bool:
     return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
+
+
+def _fresh_value(n: fx.Node) -> torch.Tensor:
+    """The node's value computed again from its inputs' traced values (fake or meta tensors): a new
+    allocation for a cast, a view of that allocation for a view."""
+    args = fx.node.map_arg(n.args, lambda a: a.meta["val"])
+    kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta["val"])
+    mode = torch._guards.detect_fake_mode([a.meta.get("val") for a in n.all_input_nodes])
+    with mode if mode is not None else contextlib.nullcontext():
+        return n.target(*args, **kwargs)
 
 
 def _swapped(copies: dict[fx.Node, fx.Node], a: fx.Node) -> fx.Node:
@@ -68,6 +79,7 @@ def split_weight_casts(joint: fx.GraphModule) -> int:
             with graph.inserting_after(place):
                 new = graph.node_copy(v, swap)
             new.meta = dict(v.meta)
+            new.meta["val"] = _fresh_value(new)  # its own storage: the profile must not take it for an alias
             copies[v] = place = new
         for r in readers:
             r.args = fx.node.map_arg(r.args, swap)
