@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from autoremat.passes.decompositions import DECOMPOSITIONS, LAYOUT_DECOMPOSITIONS
 from autoremat.passes.rng_replay import replay_random_draws
+from autoremat.passes.weight_casts import split_weight_casts
 from autoremat.regions import LINKS, RegionLinks, compile_regions, release_gradients, with_stand_ins
 from autoremat.torch_internals import (
     OpOverload,
@@ -132,6 +133,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         **_: Any,
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         links = compiling["links"]
+        split_weight_casts(joint)  # a 16-bit weight copy is cast again for the backward, not held
         if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
             replay_random_draws(joint)
             if links is not None and release_grads:

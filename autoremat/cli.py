@@ -152,6 +152,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = opt_model.plan
     plan.notes.append(note)
     print(plan.summary())
+    if "auto" in plan.precision:
+        print(format_auto(plan.precision["auto"]))
 
     if args.json:
         plan.save(args.json)
@@ -220,6 +222,18 @@ def _check_device(name: str) -> None:
         get_device(name)
     except (ValueError, TypeError) as e:
         raise UsageError(f"unknown --device {name!r}; known devices: {', '.join(known_devices())}") from e
+
+
+def format_auto(auto: dict) -> str:
+    """What precision='auto' chose, each candidate's predicted step time, and why the others were not taken."""
+    names = {"fp32": "fp32", "ilp": "joint ILP's per-call dtypes", "bf16": "every castable call in bf16"}
+    times = auto["predicted_step_s"]
+    lines = ["", f"precision auto chose {auto['chosen']} ({names.get(auto['chosen'], auto['chosen'])}): "
+             "the least predicted step time of the candidates that fit", f"{'candidate':>10}  {'predicted step':>14}"]
+    lines += [f"{name:>10}  {t * 1e3:>11.2f} ms{'  (chosen)' if name == auto['chosen'] else ''}"
+              for name, t in sorted(times.items(), key=lambda kv: kv[1])]
+    lines += [f"not taken: {name}: {why}" for name, why in auto.get("not_taken", {}).items()]
+    return "\n".join(lines)
 
 
 def format_pareto(points: list[tuple[int, float]], plan: Any) -> str:
@@ -301,8 +315,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharding", default="none", choices=SHARDINGS)
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     p.add_argument("--time-limit", type=positive_seconds, default=30.0, metavar="S", help="ILP time limit per solve")
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
-                   help="bf16: every matmul-class call in bf16 (auto and fp16 measure a real batch: use the "
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "auto"),
+                   help="bf16: every matmul-class call in bf16; auto: the fastest predicted of fp32, the joint "
+                        "ILP's per-call dtypes and all-bf16 that fits (fp16 measures a real batch: use the "
                         "Python API, docs/precision.md)")
     p.add_argument("--outputs", default="all", choices=("all", "loss"),
                    help="loss: only the loss is used, so the logits are never materialised whole (the model's "

@@ -89,7 +89,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
     except BudgetError:
         fp32 = None
     candidates: dict[str, tuple] = {} if fp32 is None else {"fp32": fp32}
-    why: dict[str, str] = {}
+    why: dict[str, str] = {} if fp32 is not None else {"fp32": "does not fit the budget"}
     cap = budget - ledger.fixed - SLACK
     if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
         cap = min(cap, fp32[0].activation_peak)

@@ -155,8 +155,29 @@ def test_plan_in_bf16_on_meta(runs, work):
     assert not plan.needs_grad_scaler
 
 
-def test_precision_auto_is_not_offered_on_meta(capsys):
-    assert cli.main(["plan", "x.py:f", "--budget", "1GB", "--precision", "auto"]) == 2
+def test_precision_auto_between_the_floors_says_what_it_chose(tmp_path, capsys):
+    """Between bf16's floor and fp32's (found by the CLI itself), fp32 does not fit: auto picks a 16-bit
+    candidate and prints it, each candidate's predicted time and why fp32 was not taken, as in the plan."""
+    base = ["plan", *SMALL, "--device", "h100", "--compiler", "eager"]
+    floors = {}
+    for precision in ("fp32", "bf16"):
+        assert cli.main([*base, "--budget", "1KB", "--precision", precision]) == 1
+        floors[precision] = int(re.search(r"smallest budget that fits is [^(]+\((\d+) bytes\)",
+                                          capsys.readouterr().err).group(1))
+    assert floors["bf16"] < floors["fp32"], floors
+    budget = (floors["bf16"] + floors["fp32"]) // 2
+    assert cli.main([*base, "--budget", str(budget), "--precision", "auto", "--json", str(tmp_path / "a.json")]) == 0
+    out = capsys.readouterr().out
+    auto = Plan.load(tmp_path / "a.json").precision["auto"]
+    assert auto["chosen"] in ("ilp", "bf16") and "fp32" not in auto["predicted_step_s"], auto
+    assert f"precision auto chose {auto['chosen']} (" in out, out
+    for name, t in auto["predicted_step_s"].items():
+        assert re.search(rf"^ +{name} +{t * 1e3:.2f} ms", out, re.M), out
+    assert "not taken: fp32: does not fit the budget" in out, out
+
+
+def test_precision_fp16_is_not_offered_on_the_command_line(capsys):
+    assert cli.main(["plan", "x.py:f", "--budget", "1GB", "--precision", "fp16"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("autoremat: error:") and "invalid choice" in err and err.count("\n") == 1, err
 

@@ -343,3 +343,54 @@ def test_bf16_attention_and_casts_are_stored_and_recomputed_in_16_bits():
             assert not [p.name for g, p in casts if p.name in saved[profiles.index(g)]]
     assert square["fp32"] == {"float32"}
     assert "float32" not in square["bf16"] and "bfloat16" in square["bf16"]
+
+
+def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floor(monkeypatch):
+    # Issue 14: a recomputed block recomputed each weight's bf16 copy for the forward matmul and held it to
+    # its backward use (a 7B Llama layer's 300 MiB of copies at the floor's peak). passes/weight_casts.py
+    # gives the backward its own cast: a floor at or below the one without it, gradients bit-identical to
+    # the plan that recomputes nothing, and the measured peak within the budget.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autoremat import capture
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 128, (1, 64))
+    ex = {"input_ids": ids, "labels": ids}
+    with monkeypatch.context() as m:
+        m.setattr(capture, "split_weight_casts", lambda joint: 0)
+        held = _smallest(model, ex, precision="bf16")
+    floor = _smallest(model, ex, precision="bf16")
+    assert floor < held
+    # verify=False: the step's peak is measured here, after a warm step (the planner's own check at exactly
+    # the floor sees 1,924 B of scratch the model does not, and re-plans: the gap the issue notes).
+    om = autoremat.optimize(model, budget=floor, example_inputs=ex, precision="bf16", compiler="eager",
+                            verify=False)
+
+    def forward_readers(g, name):  # the forward ops that read `name`, through its views
+        out = []
+        for q in g.nodes.values():
+            if q.kind == "forward" and name in q.inputs:
+                out += forward_readers(g, q.name) if q.storage and q.storage != q.name else [q.name]
+        return out
+
+    weight_casts = [(g, p) for g in om._planner.profiles for p in g.nodes.values() if p.kind == "forward"
+                    and p.target == "aten._to_copy.default" and g.nodes[p.inputs[0]].kind == "param"]
+    backward_only = [p.name for g, p in weight_casts if not forward_readers(g, p.name)]
+    assert weight_casts and len(backward_only) == len(weight_casts) // 2, (backward_only, len(weight_casts))
+    assert om.plan.recompute_time_s > 0
+
+    def grads(fn):
+        model.zero_grad(set_to_none=True)
+        fn(**ex).loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    tight = grads(om)
+    _, measured = measure_peak(lambda: om(**ex).loss.backward(), baseline_objs=(model, ex))
+    assert Ledger.from_dict(om.plan.ledger).fixed + measured.delta_peak_bytes <= floor
+    roomy = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", compiler="eager")
+    assert roomy.plan.recompute_time_s == 0
+    assert torch.equal(tight, grads(roomy))
