@@ -198,7 +198,8 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
         step = best.timeline.peak_step
         if step is None or step.phase != "backward":
             break
-        g, schedule = graphs[step.graph], best.schedules[step.graph]
+        at = next(i for i, g in enumerate(graphs) if g.index == step.graph)  # a Step names GraphProfile.index
+        g, schedule = graphs[at], best.schedules[at]
         recomputed = set(schedule.recomputed)
         before = schedule.backward[:schedule.backward.index(step.node)]
         found = None
@@ -209,7 +210,7 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
                 break
             tries += 1
             trial = [set(s) for s in best.saved]
-            trial[step.graph].add(v)
+            trial[at].add(v)
             try:
                 schedules, tl, cost = evaluate(graphs, trial, granularity)
             except ValueError:

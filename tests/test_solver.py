@@ -218,7 +218,8 @@ def test_saving_values_back_lowers_checkpointings_peak_and_spends_slack_on_time(
     plan that leaves budget unused saves back what costs most to recompute (`spend_slack`)."""
     model, ex = models.transformer_stack(n_layer=4, d=64, seq=32, batch=2, dropout=0.0)
     (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
-    gp = profile_graph(cg, "cpu")
+    # Planned alone, as the torch.compile backend plans the third graph of a step: its steps name index 2.
+    gp = dataclasses.replace(profile_graph(cg, "cpu"), index=2)
     blocks = solver.evaluate([gp], solver.checkpoint_blocks([gp]))
     plan = solver.Decision(solver.checkpoint_blocks([gp]), blocks[0], blocks[1], blocks[2], "heuristic", "checkpoint")
     lowered = solver.lower_peak([gp], plan, 1)
