@@ -10,6 +10,7 @@ Rows per model, each on its own deep copy of the same initial model:
   autoremat floor        autoremat.optimize at BudgetError.smallest_budget of budget=1 (retried once at a new
                          smallest_budget if that raises BudgetError again)
   autoremat @ checkpoint autoremat.optimize at checkpoint's measured steady-state peak
+  Inductor @ checkpoint  (--inductor) the same with compiler='auto': Inductor where it compiles, as users get it
 
 Per row: steady-state and first-micro-step peaks, step time vs eager with its noise, gradient error vs eager,
 predicted/measured (autoremat); the goals of issue #11 are computed from the rows. See benchmarks/README.md.
@@ -233,7 +234,7 @@ def floor_row(bench: peers.Bench) -> dict:
     return row
 
 
-def bench_model(cfg: dict, device: torch.device, n_steps: int) -> list[dict]:
+def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = False) -> list[dict]:
     print(f"== {cfg['name']}: {cfg['kwargs']}", flush=True)
     try:
         bench = peers.Bench(cfg, device, n_steps, lambda s: print(s, flush=True))
@@ -246,6 +247,9 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int) -> list[dict]:
     ckpt = rows[1]
     if ckpt["status"] == "ok":
         rows.append(run_row(bench, "autoremat", "@ checkpoint", peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS)))
+        if inductor:  # the default compiler where Inductor runs (compiler="auto"): what a user gets
+            rows.append(run_row(bench, "autoremat", "Inductor @ checkpoint",
+                                peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS, compiler="auto")))
     else:
         rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
                          status="not run: the checkpoint row failed"))
@@ -295,6 +299,9 @@ def goals(rows: list[dict], model: str) -> dict:
         g["time"] = dict(holds=tr["ratio"] <= 1.0, **tr)
     else:
         g["time"] = dict(holds=False, why=f"autoremat @ checkpoint: {at['status'] if at else 'missing'}")
+    ind = find(rows, model, "autoremat", "Inductor @ checkpoint")
+    if ran[0] and ind is not None and ind["status"] == "ok":
+        g["inductor_time_vs_checkpoint"] = time_ratio(ind, ckpt)  # not a goal: the default compiler's time
     return g
 
 
@@ -320,6 +327,10 @@ def goal_text(model: str, g: dict) -> str:
     ft = g.get("floor_time_vs_checkpoint")
     context = (f" (Not a goal: at its floor autoremat / checkpoint time = {ft['ratio']:.3f} ± {ft['noise']:.3f}.)"
                if ft else "")
+    it = g.get("inductor_time_vs_checkpoint")
+    if it:
+        context += (f" (With compiler='auto', Inductor here, at checkpoint's peak: autoremat / checkpoint time = "
+                    f"{it['ratio']:.3f} ± {it['noise']:.3f}.)")
     return f"- **{model}**: {floor}; {pred}; {tm}.{context}"
 
 
@@ -415,6 +426,8 @@ def main() -> None:
                          "the results file; the file lists every command its rows came from")
     ap.add_argument("--no-lm-meta", action="store_true",
                     help="skip GPT-2 small 8 x 1024 planned on meta for an H100 (the loss region's floors, issue #13)")
+    ap.add_argument("--inductor", action="store_true",
+                    help="add a row: autoremat with compiler='auto' (Inductor where it compiles) at checkpoint's peak")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit per solve (the meta rows)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -460,7 +473,7 @@ def main() -> None:
         return text
 
     for cfg in cfgs:
-        rows += bench_model(cfg, torch.device("cpu"), meta["steps"])
+        rows += bench_model(cfg, torch.device("cpu"), meta["steps"], a.inductor)
         all_goals[cfg["name"]] = goals(rows, cfg["name"])
         text = write()
     if a.quick or a.no_lm_meta:

@@ -237,10 +237,11 @@ def pt_build(b, args, kwargs):
     return build
 
 
-def ar_build(budget, ex, outputs: str = "all"):
+def ar_build(budget, ex, outputs: str = "all", compiler: str = "eager"):
     def build(model):
         torch._dynamo.reset()
-        om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs, compiler="eager")
+        om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs,
+                                compiler=compiler)
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     baseline_peak=p.baseline_peak, predicted_overhead=p.overhead, num_graphs=om.num_graphs,

@@ -3,6 +3,7 @@ that plans never save them, and that the predicted peak matches what Inductor's 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -19,6 +20,7 @@ from autoremat.measure import measure_peak
 from autoremat.memory import make_schedule, simulate
 from autoremat.profile import profile_graph
 from autoremat.torch_internals import inductor_realize_reads_threshold
+from tests.tolerances import assert_close_for, batch_depth
 
 
 def _names(gm, targets) -> dict[str, str]:
@@ -156,3 +158,32 @@ def test_the_exact_start_ilp_accepts_fused_chains():
     peak = evaluate([ind], everything, 1)[1].peak
     result = IlpModel([ind], 1, block_drag=False).solve(peak, _pick_solver("auto", 10.0, 0.01))
     assert result.status == "optimal" and result.saved is not None, result.status
+
+
+def test_dropout_under_inductor_draws_eagers_masks_and_replays_them():
+    """Inductor lowers random ops to its own generator unless told otherwise: then neither the forward's
+    mask is eager's nor does a replayed mask (rng_replay) equal the forward's. Both must hold."""
+    problem = inductor_problem("cpu")
+    if problem is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {problem}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.3), nn.Linear(256, 256), nn.GELU(),
+                          nn.Dropout(0.3), nn.Linear(256, 1))
+    x = torch.randn(128, 64)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(7)
+    ref(x).sum().backward()
+    floor = None
+    try:
+        autoremat.optimize(copy.deepcopy(model), budget=1, example_inputs=(x,), optimizer=None, compiler="inductor",
+                           verify=False, progress=False)
+    except autoremat.BudgetError as e:
+        floor = e.smallest_budget
+    for budget in (10**10, floor):  # masks saved; masks replayed at the floor
+        m = copy.deepcopy(model)
+        om = autoremat.optimize(m, budget=budget, example_inputs=(x,), optimizer=None, compiler="inductor",
+                                verify=False, progress=False)
+        torch.manual_seed(7)
+        om(x).sum().backward()
+        for (name, a), b in zip(ref.named_parameters(), m.parameters()):
+            assert_close_for(b.grad, a.grad, depth=batch_depth((x,)) * 4, msg=f"{name} at budget {budget}")
