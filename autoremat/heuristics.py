@@ -163,22 +163,16 @@ def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granula
             break
         if graphs[gi].nodes[v].nbytes > budget - best.peak:
             continue
-        trial = [set(s) for s in best.saved]
-        trial[gi].add(v)
         tried += 1
-        try:
-            schedules, tl, cost = evaluate(graphs, trial, granularity)
-        except ValueError:
-            continue
-        if tl.peak <= budget and cost < best.recompute_time_s:
-            best = dataclasses.replace(best, saved=trial, schedules=schedules, timeline=tl, recompute_time_s=cost)
+        trial = _with_saved(graphs, best, gi, v, granularity)
+        if trial is not None and trial.peak <= budget and trial.recompute_time_s < best.recompute_time_s:
+            best = trial
     if best is not plan:
         best = dataclasses.replace(best, path=plan.path + "+slack-spent", notes=[*plan.notes, (
             f"saved back recomputed values into the {budget - plan.peak:,} B the plan left unused "
             f"({tried} tried): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
             f"{best.recompute_time_s * 1e3:.2f} ms")])
     return best
-
 
 
 def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max_tries: int = 150) -> Decision:
@@ -209,17 +203,23 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             if tries >= max_tries:
                 break
             tries += 1
-            trial = [set(s) for s in best.saved]
-            trial[at].add(v)
-            try:
-                schedules, tl, cost = evaluate(graphs, trial, granularity)
-            except ValueError:
-                continue
-            if (tl.peak, cost) < (best.peak, best.recompute_time_s) and (found is None or (tl.peak, cost) < found[0]):
-                found = ((tl.peak, cost), trial, schedules, tl)
+            trial = _with_saved(graphs, best, at, v, granularity)
+            key = (trial.peak, trial.recompute_time_s) if trial is not None else None
+            if key is not None and key < (best.peak, best.recompute_time_s) and (
+                    found is None or key < (found.peak, found.recompute_time_s)):
+                found = trial
         if found is None:
             break
-        (_, cost), trial, schedules, tl = found
-        path = best.path if best.path.endswith("+peak-lowered") else best.path + "+peak-lowered"
-        best = dataclasses.replace(best, saved=trial, schedules=schedules, timeline=tl, recompute_time_s=cost, path=path)
-    return best
+        best = found
+    return best if best is plan else dataclasses.replace(best, path=plan.path + "+peak-lowered")
+
+
+def _with_saved(graphs: list[GraphProfile], plan: Decision, gi: int, v: str, granularity: int) -> Decision | None:
+    """`plan` with value `v` of graph position `gi` saved too, simulated; None if no schedule runs it."""
+    saved = [set(s) for s in plan.saved]
+    saved[gi].add(v)
+    try:
+        schedules, tl, cost = evaluate(graphs, saved, granularity)
+    except ValueError:
+        return None
+    return dataclasses.replace(plan, saved=saved, schedules=schedules, timeline=tl, recompute_time_s=cost)

@@ -5,7 +5,10 @@
   kernels' layouts.
 - `rng_replay`: each random draw of a joint graph saves the generator state before it, so the backward
   may replay the draw instead of keeping its output (a dropout mask costs its state, not its bytes).
-- `dtypes`: the dtype rewrite of a dynamo graph for precision= (`apply_dtypes`), before tracing.
+- `weight_casts`: a weight's 16-bit copy cast again for the backward, so it is not held from the forward.
+- `joint`: what the passes over a joint graph share (its backward side).
+- `dtypes`: the dtype rewrite of a dynamo graph for precision= (`apply_dtypes`), before tracing;
+  `attention`: an attention run in 16 bits written as a GPU kernel computes it.
 - `loss_chunks`: a vocabulary projection + cross-entropy of a dynamo graph rewritten into chunks of
   token rows, before tracing; the planner chooses the chunk count (`outputs="loss"` drops the logits).
 - `remat`: the save/recompute split of a joint graph into forward and backward modules, in the

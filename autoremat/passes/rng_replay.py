@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.passes.decompositions import dropout_mask  # noqa: F401 - registers autoremat::dropout_mask
-from autoremat.torch_internals import is_tangent
+from autoremat.passes.joint import backward_side
 
 # Random ops whose draws we replay: the bool mask of autoremat's dropout decomposition, drawn by bernoulli
 # (CPU) or by the device's fused dropout kernel (`decompositions.dropout_mask`: CUDA).
@@ -84,10 +84,7 @@ def replay_draw(state: torch.Tensor, op: Any, *args: Any) -> torch.Tensor:
 def replay_random_draws(joint: fx.GraphModule) -> int:
     """Rewrite the forward draws of `joint` as described in the module docstring; returns how many."""
     graph = joint.graph
-    backward: set[fx.Node] = set()
-    for n in graph.nodes:
-        if is_tangent(n) or any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
+    backward = backward_side(graph)
     draws = [n for n in graph.nodes if n.op == "call_function" and n.target in REPLAYED and n not in backward]
     for n in draws:
         val = n.meta.get("val")

@@ -22,7 +22,8 @@ import functools
 import torch
 import torch.fx as fx
 
-from autoremat.torch_internals import is_primal, is_tangent
+from autoremat.passes.joint import backward_side
+from autoremat.torch_internals import is_primal
 
 _CAST = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
@@ -50,10 +51,7 @@ def split_weight_casts(joint: fx.GraphModule) -> int:
     """Rewrite `joint` so that every 16-bit cast of a primal read by the backward has a backward-only
     duplicate (module docstring). Returns the number of casts duplicated."""
     graph = joint.graph
-    backward: set[fx.Node] = set()
-    for n in graph.nodes:  # joint order is topological
-        if is_tangent(n) or any(a in backward for a in n.all_input_nodes):
-            backward.add(n)
+    backward = backward_side(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     done = 0
     for cast in list(graph.nodes):
