@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import OrderedDict
 
 import pulp
 
@@ -222,11 +223,37 @@ def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_
         return model.solve(budget + offset, backend)
 
 
+# The smallest-peak plan found so far for each step, by its graphs' structure. The searches in
+# `smallest_peak` stop on time, so a later call on a busier machine can find a worse plan than the one
+# whose peak a BudgetError reported, and planning at exactly that floor would then be refused (seen: a
+# 2-layer bf16 Llama's floor query said 2,193,604 B; optimize at that budget found 2,263,236 B at best).
+# Remembering the best plan makes the floor a process reports reachable, and never rising, in it.
+# Bounded: the least recently used step is forgotten first.
+FLOOR_MEMO_SIZE = 32
+_floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], str]] = OrderedDict()
+
+
+def _floor_key(graphs: list[GraphProfile], granularity: int) -> tuple:
+    """What a remembered plan depends on: each graph's structure, its node names, and which nodes the
+    compiler fuses or may not recompute (so an eager plan is never offered to an Inductor trace)."""
+    return (granularity, *((g.index, g.fingerprint, tuple(g.nodes), tuple(g.released),
+                            tuple(n for n, p in g.nodes.items() if p.fused or p.recompute_ban)) for g in graphs))
+
+
+def _remember_floor(key: tuple, d: Decision) -> None:
+    if key not in _floor_memo or d.peak < _floor_memo[key][0]:
+        _floor_memo[key] = (d.peak, [frozenset(s) for s in d.saved], d.path)
+    _floor_memo.move_to_end(key)
+    while len(_floor_memo) > FLOOR_MEMO_SIZE:
+        _floor_memo.popitem(last=False)
+
+
 def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None) -> Decision:
     """The plan with the smallest simulated activation peak we can find.
 
-    Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy;
-    the smallest is then lowered further by saving values back (`heuristics.lower_peak`).
+    Candidates: each ILP model's min-peak solution, checkpointing every repeated block, greedy, and
+    the best plan an earlier call found for the same graphs (`_floor_memo`); each is lowered further
+    by saving values back (`heuristics.lower_peak`), and the lowest is kept.
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
@@ -244,16 +271,30 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
     options.append((greedy(graphs, 0, granularity, max_tries=MIN_PEAK_GREEDY_TRIES, deadline=start + time_limit), "greedy"))
-    best = None
+    key = _floor_key(graphs, granularity)
+    remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
+    if remembered is not None:
+        options.append((remembered, _floor_memo[key][2]))
+    candidates: list[Decision] = []
     for cand, path in options:
+        if any(c.saved == cand for c in candidates):
+            continue
         try:
             schedules, tl, cost = evaluate(graphs, cand, granularity)
         except ValueError:  # a candidate the schedule cannot run (a needed value nobody may recompute)
             continue
-        if best is None or (tl.peak, cost) < (best.peak, best.recompute_time_s):
-            best = Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
-                            granularity=granularity)
-    return lower_peak(graphs, best, granularity) if best is not None else best
+        candidates.append(Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
+                                   granularity=granularity))
+    if not candidates:
+        return None
+    # Every candidate is lowered, not only the best: saving values back reorders them (on a 4-block
+    # stack, d=64, seq 32, dropout 0.1, the ILP's min-peak plan had the lower peak and lowered
+    # checkpointing the lowest: 971,272 B against 989,444). At most five candidates, up to 150
+    # simulations of the whole step each; a remembered plan was lowered when it was found.
+    lowered = [d if d.saved is remembered else lower_peak(graphs, d, granularity) for d in candidates]
+    best = min(lowered, key=lambda d: (d.peak, d.recompute_time_s))
+    _remember_floor(key, best)
+    return best
 
 
 class Infeasible(Exception):

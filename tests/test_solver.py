@@ -68,8 +68,10 @@ def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
 
 
 def _no_ilp(monkeypatch):
-    """Every ILP solve, budgeted or min-peak, finds nothing: what a solver that gives up reports."""
+    """Every ILP solve, budgeted or min-peak, finds nothing: what a solver that gives up reports; and no
+    smallest-peak plan is remembered from an earlier call whose ILP found one."""
     monkeypatch.setattr(solver.IlpModel, "solve", lambda self, *a, **k: solver.IlpResult("infeasible"))
+    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
 
 
 class Unrepeated(nn.Module):
@@ -108,8 +110,8 @@ def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch):
     d = solver.solve([gp], budget)
     assert d.path == "greedy" and d.status == "greedy", (d.status, d.path)
     assert d.peak <= budget and any("used the greedy plan" in n for n in d.notes), d.notes
-    smallest = solver.smallest_peak([gp])  # greedy's plan, then lowered by saving values back
-    assert smallest.path.startswith("greedy") and smallest.peak <= budget, smallest.path
+    smallest = solver.smallest_peak([gp])  # the lowest of greedy's and checkpointing's plans, each lowered
+    assert smallest.peak <= budget and smallest.path.endswith("+peak-lowered"), (smallest.path, smallest.peak, budget)
     with pytest.raises(solver.Infeasible) as err:  # below that: nothing fits
         solver.solve([gp], smallest.peak - 1)
     assert err.value.smallest.path == smallest.path and err.value.smallest.peak == smallest.peak
@@ -232,3 +234,38 @@ def test_saving_values_back_lowers_checkpointings_peak_and_spends_slack_on_time(
     assert spent.recompute_time_s < plan.recompute_time_s and spent.peak <= plan.peak + (plan.peak - lowered.peak)
     assert "+slack-spent" in spent.path and any("saved back" in n for n in spent.notes), spent.notes
     assert solver.spend_slack([gp], plan, plan.peak, 1, float("inf")) is plan  # no slack: nothing to spend
+
+
+def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monkeypatch):
+    """`smallest_peak` stops on time, so a busier machine can find a worse plan than an earlier call did;
+    the floor a BudgetError reported must stay reachable at exactly that budget. A search given no time
+    (the MIP stopped at once, greedy past its deadline) still returns the best plan found before."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=4, d=16, seq=8, batch=2, dropout=0.1)
+    (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
+    gp = profile_graph(cg, "cpu")
+    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
+    found = solver.smallest_peak([gp])
+
+    monkeypatch.setattr(solver, "MIN_PEAK_MIP_S", 0.0)
+    again = solver.smallest_peak([gp], time_limit=0.0)
+    assert (again.peak, again.saved) == (found.peak, found.saved), (again.peak, again.path, found.peak, found.path)
+    assert solver.evaluate([gp], again.saved)[1].peak == found.peak  # the plan is what the simulator says
+
+    solver._floor_memo.clear()  # what the same rushed search finds on its own: no better
+    assert solver.smallest_peak([gp], time_limit=0.0).peak >= found.peak
+
+
+def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept():
+    """Saving values back reorders the candidates: the plan with the lowest peak before `lower_peak` is
+    not always the lowest after it, so the floor is the lowest lowered candidate."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=4, d=64, seq=32, batch=2, dropout=0.1)
+    (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
+    gp = profile_graph(cg, "cpu")
+    solver._floor_memo.clear()
+    floor = solver.smallest_peak([gp])
+    blocks = solver.evaluate([gp], solver.checkpoint_blocks([gp]))
+    checkpointing = solver.Decision(solver.checkpoint_blocks([gp]), *blocks, "heuristic", "checkpoint-blocks")
+    assert floor.peak <= solver.lower_peak([gp], checkpointing, 1).peak
+    assert solver.evaluate([gp], floor.saved)[1].peak == floor.peak
