@@ -187,3 +187,54 @@ def test_dropout_under_inductor_draws_eagers_masks_and_replays_them():
         om(x).sum().backward()
         for (name, a), b in zip(ref.named_parameters(), m.parameters()):
             assert_close_for(b.grad, a.grad, depth=batch_depth((x,)) * 4, msg=f"{name} at budget {budget}")
+
+
+class _ConvBlock(nn.Module):
+    """conv-BN-ReLU-dropout-conv-BN added to its input: the residual block of benchmarks/floor.py's ResNet."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        # no conv bias before a BN (its gradient is zero in exact arithmetic, rounding noise in any other)
+        self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                                  nn.Dropout(0.3), nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.body(x))
+
+
+@pytest.mark.parametrize("compiler", ["inductor", "auto"])
+def test_a_conv_net_with_batchnorm_and_dropout_under_inductor_has_eagers_gradients_and_stats(compiler):
+    """Inductor's layout optimisation lays a conv net's values out channels-last, also the values one
+    region's graph hands to the next; a dropout traced on such an input drew its mask in that memory
+    order, not eager's (gradient errors of O(1) on the floor benchmark's ResNet). Masks, gradients and
+    BatchNorm's running stats must be eager's, with the masks saved and replayed (at the floor)."""
+    if inductor_problem("cpu") is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), _ConvBlock(8), _ConvBlock(8),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    x = torch.randn(4, 3, 8, 8)
+    ref = copy.deepcopy(model)
+    torch.manual_seed(7)
+    ref(x).square().mean().backward()
+    try:
+        autoremat.optimize(copy.deepcopy(model), budget=1, example_inputs=(x,), optimizer=None, compiler=compiler,
+                           verify=False, progress=False)
+        raise AssertionError("a budget of 1 B fitted")
+    except autoremat.BudgetError as e:
+        floor = e.smallest_budget
+    for budget in (10**10, floor):
+        m = copy.deepcopy(model)
+        om = autoremat.optimize(m, budget=budget, example_inputs=(x,), optimizer=None, compiler=compiler,
+                                verify=False, progress=False)
+        assert om.plan.compiler["used"] == "inductor", om.plan.compiler
+        torch.manual_seed(7)
+        om(x).square().mean().backward()
+        # a gradient sums over every input element (batch depth) in each of the five conv+BN layers and the head
+        for (name, a), b in zip(ref.named_parameters(), m.parameters()):
+            assert_close_for(b.grad, a.grad, depth=batch_depth((x,)) * 6, msg=f"{name} at budget {budget}")
+        for (name, a), b in zip(ref.named_buffers(), m.buffers()):
+            if a.dtype.is_floating_point:
+                assert_close_for(b, a, depth=batch_depth((x,)) * 6, msg=f"{name} at budget {budget}")
+            else:
+                assert torch.equal(a, b), f"{name}: BatchNorm counted its batches {b} times, eager {a}"
