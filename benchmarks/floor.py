@@ -234,6 +234,24 @@ def floor_row(bench: peers.Bench) -> dict:
     return row
 
 
+def fp64_rounding(bench: peers.Bench) -> float | None:
+    """The eager reference's own gradient error against the same model run in fp64 (same seed, so the same
+    dropout masks): the size of fp32 rounding in this model's gradients. A row whose error vs eager is of this
+    order differs by rounding (another reduction order: Inductor's kernels, a recomputation); a wrong plan
+    differs by O(1). None if the model does not run in fp64."""
+    try:
+        model = bench.fresh().double()
+        args, kwargs = peers.split(tuple(t.double() if t.is_floating_point() else t for t in bench.ex)
+                                   if not isinstance(bench.ex, dict) else
+                                   {k: v.double() if v.is_floating_point() else v for k, v in bench.ex.items()})
+        torch.manual_seed(SEED)
+        peers.make_step(model, args, kwargs)()
+        return peers.max_rel_err(bench.ref_grads, {n: g.float() for n, g in peers.grads_of(model).items()})
+    except Exception as e:  # noqa: BLE001 - a model without fp64 kernels has no such reference
+        print(f"  fp64 reference failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = False) -> list[dict]:
     print(f"== {cfg['name']}: {cfg['kwargs']}", flush=True)
     try:
@@ -242,6 +260,7 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
         return [dict(model=cfg["name"], method="eager", setting="-", **error_fields(e))]
     rows = [run_row(bench, "eager", "-", peers.eager_build),
             run_row(bench, "checkpoint", "every block", lambda m: (checkpoint_every_block(m), {}))]
+    rows[0]["fp64_rounding_err"] = fp64_rounding(bench)
     rows += [run_row(bench, "pt-budget", f"amb={b}", peers.pt_build(b, bench.args, bench.kwargs)) for b in PT_BUDGETS]
     rows.append(floor_row(bench))
     ckpt = rows[1]
@@ -334,6 +353,16 @@ def goal_text(model: str, g: dict) -> str:
     return f"- **{model}**: {floor}; {pred}; {tm}.{context}"
 
 
+def rounding_text(rows: list[dict]) -> str:
+    """What size of gradient error is rounding in this model: the eager row's own error against fp64."""
+    err = rows[0].get("fp64_rounding_err") if rows and rows[0]["method"] == "eager" else None
+    if err is None:
+        return ""
+    return (f"- Grad error scale: eager's own fp32 gradients against the same step in fp64 (same seed and masks) "
+            f"differ by {err:.1e} (same measure): errors up to that order are rounding (another reduction order: "
+            f"Inductor's kernels, a recomputation), a wrong plan or mask gives O(1).\n")
+
+
 def table(rows: list[dict]) -> str:
     head = ("| method | setting | budget (MiB) | steady peak (MiB) | vs checkpoint | first-step peak (MiB) | "
             "time vs eager ± noise | max grad rel err | predicted (MiB) | predicted / measured |")
@@ -389,7 +418,7 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
         mine = [r for r in rows if r["model"] == cfg["name"]]
         if mine:
             goal = goal_text(cfg["name"], all_goals[cfg["name"]])
-            parts.append(f"## {cfg['name']}: {cfg['kwargs']}\n\n{table(mine)}\n\n{goal}\n")
+            parts.append(f"## {cfg['name']}: {cfg['kwargs']}\n\n{table(mine)}\n\n{goal}\n{rounding_text(mine)}")
     held = {k: sum(g[k]["holds"] for g in all_goals.values()) for k in ("floor", "time", "prediction")}
     n = len(all_goals)
     parts.append("## Goals (computed from the rows above)\n\n"
