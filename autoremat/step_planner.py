@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph, aot_backend
-from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler
+from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler, fits_without_inductor, neither_fits
 from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import checkpoint_blocks, save_all
@@ -46,6 +46,7 @@ class GraphUse:
     frugal: frozenset[str] = frozenset()  # what it saves until its step is known (`StepPlanner._frugal`)
     compiled: dict[frozenset[str] | None, tuple[Callable, frozenset[str]]] = field(default_factory=dict)
     inference: bool = False  # compiled without a backward: nothing to plan
+    stale: bool = False  # compiled by another compiler before (StepPlanner._eager_instead): frugal plan anew
 
     @property
     def first(self) -> frozenset[str]:
@@ -103,16 +104,27 @@ class StepPlanner(Planner):
             self._open_window()
         call = GraphCall(use, self._planned(use))
         self.step.append(call)
-        try:
-            self._note_inputs(call, args)
-            fn, call.saved = self._compiled(use, call.saved, args)
-            if use.inference:  # no input needs a gradient: no backward, nothing held
-                self.step.pop()
-            elif not self._candidates:  # a step not planned before must fit as it goes
-                self._check_step()
-        except BudgetError:
-            self._new_step()
-            raise
+        self._note_inputs(call, args)
+        refused: BudgetError | None = None
+        while True:
+            try:
+                fn, call.saved = self._compiled(use, call.saved, args)
+                if use.inference:  # no input needs a gradient: no backward, nothing held
+                    self.step.pop()
+                elif not self._candidates:  # a step not planned before must fit as it goes
+                    self._check_step()
+                break
+            except BudgetError as e:
+                if refused is None and self._eager_instead():
+                    refused, call.saved = e, None  # this call again, compiled by eager at its frugal plan
+                    continue
+                self._new_step()
+                if refused is not None:  # back to Inductor: it was the choice, and eager does not fit either
+                    self._compile_fn = aot_backend(self, compiler="inductor")
+                    raise neither_fits(refused, e) from None
+                raise
+        if refused is not None:
+            self.compiler = fits_without_inductor(refused)
         out = fn(*args)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -220,6 +232,21 @@ class StepPlanner(Planner):
             self._compile_fn = aot_backend(self, compiler=self.compiler.used)
         return self._compile_fn
 
+    def _eager_instead(self) -> bool:
+        """compiler="auto" chose Inductor and a call does not fit: compile with eager from now on, which can save
+        what Inductor fuses (compilers.run_with_fallback does the same for optimize). Every graph compiles again
+        at its next call and its steps are learnt again; the calls of this step already run keep what they hold."""
+        if self.compiler is None or self.compiler.requested != "auto" or self.compiler.used != "inductor":
+            return False
+        self._compile_fn = aot_backend(self, compiler="eager")
+        for use in {c.use for c in (*self.step, *self.last_step)} | {u for key in self.steps for u in key}:
+            use.compiled.clear()
+            use.stale = True
+        self.steps.clear()
+        self.verified.clear()
+        self._candidates = []
+        return True
+
     def _new_step(self) -> None:
         self.step, self.backward_seen, self._candidates = [], False, list(self.steps)
         self._produced.clear()
@@ -230,7 +257,7 @@ class StepPlanner(Planner):
         calls = self.last_step = self.step
         self._new_step()
         key = tuple(c.use for c in calls)
-        if not calls or key in self.steps:
+        if not calls or key in self.steps or any(c.use.stale for c in calls):  # stale: learnt again under eager
             return
         try:
             saved, plan = self._solve(calls, self._ledger(calls))
@@ -296,8 +323,8 @@ class StepPlanner(Planner):
         use, asked = self._request
         self._dev = self._dev or self._device(cg)
         gp = self._profile(cg)
-        if use.gp is None:
-            use.frugal = self._frugal(gp)
+        if use.gp is None or use.stale:
+            use.frugal, use.stale = self._frugal(gp), False
         use.gp = gp
 
         def need(fallback: set[str]) -> tuple[int, Ledger]:
