@@ -123,12 +123,15 @@ def run_with_fallback(choice: CompilerChoice, run: Callable[[str], T]) -> tuple[
     return out, fits_without_inductor(refused)
 
 
+def _bytes(n: int | None) -> str:
+    return f"{format_bytes(n)}, {n} bytes" if n else "unknown"
+
+
 def fits_without_inductor(refused: BudgetError) -> CompilerChoice:
     """compiler="auto" runs eager because no plan fits under Inductor and one does under eager: said each time."""
-    need = refused.smallest_budget
-    reason = (f"no plan fits the budget under Inductor (its smallest budget is "
-              f"{format_bytes(need) if need else 'unknown'}), one does under eager: Inductor fuses pointwise "
-              "values into their readers, so a plan cannot save them, and eager can")
+    reason = (f"no plan fits the budget under Inductor (its smallest budget is {_bytes(refused.smallest_budget)}), "
+              "one does under eager: Inductor fuses pointwise values into their readers, so a plan cannot save "
+              "them, and eager can")
     log.warning("autoremat: compiler='auto' uses the eager FX compiler, not Inductor: %s. Pass compiler='eager' to "
                 "choose it explicitly, or compiler='inductor' to get the BudgetError instead.", reason)
     return CompilerChoice("auto", "eager", reason)
@@ -139,8 +142,8 @@ def neither_fits(under_inductor: BudgetError, under_eager: BudgetError) -> Budge
     since "auto" at that budget would run (eager's where it is smaller)."""
     a, b = under_inductor.smallest_budget, under_eager.smallest_budget
     best = under_eager if a is None or (b is not None and b < a) else under_inductor
-    head = (f"compiler='auto': no plan fits under Inductor (smallest budget {format_bytes(a) if a else 'unknown'}) "
-            f"or under eager (smallest budget {format_bytes(b) if b else 'unknown'}).\n")
+    head = (f"compiler='auto': no plan fits under Inductor (smallest budget {_bytes(a)}) or under eager "
+            f"(smallest budget {_bytes(b)}).\n")
     return BudgetError(head + str(best), best.ledger, best.smallest_budget)
 
 
