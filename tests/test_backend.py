@@ -353,3 +353,47 @@ def test_auto_tries_eager_when_a_call_does_not_fit_under_inductor_and_names_both
         torch.compile(model, backend=autoremat.backend(budget=400_000, optimizer=None, compiler="inductor"))(*ex)
     assert not str(explicit.value).startswith("compiler='auto'"), str(explicit.value)
     torch._dynamo.reset()
+
+
+def test_auto_compiles_with_eager_where_only_eagers_step_fits() -> None:
+    """A 4-block transformer stack with dropout: its first step at frugal plans needs 13,149,768 B under
+    Inductor and 12,500,484 B under eager (measured). Between the two, compiler="auto" recompiles with eager,
+    says why once, and every step runs; an explicit "inductor" raises BudgetError at that budget."""
+    from autoremat.compilers import inductor_problem
+    from examples.models import loss_of, transformer_stack
+
+    if inductor_problem("cpu") is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
+    torch.manual_seed(0)
+    model, (x,) = transformer_stack(batch=4, seq=64, n_layer=4, d=128, n_head=4, dropout=0.1)
+    model.train()
+    floors = {}
+    for compiler in ("eager", "inductor"):
+        torch._dynamo.reset()
+        be = autoremat.backend(budget=None, optimizer=None, compiler=compiler)
+        loss_of(torch.compile(model, backend=be)(x)).backward()
+        floors[compiler] = be.planner.smallest_budget
+    assert floors["eager"] < floors["inductor"], floors  # what this test is about
+    budget = (floors["eager"] + floors["inductor"]) // 2
+    torch._dynamo.reset()
+    be = autoremat.backend(budget=budget, optimizer=None)
+    compiled = torch.compile(model, backend=be)
+    logger = logging.getLogger("autoremat")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            loss_of(compiled(x)).backward()
+    finally:
+        logger.removeHandler(handler)
+    assert be.planner.compiler.requested == "auto" and be.planner.compiler.used == "eager", be.planner.compiler
+    assert "no plan fits the budget under Inductor" in be.planner.compiler.reason
+    assert len([m for m in seen if "no plan fits the budget under Inductor" in m]) == 1, seen
+    assert be.planner.step_plans, "no step was planned jointly under eager"
+    torch._dynamo.reset()
+    with pytest.raises(autoremat.BudgetError):
+        loss_of(torch.compile(model, backend=autoremat.backend(budget=budget, optimizer=None,
+                                                               compiler="inductor"))(x)).backward()
+    torch._dynamo.reset()
