@@ -62,6 +62,9 @@ class GraphCall:
     # id -> bytes of a parameter, its gradient and its optimizer state (a graph called for several
     # blocks gets each block's own parameters)
     params: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # the profile its code was planned on, where its use has been compiled again by another compiler since
+    # (StepPlanner._eager_instead); None: its use's own
+    gp: GraphProfile | None = None
 
 
 class StepPlanner(Planner):
@@ -239,6 +242,8 @@ class StepPlanner(Planner):
         if self.compiler is None or self.compiler.requested != "auto" or self.compiler.used != "inductor":
             return False
         self._compile_fn = aot_backend(self, compiler="eager")
+        for c in self.step[:-1]:  # they ran, and hold what they saved, as Inductor's plans
+            c.gp = c.use.gp
         for use in {c.use for c in (*self.step, *self.last_step)} | {u for key in self.steps for u in key}:
             use.compiled.clear()
             use.stale = True
@@ -257,8 +262,8 @@ class StepPlanner(Planner):
         calls = self.last_step = self.step
         self._new_step()
         key = tuple(c.use for c in calls)
-        if not calls or key in self.steps or any(c.use.stale for c in calls):  # stale: learnt again under eager
-            return
+        if not calls or key in self.steps or any(c.use.stale or c.gp is not None for c in calls):
+            return  # a step that ran partly under another compiler (_eager_instead) is learnt again
         try:
             saved, plan = self._solve(calls, self._ledger(calls))
         except BudgetError:  # the solver found no plan it trusts; the plans that just ran fit
@@ -284,7 +289,7 @@ class StepPlanner(Planner):
         limit = budget_or_memory(self.budget, self._dev)
         if self._need(calls, [c.saved for c in calls])[0] <= limit:
             return
-        smallest, ledger, tl = self._need(calls, [c.use.first for c in calls])
+        smallest, ledger, tl = self._need(calls, [c.use.first for c in calls], current=True)
         ledger.activations, ledger.budget = tl.peak, limit
         gp = calls[-1].use.gp
         held = ""
@@ -300,10 +305,13 @@ class StepPlanner(Planner):
             f"({smallest} bytes), every call at its most frugal plan; graphs still to come may need more."
             f"\n{ledger.format()}", ledger, smallest)
 
-    def _need(self, calls: list[GraphCall], saved: list) -> tuple[int, Ledger, Any]:
-        """What the calls need together with these saved sets: (fixed + simulated peak + slack, ledger, timeline)."""
+    def _need(self, calls: list[GraphCall], saved: list, current: bool = False) -> tuple[int, Ledger, Any]:
+        """What the calls need together with these saved sets: (fixed + simulated peak + slack, ledger, timeline).
+        The saved sets are those the calls ran with (on the profiles they were planned on), or with `current`
+        their uses' own (`GraphUse.first`, on the uses' latest profiles)."""
         ledger = self._ledger(calls)
-        _, tl, _ = evaluate([c.use.gp for c in calls], [set(s) for s in saved], self._dev.alloc_granularity)
+        profiles = [c.use.gp if current or c.gp is None else c.gp for c in calls]
+        _, tl, _ = evaluate(profiles, [set(s) for s in saved], self._dev.alloc_granularity)
         return ledger.fixed + tl.peak + SLACK, ledger, tl
 
     def _ledger(self, calls: list[GraphCall]) -> Ledger:
@@ -313,7 +321,7 @@ class StepPlanner(Planner):
                       inputs=sum(c.inputs for c in calls))
 
     def _plan_of(self, calls: list[GraphCall], saved: list, path: str) -> Plan:
-        profiles, g = [c.use.gp for c in calls], self._dev.alloc_granularity
+        profiles, g = [c.gp or c.use.gp for c in calls], self._dev.alloc_granularity
         schedules, tl, cost = evaluate(profiles, [set(s) for s in saved], g)
         decision = Decision([set(s) for s in saved], schedules, tl, cost, "fits", path, granularity=g)
         return build_plan(profiles, decision, self._ledger(calls), self.budget or 0, self._dev.name)
@@ -358,7 +366,7 @@ class StepPlanner(Planner):
         """The least budget the latest step fits in as an unknown step first runs (each call at its frugal
         plan): below it the backend raises BudgetError. None before any step."""
         calls = [c for c in self.step or self.last_step if c.use.gp is not None]
-        return self._need(calls, [c.use.first for c in calls])[0] if calls else None
+        return self._need(calls, [c.use.first for c in calls], current=True)[0] if calls else None
 
     @property
     def combined_plan(self) -> Plan | None:
