@@ -142,8 +142,10 @@ def neither_fits(under_inductor: BudgetError, under_eager: BudgetError) -> Budge
     since "auto" at that budget would run (eager's where it is smaller)."""
     a, b = under_inductor.smallest_budget, under_eager.smallest_budget
     best = under_eager if a is None or (b is not None and b < a) else under_inductor
-    head = (f"compiler='auto': no plan fits under Inductor (smallest budget {_bytes(a)}) or under eager "
-            f"(smallest budget {_bytes(b)}).\n")
+    budget = getattr(best.ledger, "budget", None)
+    asked = f"budget {_bytes(budget)}" if budget else "the budget"
+    head = (f"{asked} fits under neither compiler compiler='auto' may use: the smallest budget is {_bytes(a)} "
+            f"under Inductor, {_bytes(b)} under eager.\n")
     return BudgetError(head + str(best), best.ledger, best.smallest_budget)
 
 
