@@ -15,7 +15,10 @@ compilers autoremat uses (torch_internals.inductor_kernel_probe; its seconds are
 
 If Inductor still fails on the model's own graphs at plan time, "auto" plans again with "eager" and
 warns once with Inductor's error (`inductor_failure`); an explicit "inductor" raises
-`InductorFailed` saying what failed and what would work.
+`InductorFailed` saying what failed and what would work. If no plan fits the budget under Inductor
+(a plan cannot save a value Inductor fuses, so its smallest budget can be higher), "auto" plans again
+with "eager", says so in one warning and in the plan's compiler line, and raises BudgetError only if
+neither fits; an explicit "inductor" raises it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import TypeVar
 
 import torch
 
+from autoremat.plan import BudgetError
 from autoremat.torch_internals import (
     BackendCompilerFailed,
     has_triton,
@@ -39,6 +43,7 @@ from autoremat.torch_internals import (
     inductor_kernel_probe,
     is_inductor_error,
 )
+from autoremat.units import format_bytes
 
 COMPILERS = ("auto", "eager", "inductor")
 log = logging.getLogger("autoremat")
@@ -92,7 +97,10 @@ def fall_back(problem: str) -> CompilerChoice:
 
 def run_with_fallback(choice: CompilerChoice, run: Callable[[str], T]) -> tuple[T, CompilerChoice]:
     """run(choice.used); if Inductor fails to compile, "auto" runs again with "eager" (warned once),
-    and an explicit "inductor" raises InductorFailed. Any other error passes through."""
+    and an explicit "inductor" raises InductorFailed. If no plan fits the budget under Inductor, "auto"
+    plans again with "eager" (`fits_without_inductor`); an explicit "inductor" raises the BudgetError.
+    Any other error passes through."""
+    refused: BudgetError | None = None
     try:
         return run(choice.used), choice
     except BackendCompilerFailed as e:
@@ -101,8 +109,44 @@ def run_with_fallback(choice: CompilerChoice, run: Callable[[str], T]) -> tuple[
             raise
         if choice.requested != "auto":
             raise explicit_inductor_failed(failure) from e
-    choice = fall_back(failure)
-    return run("eager"), choice
+    except BudgetError as e:
+        if choice.requested != "auto" or choice.used != "inductor":
+            raise
+        refused = e
+    if refused is None:
+        choice = fall_back(failure)
+        return run("eager"), choice
+    try:
+        out = run("eager")
+    except BudgetError as e:
+        raise neither_fits(refused, e) from None
+    return out, fits_without_inductor(refused)
+
+
+def _bytes(n: int | None) -> str:
+    return f"{format_bytes(n)}, {n} bytes" if n else "unknown"
+
+
+def fits_without_inductor(refused: BudgetError) -> CompilerChoice:
+    """compiler="auto" runs eager because no plan fits under Inductor and one does under eager: said each time."""
+    reason = (f"no plan fits the budget under Inductor (its smallest budget is {_bytes(refused.smallest_budget)}), "
+              "one does under eager: Inductor fuses pointwise values into their readers, so a plan cannot save "
+              "them, and eager can")
+    log.warning("autoremat: compiler='auto' uses the eager FX compiler, not Inductor: %s. Pass compiler='eager' to "
+                "choose it explicitly, or compiler='inductor' to get the BudgetError instead.", reason)
+    return CompilerChoice("auto", "eager", reason)
+
+
+def neither_fits(under_inductor: BudgetError, under_eager: BudgetError) -> BudgetError:
+    """The BudgetError of compiler="auto" when neither compiler's plan fits: the smaller smallest budget,
+    since "auto" at that budget would run (eager's where it is smaller)."""
+    a, b = under_inductor.smallest_budget, under_eager.smallest_budget
+    best = under_eager if a is None or (b is not None and b < a) else under_inductor
+    budget = getattr(best.ledger, "budget", None)
+    asked = f"budget {_bytes(budget)}" if budget else "the budget"
+    head = (f"{asked} fits under neither compiler compiler='auto' may use: the smallest budget is {_bytes(a)} "
+            f"under Inductor, {_bytes(b)} under eager.\n")
+    return BudgetError(head + str(best), best.ledger, best.smallest_budget)
 
 
 def inductor_failure(e: BaseException) -> str | None:

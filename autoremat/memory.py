@@ -19,6 +19,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+from autoremat.fusion import last_reads
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -257,10 +258,10 @@ def _run(
     `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
     """
     nodes = g.nodes
-    last_use: dict[str, int] = {}
-    for i, name in enumerate(order):
-        for a in nodes[name].inputs:
-            last_use[a] = i
+    last_use = last_reads(order, nodes)  # a fused value's inputs live until its last reader (fusion.py)
+    dying: dict[int, list[str]] = {}
+    for a, i in last_use.items():
+        dying.setdefault(i, []).append(a)
     alive: set[str] = set()
 
     def release(name: str) -> None:
@@ -283,9 +284,8 @@ def _run(
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
         during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(p.tuple_out_bytes, heap.granularity)
-        for a in set(p.inputs):
-            if last_use.get(a) == i:
-                release(a)
+        for a in dying.get(i, ()):
+            release(a)
         if name not in last_use:
             release(name)
         steps.append(Step(g.index, phase, name, during))

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph, aot_backend
-from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler
+from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler, fits_without_inductor, neither_fits
 from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import checkpoint_blocks, save_all
@@ -46,6 +46,7 @@ class GraphUse:
     frugal: frozenset[str] = frozenset()  # what it saves until its step is known (`StepPlanner._frugal`)
     compiled: dict[frozenset[str] | None, tuple[Callable, frozenset[str]]] = field(default_factory=dict)
     inference: bool = False  # compiled without a backward: nothing to plan
+    stale: bool = False  # compiled by another compiler before (StepPlanner._eager_instead): frugal plan anew
 
     @property
     def first(self) -> frozenset[str]:
@@ -61,6 +62,9 @@ class GraphCall:
     # id -> bytes of a parameter, its gradient and its optimizer state (a graph called for several
     # blocks gets each block's own parameters)
     params: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    # the profile its code was planned on, where its use has been compiled again by another compiler since
+    # (StepPlanner._eager_instead); None: its use's own
+    gp: GraphProfile | None = None
 
 
 class StepPlanner(Planner):
@@ -103,16 +107,27 @@ class StepPlanner(Planner):
             self._open_window()
         call = GraphCall(use, self._planned(use))
         self.step.append(call)
-        try:
-            self._note_inputs(call, args)
-            fn, call.saved = self._compiled(use, call.saved, args)
-            if use.inference:  # no input needs a gradient: no backward, nothing held
-                self.step.pop()
-            elif not self._candidates:  # a step not planned before must fit as it goes
-                self._check_step()
-        except BudgetError:
-            self._new_step()
-            raise
+        self._note_inputs(call, args)
+        refused: BudgetError | None = None
+        while True:
+            try:
+                fn, call.saved = self._compiled(use, call.saved, args)
+                if use.inference:  # no input needs a gradient: no backward, nothing held
+                    self.step.pop()
+                elif not self._candidates:  # a step not planned before must fit as it goes
+                    self._check_step()
+                break
+            except BudgetError as e:
+                if refused is None and self._eager_instead():
+                    refused, call.saved = e, None  # this call again, compiled by eager at its frugal plan
+                    continue
+                self._new_step()
+                if refused is not None:  # back to Inductor: it was the choice, and eager does not fit either
+                    self._compile_fn = aot_backend(self, compiler="inductor")
+                    raise neither_fits(refused, e) from None
+                raise
+        if refused is not None:
+            self.compiler = fits_without_inductor(refused)
         out = fn(*args)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -220,6 +235,23 @@ class StepPlanner(Planner):
             self._compile_fn = aot_backend(self, compiler=self.compiler.used)
         return self._compile_fn
 
+    def _eager_instead(self) -> bool:
+        """compiler="auto" chose Inductor and a call does not fit: compile with eager from now on, which can save
+        what Inductor fuses (compilers.run_with_fallback does the same for optimize). Every graph compiles again
+        at its next call and its steps are learnt again; the calls of this step already run keep what they hold."""
+        if self.compiler is None or self.compiler.requested != "auto" or self.compiler.used != "inductor":
+            return False
+        self._compile_fn = aot_backend(self, compiler="eager")
+        for c in self.step[:-1]:  # they ran, and hold what they saved, as Inductor's plans
+            c.gp = c.use.gp
+        for use in {c.use for c in (*self.step, *self.last_step)} | {u for key in self.steps for u in key}:
+            use.compiled.clear()
+            use.stale = True
+        self.steps.clear()
+        self.verified.clear()
+        self._candidates = []
+        return True
+
     def _new_step(self) -> None:
         self.step, self.backward_seen, self._candidates = [], False, list(self.steps)
         self._produced.clear()
@@ -230,8 +262,8 @@ class StepPlanner(Planner):
         calls = self.last_step = self.step
         self._new_step()
         key = tuple(c.use for c in calls)
-        if not calls or key in self.steps:
-            return
+        if not calls or key in self.steps or any(c.use.stale or c.gp is not None for c in calls):
+            return  # a step that ran partly under another compiler (_eager_instead) is learnt again
         try:
             saved, plan = self._solve(calls, self._ledger(calls))
         except BudgetError:  # the solver found no plan it trusts; the plans that just ran fit
@@ -257,7 +289,7 @@ class StepPlanner(Planner):
         limit = budget_or_memory(self.budget, self._dev)
         if self._need(calls, [c.saved for c in calls])[0] <= limit:
             return
-        smallest, ledger, tl = self._need(calls, [c.use.first for c in calls])
+        smallest, ledger, tl = self._need(calls, [c.use.first for c in calls], current=True)
         ledger.activations, ledger.budget = tl.peak, limit
         gp = calls[-1].use.gp
         held = ""
@@ -273,10 +305,13 @@ class StepPlanner(Planner):
             f"({smallest} bytes), every call at its most frugal plan; graphs still to come may need more."
             f"\n{ledger.format()}", ledger, smallest)
 
-    def _need(self, calls: list[GraphCall], saved: list) -> tuple[int, Ledger, Any]:
-        """What the calls need together with these saved sets: (fixed + simulated peak + slack, ledger, timeline)."""
+    def _need(self, calls: list[GraphCall], saved: list, current: bool = False) -> tuple[int, Ledger, Any]:
+        """What the calls need together with these saved sets: (fixed + simulated peak + slack, ledger, timeline).
+        The saved sets are those the calls ran with (on the profiles they were planned on), or with `current`
+        their uses' own (`GraphUse.first`, on the uses' latest profiles)."""
         ledger = self._ledger(calls)
-        _, tl, _ = evaluate([c.use.gp for c in calls], [set(s) for s in saved], self._dev.alloc_granularity)
+        profiles = [c.use.gp if current or c.gp is None else c.gp for c in calls]
+        _, tl, _ = evaluate(profiles, [set(s) for s in saved], self._dev.alloc_granularity)
         return ledger.fixed + tl.peak + SLACK, ledger, tl
 
     def _ledger(self, calls: list[GraphCall]) -> Ledger:
@@ -286,7 +321,7 @@ class StepPlanner(Planner):
                       inputs=sum(c.inputs for c in calls))
 
     def _plan_of(self, calls: list[GraphCall], saved: list, path: str) -> Plan:
-        profiles, g = [c.use.gp for c in calls], self._dev.alloc_granularity
+        profiles, g = [c.gp or c.use.gp for c in calls], self._dev.alloc_granularity
         schedules, tl, cost = evaluate(profiles, [set(s) for s in saved], g)
         decision = Decision([set(s) for s in saved], schedules, tl, cost, "fits", path, granularity=g)
         return build_plan(profiles, decision, self._ledger(calls), self.budget or 0, self._dev.name)
@@ -296,8 +331,8 @@ class StepPlanner(Planner):
         use, asked = self._request
         self._dev = self._dev or self._device(cg)
         gp = self._profile(cg)
-        if use.gp is None:
-            use.frugal = self._frugal(gp)
+        if use.gp is None or use.stale:
+            use.frugal, use.stale = self._frugal(gp), False
         use.gp = gp
 
         def need(fallback: set[str]) -> tuple[int, Ledger]:
@@ -331,7 +366,7 @@ class StepPlanner(Planner):
         """The least budget the latest step fits in as an unknown step first runs (each call at its frugal
         plan): below it the backend raises BudgetError. None before any step."""
         calls = [c for c in self.step or self.last_step if c.use.gp is not None]
-        return self._need(calls, [c.use.first for c in calls])[0] if calls else None
+        return self._need(calls, [c.use.first for c in calls], current=True)[0] if calls else None
 
     @property
     def combined_plan(self) -> Plan | None:

@@ -35,7 +35,11 @@ Dispatcher and ops:
                                Inductor picks here (cpu_vec_isa.pick_vec_isa, which reads
                                ATEN_CPU_CAPABILITY): the FX graph cache keys on the config but not on that
                                variable, so without the pin a kernel cached under one capability is
-                               reused, and fails to build, under another ('at::vec' has not been declared)
+                               reused, and fails to build, under another ('at::vec' has not been declared);
+                               and with config.layout_optimization off: on a graph with convolutions it
+                               lays intermediates out channels-last, also the values a graph hands to the
+                               next one (regions), and a dropout traced on such an input draws its mask in
+                               that memory order, not in eager's (the masks were not eager's)
   inductor_kernel_probe        torch._functorch.aot_autograd.aot_function: one tiny pointwise+reduction
                                kernel through those compilers, no dynamo (safe inside a backend's call)
   inductor_cpp_compiler        torch._inductor.cpp_builder.get_cpp_compiler: the C++ compiler Inductor's
@@ -214,18 +218,22 @@ def inductor_vector_width() -> int:
 
 
 def _pinned_vector_width(compile_fn: Callable) -> Callable:
-    """compile_fn with config.cpp.simdlen set to the width Inductor would pick anyway (module docstring).
+    """compile_fn with config.cpp.simdlen set to the width Inductor would pick anyway, and with
+    config.layout_optimization off (module docstring).
 
     The generated code is the same; the FX graph cache key then says which vector ISA it is for. A
-    simdlen the user set is left alone.
+    simdlen the user set is left alone. Without layout optimisation every value keeps the strides the
+    graph was traced with, eager's: a dropout mask is drawn in eager's order, and no layout copies
+    that the memory model does not know of are made.
     """
     from torch._inductor import config
 
     @functools.wraps(compile_fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        if config.cpp.simdlen is not None:
-            return compile_fn(*args, **kwargs)
-        with config.patch({"cpp.simdlen": inductor_vector_width()}):
+        patch: dict[str, Any] = {"layout_optimization": False}
+        if config.cpp.simdlen is None:
+            patch["cpp.simdlen"] = inductor_vector_width()
+        with config.patch(patch):
             return compile_fn(*args, **kwargs)
     return run
 

@@ -11,6 +11,8 @@ Rows per model, each on its own deep copy of the same initial model:
                          smallest_budget if that raises BudgetError again)
   autoremat @ checkpoint autoremat.optimize at checkpoint's measured steady-state peak
   Inductor @ checkpoint  (--inductor) the same with compiler='auto': Inductor where it compiles, as users get it
+                         (eager where no plan fits under Inductor; the row names the compiler used)
+  Inductor @ its floor   (--inductor) compiler='inductor' at its own smallest feasible budget
 
 Per row: steady-state and first-micro-step peaks, step time vs eager with its noise, gradient error vs eager,
 predicted/measured (autoremat); the goals of issue #11 are computed from the rows. See benchmarks/README.md.
@@ -205,11 +207,12 @@ def error_fields(e: Exception) -> dict:
     return dict(status=f"error: {type(e).__name__}: {first_line}", traceback=traceback.format_exc())
 
 
-def smallest_budget(bench: peers.Bench) -> int:
+def smallest_budget(bench: peers.Bench, compiler: str = "eager") -> int:
     """BudgetError.smallest_budget of autoremat.optimize at budget=1."""
     torch._dynamo.reset()
     try:
-        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS, compiler="eager")
+        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS,
+                           compiler=compiler)
     except autoremat.BudgetError as e:
         if e.smallest_budget is None:
             raise
@@ -234,6 +237,24 @@ def floor_row(bench: peers.Bench) -> dict:
     return row
 
 
+def fp64_rounding(bench: peers.Bench) -> float | None:
+    """The eager reference's own gradient error against the same model run in fp64 (same seed, so the same
+    dropout masks): the size of fp32 rounding in this model's gradients. A row whose error vs eager is of this
+    order differs by rounding (another reduction order: Inductor's kernels, a recomputation); a wrong plan
+    differs by O(1). None if the model does not run in fp64."""
+    try:
+        model = bench.fresh().double()
+        args, kwargs = peers.split(tuple(t.double() if t.is_floating_point() else t for t in bench.ex)
+                                   if not isinstance(bench.ex, dict) else
+                                   {k: v.double() if v.is_floating_point() else v for k, v in bench.ex.items()})
+        torch.manual_seed(SEED)
+        peers.make_step(model, args, kwargs)()
+        return peers.max_rel_err(bench.ref_grads, {n: g.float() for n, g in peers.grads_of(model).items()})
+    except Exception as e:  # noqa: BLE001 - a model without fp64 kernels has no such reference
+        print(f"  fp64 reference failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = False) -> list[dict]:
     print(f"== {cfg['name']}: {cfg['kwargs']}", flush=True)
     try:
@@ -242,6 +263,7 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
         return [dict(model=cfg["name"], method="eager", setting="-", **error_fields(e))]
     rows = [run_row(bench, "eager", "-", peers.eager_build),
             run_row(bench, "checkpoint", "every block", lambda m: (checkpoint_every_block(m), {}))]
+    rows[0]["fp64_rounding_err"] = fp64_rounding(bench)
     rows += [run_row(bench, "pt-budget", f"amb={b}", peers.pt_build(b, bench.args, bench.kwargs)) for b in PT_BUDGETS]
     rows.append(floor_row(bench))
     ckpt = rows[1]
@@ -250,6 +272,13 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
         if inductor:  # the default compiler where Inductor runs (compiler="auto"): what a user gets
             rows.append(run_row(bench, "autoremat", "Inductor @ checkpoint",
                                 peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS, compiler="auto")))
+    if inductor:  # Inductor itself at its own floor (the row above may have planned with eager: compilers.py)
+        try:
+            floor = smallest_budget(bench, "inductor")
+            rows.append(run_row(bench, "autoremat", "Inductor @ its floor",
+                                peers.ar_build(floor, bench.ex, OUTPUTS, compiler="inductor")))
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            rows.append(dict(model=cfg["name"], method="autoremat", setting="Inductor @ its floor", **error_fields(e)))
     else:
         rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
                          status="not run: the checkpoint row failed"))
@@ -302,6 +331,7 @@ def goals(rows: list[dict], model: str) -> dict:
     ind = find(rows, model, "autoremat", "Inductor @ checkpoint")
     if ran[0] and ind is not None and ind["status"] == "ok":
         g["inductor_time_vs_checkpoint"] = time_ratio(ind, ckpt)  # not a goal: the default compiler's time
+        g["inductor_time_vs_checkpoint"]["compiler_used"] = ind.get("compiler_used")
     return g
 
 
@@ -329,9 +359,19 @@ def goal_text(model: str, g: dict) -> str:
                if ft else "")
     it = g.get("inductor_time_vs_checkpoint")
     if it:
-        context += (f" (With compiler='auto', Inductor here, at checkpoint's peak: autoremat / checkpoint time = "
-                    f"{it['ratio']:.3f} ± {it['noise']:.3f}.)")
+        context += (f" (With compiler='auto', which planned with {it.get('compiler_used') or 'Inductor'} here, at "
+                    f"checkpoint's peak: autoremat / checkpoint time = {it['ratio']:.3f} ± {it['noise']:.3f}.)")
     return f"- **{model}**: {floor}; {pred}; {tm}.{context}"
+
+
+def rounding_text(rows: list[dict]) -> str:
+    """What size of gradient error is rounding in this model: the eager row's own error against fp64."""
+    err = rows[0].get("fp64_rounding_err") if rows and rows[0]["method"] == "eager" else None
+    if err is None:
+        return ""
+    return (f"- Grad error scale: eager's own fp32 gradients against the same step in fp64 (same seed and masks) "
+            f"differ by {err:.1e} (same measure): errors up to that order are rounding (another reduction order: "
+            f"Inductor's kernels, a recomputation), a wrong plan or mask gives O(1).\n")
 
 
 def table(rows: list[dict]) -> str:
@@ -344,7 +384,8 @@ def table(rows: list[dict]) -> str:
         setting = r["setting"] + (f" (first tried {mib(r['retried_from']['budget'])} MiB)" if "retried_from" in r
                                   else "")
         if r.get("num_graphs"):
-            setting += f" [{r['num_graphs']} graphs, solver {r.get('solver_status')}]"
+            compiled = f", compiler {r['compiler_used']}" if r.get("compiler_used") else ""
+            setting += f" [{r['num_graphs']} graphs, solver {r.get('solver_status')}{compiled}]"
         if r["status"] != "ok":
             sb = f"; smallest budget {mib(r['smallest_budget'])} MiB" if r.get("smallest_budget") else ""
             lines.append(f"| {r['method']} | {setting} | {mib(r.get('budget'))} | {r['status']}{sb} |" + " |" * 6)
@@ -389,7 +430,7 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
         mine = [r for r in rows if r["model"] == cfg["name"]]
         if mine:
             goal = goal_text(cfg["name"], all_goals[cfg["name"]])
-            parts.append(f"## {cfg['name']}: {cfg['kwargs']}\n\n{table(mine)}\n\n{goal}\n")
+            parts.append(f"## {cfg['name']}: {cfg['kwargs']}\n\n{table(mine)}\n\n{goal}\n{rounding_text(mine)}")
     held = {k: sum(g[k]["holds"] for g in all_goals.values()) for k in ("floor", "time", "prediction")}
     n = len(all_goals)
     parts.append("## Goals (computed from the rows above)\n\n"

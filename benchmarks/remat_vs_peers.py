@@ -245,7 +245,7 @@ def ar_build(budget, ex, outputs: str = "all", compiler: str = "eager"):
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     baseline_peak=p.baseline_peak, predicted_overhead=p.overhead, num_graphs=om.num_graphs,
-                    solver_status=p.solver.get("status"))
+                    solver_status=p.solver.get("status"), compiler_used=p.compiler.get("used"))
         return om, info
     build.budget = int(budget)
     return build

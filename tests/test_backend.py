@@ -310,3 +310,91 @@ def test_a_planned_step_that_cannot_hold_what_it_measured_is_refused():
     be.planner._check_measured(_measured(compiled, model, x))
     with pytest.raises(autoremat.BudgetError, match="not met on a real step"):
         compiled(x).backward()
+
+
+class _BrokenConvNet(nn.Module):
+    """A conv stem, a residual conv-BN block and a linear head, with a graph break after each of the first two."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        from tests.test_fusion import _ResidualConvBN
+
+        self.stem, self.block, self.head = nn.Conv2d(3, c, 3, padding=1), _ResidualConvBN(c), nn.Linear(c, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        torch._dynamo.graph_break()
+        h = self.block(h)
+        torch._dynamo.graph_break()
+        return nn.functional.cross_entropy(self.head(h.mean(dim=(2, 3))), y)
+
+
+def test_auto_tries_eager_when_a_call_does_not_fit_under_inductor_and_names_both_floors() -> None:
+    """compiler="auto" chose Inductor; a call of the first step does not fit: the backend compiles that call
+    again with eager (StepPlanner._eager_instead). Here it does not fit under eager either, so one BudgetError
+    names both floors, and the planner is back on Inductor; an explicit "inductor" raises its own."""
+    from autoremat.compilers import inductor_problem
+
+    if inductor_problem("cpu") is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
+    torch.manual_seed(0)
+    model = _BrokenConvNet(16).train()
+    ex = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    torch._dynamo.reset()
+    be = autoremat.backend(budget=400_000, optimizer=None)
+    with pytest.raises(autoremat.BudgetError) as refused:
+        torch.compile(model, backend=be)(*ex).backward()
+    text = str(refused.value)
+    assert text.startswith("budget 390.6 KiB, 400000 bytes fits under neither compiler compiler='auto' may use: "
+                           "the smallest budget is "), text
+    assert " under eager.\n" in text and "too small for call 2 of this training step" in text, text
+    assert be.planner.compiler.used == "inductor", be.planner.compiler
+    torch._dynamo.reset()
+    with pytest.raises(autoremat.BudgetError) as explicit:
+        torch.compile(model, backend=autoremat.backend(budget=400_000, optimizer=None, compiler="inductor"))(*ex)
+    assert "neither compiler" not in str(explicit.value), str(explicit.value)
+    torch._dynamo.reset()
+
+
+def test_auto_compiles_with_eager_where_only_eagers_step_fits() -> None:
+    """A 4-block transformer stack with dropout: its first step at frugal plans needs 13,149,768 B under
+    Inductor and 12,500,484 B under eager (measured). Between the two, compiler="auto" recompiles with eager,
+    says why once, and every step runs; an explicit "inductor" raises BudgetError at that budget."""
+    from autoremat.compilers import inductor_problem
+    from examples.models import loss_of, transformer_stack
+
+    if inductor_problem("cpu") is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
+    torch.manual_seed(0)
+    model, (x,) = transformer_stack(batch=4, seq=64, n_layer=4, d=128, n_head=4, dropout=0.1)
+    model.train()
+    floors = {}
+    for compiler in ("eager", "inductor"):
+        torch._dynamo.reset()
+        be = autoremat.backend(budget=None, optimizer=None, compiler=compiler)
+        loss_of(torch.compile(model, backend=be)(x)).backward()
+        floors[compiler] = be.planner.smallest_budget
+    assert floors["eager"] < floors["inductor"], floors  # what this test is about
+    budget = (floors["eager"] + floors["inductor"]) // 2
+    torch._dynamo.reset()
+    be = autoremat.backend(budget=budget, optimizer=None)
+    compiled = torch.compile(model, backend=be)
+    logger = logging.getLogger("autoremat")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            loss_of(compiled(x)).backward()
+    finally:
+        logger.removeHandler(handler)
+    assert be.planner.compiler.requested == "auto" and be.planner.compiler.used == "eager", be.planner.compiler
+    assert "no plan fits the budget under Inductor" in be.planner.compiler.reason
+    assert len([m for m in seen if "no plan fits the budget under Inductor" in m]) == 1, seen
+    assert be.planner.step_plans, "no step was planned jointly under eager"
+    torch._dynamo.reset()
+    with pytest.raises(autoremat.BudgetError):
+        loss_of(torch.compile(model, backend=autoremat.backend(budget=budget, optimizer=None,
+                                                               compiler="inductor"))(x)).backward()
+    torch._dynamo.reset()

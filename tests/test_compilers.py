@@ -178,3 +178,48 @@ except InductorFailed as e:
     assert len(said) == 1, proc.stderr[-3000:]
     failed = next(x for x in proc.stdout.splitlines() if x.startswith("INDUCTOR_FAILED="))
     assert "compiler='inductor': Inductor failed to compile" in failed and "compiler='eager'" in failed, failed
+
+
+def _floor(model: nn.Module, ex: tuple, compiler: str) -> int:
+    try:
+        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs="loss", compiler=compiler,
+                           progress=False)
+    except autoremat.BudgetError as e:
+        return e.smallest_budget
+    raise AssertionError(f"a budget of 1 B fitted under {compiler}")
+
+
+def test_auto_plans_with_eager_where_only_eagers_plan_fits_and_inductor_still_refuses(caplog) -> None:
+    """A plan cannot save a value Inductor fuses (fusion.py), so a conv-BN residual block's smallest budget is
+    higher under Inductor than under eager. Between the two, "auto" plans with eager and says why, once;
+    an explicit "inductor" raises BudgetError; below both, "auto" names the smaller (eager's) floor."""
+    if inductor_problem("cpu") is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
+    from tests.test_fusion import _PooledLoss
+
+    torch.manual_seed(0)
+    model = _PooledLoss(16).train()
+    ex = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    eager, inductor = _floor(model, ex, "eager"), _floor(model, ex, "inductor")
+    assert eager < inductor, (eager, inductor)  # what this test is about: only eager fits in between
+    with caplog.at_level("WARNING", logger="autoremat"):
+        om = autoremat.optimize(model, budget=eager, example_inputs=ex, optimizer=None, outputs="loss",
+                                compiler="auto", progress=False)
+    assert om.plan.compiler["requested"] == "auto" and om.plan.compiler["used"] == "eager", om.plan.compiler
+    assert "no plan fits the budget under Inductor" in om.plan.compiler["reason"], om.plan.compiler
+    assert "compiler: eager (requested 'auto'; no plan fits the budget under Inductor" in om.plan.summary()
+    said = [r.getMessage() for r in caplog.records if "under Inductor" in r.getMessage()]
+    assert len(said) == 1, said
+    om(*ex).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(autoremat.BudgetError) as refused:
+        autoremat.optimize(model, budget=eager, example_inputs=ex, optimizer=None, outputs="loss",
+                           compiler="inductor", progress=False)
+    assert refused.value.smallest_budget == inductor
+    with pytest.raises(autoremat.BudgetError) as neither:
+        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs="loss", compiler="auto",
+                           progress=False)
+    assert neither.value.smallest_budget == eager
+    assert str(neither.value).startswith("budget 1 B, 1 bytes fits under neither compiler compiler='auto' may use: "
+                                         f"the smallest budget is {autoremat.format_bytes(inductor)}, {inductor} bytes "
+                                         "under Inductor"), str(neither.value)
