@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
 
@@ -37,6 +38,8 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     fw, bw = reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
     batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
     forward_draws_once(fw)
+    if cg.compiler != "inductor":  # as the profile assumed (profile.py): Inductor reuses buffers itself
+        write_into_dying(bw, dying_inputs(joint))
     return fw, bw
 
 
