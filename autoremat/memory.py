@@ -19,6 +19,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+from autoremat.passes.again import base, cut_backward
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -40,6 +41,9 @@ class Schedule:
     backward: list[str]  # backward graph, recomputed nodes placed just before their first use
     saved: list[str]  # forward values handed to the backward
     recomputed: list[str]  # forward-side nodes that run again in the backward
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
+    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (again.py)
+    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (again.py)
 
 
 @dataclass
@@ -113,6 +117,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     """Execution order of the forward and backward graphs for one graph's saved set."""
     nodes = g.nodes
     order = {name: i for i, name in enumerate(nodes)}
+    cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}  # a backward node marks a cut
     # A tuple (multi-output op) is not a tensor: its getitems are what gets saved.
     saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
     # Hand over storages, not views: a saved view (a detach, a transpose) is replaced by its base,
@@ -205,11 +210,16 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
         backward.append(name)
     for name in g.grad_outputs:
         emit_recomputed(name)
+    cuts &= set(backward)
+    backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order)
     return Schedule(
         forward=forward,
         backward=backward,
         saved=sorted(used_saved, key=order.__getitem__),
         recomputed=sorted(recomputed, key=order.__getitem__),
+        again=sorted(cuts, key=order.__getitem__),
+        reads=reads,
+        storage=copy_storage,
     )
 
 
@@ -251,22 +261,32 @@ def _run(
     inputs: list[str],
     phase: str,
     steps: list[Step],
+    reads: dict[str, tuple[str, ...]] | None = None,
+    storage: dict[str, str] | None = None,
 ) -> None:
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
     `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
     """
     nodes = g.nodes
+    reads, storage = reads or {}, storage or {}
+
+    def inputs_of(name: str) -> tuple[str, ...]:
+        return reads[name] if name in reads else nodes[base(name)].inputs
+
+    def storage_of(name: str) -> str:
+        return storage[name] if name in storage else nodes[base(name)].storage
+
     last_use: dict[str, int] = {}
     for i, name in enumerate(order):
-        for a in nodes[name].inputs:
+        for a in inputs_of(name):
             last_use[a] = i
     alive: set[str] = set()
 
     def release(name: str) -> None:
         if name in alive and name not in held:
             alive.discard(name)
-            heap.drop(nodes[name].storage)
+            heap.drop(storage_of(name))
 
     for name in inputs:
         if nodes[name].storage:
@@ -276,14 +296,15 @@ def _run(
             release(name)
 
     for i, name in enumerate(order):
-        p = nodes[name]
+        p = nodes[base(name)]
         if p.storage:
-            heap.add(p.storage, p.nbytes if p.storage == name else 0)
+            root = storage_of(name)
+            heap.add(root, p.nbytes if root == name else 0)
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
         during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(p.tuple_out_bytes, heap.granularity)
-        for a in set(p.inputs):
+        for a in set(inputs_of(name)):
             if last_use.get(a) == i:
                 release(a)
         if name not in last_use:
@@ -330,7 +351,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         # backward saved it, it dies at its last use here, after those regions' backwards.
         caller_held = set(g.fw_outputs) - passed_on[scope]
         held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
-        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps)
+        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:
@@ -403,7 +424,7 @@ def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
         for j, primal in consumers:
             if j not in read_back:
                 g, sched = graphs[j]
-                read_back[j] = {i for node in sched.backward for i in g.nodes[node].inputs}
+                read_back[j] = {base(i) for node in sched.backward for i in sched.reads.get(node, g.nodes[base(node)].inputs)}
             last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
         moments.setdefault(last, []).append((k, name))
     return moments

@@ -30,6 +30,7 @@ from autoremat.ilp import IlpModel, IlpResult
 from autoremat.ilp_choice import Choice, ChoiceModel
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
+from autoremat.twice import recompute_twice
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
            "choose_dtypes", "choose_trace", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
@@ -226,7 +227,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     """The plan with the smallest simulated activation peak we can find.
 
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, and greedy;
-    the smallest is then lowered further by saving values back (`heuristics.lower_peak`).
+    the smallest is then lowered further by saving values back (`heuristics.lower_peak`), then by
+    recomputing values twice (`twice.recompute_twice`).
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
@@ -253,7 +255,10 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if best is None or (tl.peak, cost) < (best.peak, best.recompute_time_s):
             best = Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
                             granularity=granularity)
-    return lower_peak(graphs, best, granularity) if best is not None else best
+    if best is None:
+        return best
+    # values saved back, then values recomputed twice where either lowers the simulated peak
+    return recompute_twice(graphs, lower_peak(graphs, best, granularity), granularity)
 
 
 class Infeasible(Exception):
