@@ -19,7 +19,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
-from autoremat.passes.again import base, cut_backward
+from autoremat.passes.again import MARK, base, cut_backward
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -117,7 +117,10 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     """Execution order of the forward and backward graphs for one graph's saved set."""
     nodes = g.nodes
     order = {name: i for i, name in enumerate(nodes)}
-    cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}  # a backward node marks a cut
+    # a backward node marks a cut, its name + MARK a narrow one (passes/again.py)
+    cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}
+    narrow = {base(s) for s in saved if s not in nodes and base(s) in nodes and nodes[base(s)].kind == "backward"}
+    saved = {s for s in saved if s in nodes}
     # A tuple (multi-output op) is not a tensor: its getitems are what gets saved.
     saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
     # Hand over storages, not views: a saved view (a detach, a transpose) is replaced by its base,
@@ -211,13 +214,14 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     for name in g.grad_outputs:
         emit_recomputed(name)
     cuts &= set(backward)
-    backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order)
+    narrow &= set(backward)
+    backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order, frozenset(narrow))
     return Schedule(
         forward=forward,
         backward=backward,
         saved=sorted(used_saved, key=order.__getitem__),
         recomputed=sorted(recomputed, key=order.__getitem__),
-        again=sorted(cuts, key=order.__getitem__),
+        again=sorted(cuts, key=order.__getitem__) + [n + MARK for n in sorted(narrow, key=order.__getitem__)],
         reads=reads,
         storage=copy_storage,
     )

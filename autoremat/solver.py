@@ -257,8 +257,18 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
                             granularity=granularity)
     if best is None:
         return best
-    # values saved back, then values recomputed twice where either lowers the simulated peak
-    return recompute_twice(graphs, lower_peak(graphs, best, granularity), granularity)
+    # values saved back, then values recomputed twice where either lowers the simulated peak; from the
+    # best candidate and from checkpointing (whose recomputed blocks leave the cuts the most to gain)
+    refined = [recompute_twice(graphs, lower_peak(graphs, best, granularity), granularity)]
+    if best.path != "checkpoint-blocks":
+        try:
+            schedules, tl, cost = evaluate(graphs, options[-2][0], granularity)
+            start_from = Decision(options[-2][0], schedules, tl, cost, status, "checkpoint-blocks",
+                                  solver=type(backend).__name__, granularity=granularity)
+            refined.append(lower_peak(graphs, recompute_twice(graphs, start_from, granularity), granularity))
+        except ValueError:
+            pass
+    return min(refined, key=lambda d: (d.peak, d.recompute_time_s))
 
 
 class Infeasible(Exception):

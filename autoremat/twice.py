@@ -14,11 +14,11 @@ from __future__ import annotations
 import dataclasses
 
 from autoremat.decision import Decision, evaluate
-from autoremat.passes.again import base
+from autoremat.passes.again import MARK, base
 from autoremat.profile import GraphProfile
 
 
-def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int, max_tries: int = 150) -> Decision:
+def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int, max_tries: int = 400) -> Decision:
     """`plan` with cuts added where they lower the simulated peak (module docstring)."""
     best, tries = plan, 0
     while tries < max_tries:
@@ -32,13 +32,17 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
         read_here = set(schedule.reads.get(step.node, g.nodes[base(step.node)].inputs))
         recomputed = set(schedule.recomputed)
         held = {e for e in entries[:here] if base(e) in recomputed and e not in read_here}
-        candidates = []
+        candidates = []  # the first backward reader after the peak of each value held across it
         for e in entries[here + 1:]:
-            if e in g.nodes and g.nodes[e].kind == "backward" and e not in schedule.again:
-                if held & set(schedule.reads.get(e, g.nodes[e].inputs)):
+            if not held:
+                break
+            if e in g.nodes and g.nodes[e].kind == "backward":
+                hit = held & set(schedule.reads.get(e, g.nodes[e].inputs))
+                if hit and e not in schedule.again and e + MARK not in schedule.again:
                     candidates.append(e)
+                held -= hit
         found = None
-        for c in candidates:
+        for c in [m for e in candidates for m in (e, e + MARK)]:  # a cut, a narrow cut (passes/again.py)
             if tries >= max_tries:
                 break
             tries += 1
