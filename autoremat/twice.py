@@ -34,6 +34,8 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
             break
         at = next(i for i, g in enumerate(graphs) if g.index == step.graph)
         g, schedule = graphs[at], best.schedules[at]
+        if any(p.fused for p in g.nodes.values()):
+            break  # Inductor's graph: it fuses and reorders the backward itself (a cut is not kept as written)
         entries = schedule.backward
         here = entries.index(step.node)
         read_here = set(schedule.reads.get(step.node, g.nodes[base(step.node)].inputs))
