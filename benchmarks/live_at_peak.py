@@ -5,7 +5,7 @@ budget=1, outputs="loss", no optimizer, verify off so the first plan is the one 
 step is measured (`measure_peak`, every `.grad` present), and the plan is replayed in the memory model with
 its heap observed: at the step where the simulated peak falls, every live storage, largest first.
 
-    python benchmarks/live_at_peak.py --models stack,gpt2 [--quick] [--top 5]
+    python benchmarks/live_at_peak.py --models stack,gpt2 [--quick] [--top 5]   # --top 0 lists every storage
 
 Writes benchmarks/results/live_at_peak_cpu[_quick].md.
 """
@@ -102,6 +102,7 @@ def one(cfg: dict, top: int) -> str:
              f"The peak: graph {best['graph']} ({where.module or 'no module'}), {best['phase']} op `{best['node']}` "
              f"({where.target}).", "",
              "| # | graph | tensor | op | shape | module | kind | MiB |", "|---|---|---|---|---|---|---|---|"]
+    top = top or len(live)  # 0: every live storage
     for i, ((scope, name), size) in enumerate(live[:top], 1):
         p = profiles[scope].nodes[base(name)]
         lines.append(f"| {i} | {scope} | `{name}` | {p.target} | {p.shape} | {p.module} | {p.kind} | {size / MiB:.3f} |")
@@ -114,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="stack,gpt2")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--top", type=int, default=5, help="how many live storages to list (0: all of them)")
     ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
     ap.add_argument("--name", default="live_at_peak_cpu", help="the results file's stem")
     ap.add_argument("--note", default="", help="a sentence for the header (e.g. which autoremat was imported)")
