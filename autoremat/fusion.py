@@ -19,8 +19,7 @@ is its arithmetic only (plus no launch of its own).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -74,7 +73,8 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
     return fused
 
 
-def last_reads(order: Sequence[str], nodes: Mapping[str, Any]) -> dict[str, int]:
+def last_reads(order: Sequence[str], inputs_of: Callable[[str], Sequence[str]],
+               fused: Callable[[str], bool]) -> dict[str, int]:
     """Position in `order` of each value's last read. Inductor inlines a fused value into every kernel that
     reads it, so a read of a fused value reads that value's own inputs there: they stay alive until its
     last reader runs, not until the fused node's place in the graph (measured on a residual conv-BN block:
@@ -82,13 +82,13 @@ def last_reads(order: Sequence[str], nodes: Mapping[str, Any]) -> dict[str, int]
     convolution's backward until the residual add's kernel, 2 MiB the model had freed)."""
     last: dict[str, int] = {}
     for i, name in enumerate(order):
-        todo, seen = list(nodes[name].inputs), set()
+        todo, seen = list(inputs_of(name)), set()
         while todo:
             a = todo.pop()
             if a in seen:
                 continue
             seen.add(a)
             last[a] = i
-            if nodes[a].fused:
-                todo.extend(nodes[a].inputs)
+            if fused(a):
+                todo.extend(inputs_of(a))
     return last

@@ -20,6 +20,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from autoremat.fusion import last_reads
+from autoremat.passes.again import MARK, base, cut_backward
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -41,6 +42,9 @@ class Schedule:
     backward: list[str]  # backward graph, recomputed nodes placed just before their first use
     saved: list[str]  # forward values handed to the backward
     recomputed: list[str]  # forward-side nodes that run again in the backward
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
+    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (again.py)
+    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (again.py)
 
 
 @dataclass
@@ -114,6 +118,10 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     """Execution order of the forward and backward graphs for one graph's saved set."""
     nodes = g.nodes
     order = {name: i for i, name in enumerate(nodes)}
+    # a backward node marks a cut, its name + MARK a narrow one (passes/again.py)
+    cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}
+    narrow = {base(s) for s in saved if s not in nodes and base(s) in nodes and nodes[base(s)].kind == "backward"}
+    saved = {s for s in saved if s in nodes}
     # A tuple (multi-output op) is not a tensor: its getitems are what gets saved.
     saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
     # Hand over storages, not views: a saved view (a detach, a transpose) is replaced by its base,
@@ -206,11 +214,17 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
         backward.append(name)
     for name in g.grad_outputs:
         emit_recomputed(name)
+    cuts &= set(backward)
+    narrow &= set(backward)
+    backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order, frozenset(narrow))
     return Schedule(
         forward=forward,
         backward=backward,
         saved=sorted(used_saved, key=order.__getitem__),
         recomputed=sorted(recomputed, key=order.__getitem__),
+        again=sorted(cuts, key=order.__getitem__) + [n + MARK for n in sorted(narrow, key=order.__getitem__)],
+        reads=reads,
+        storage=copy_storage,
     )
 
 
@@ -252,13 +266,24 @@ def _run(
     inputs: list[str],
     phase: str,
     steps: list[Step],
+    reads: dict[str, tuple[str, ...]] | None = None,
+    storage: dict[str, str] | None = None,
 ) -> None:
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
     `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
     """
     nodes = g.nodes
-    last_use = last_reads(order, nodes)  # a fused value's inputs live until its last reader (fusion.py)
+    reads, storage = reads or {}, storage or {}
+
+    def inputs_of(name: str) -> tuple[str, ...]:
+        return reads[name] if name in reads else nodes[base(name)].inputs
+
+    def storage_of(name: str) -> str:
+        return storage[name] if name in storage else nodes[base(name)].storage
+
+    # a fused value's inputs live until its last reader (fusion.py)
+    last_use = last_reads(order, inputs_of, lambda a: nodes[base(a)].fused)
     dying: dict[int, list[str]] = {}
     for a, i in last_use.items():
         dying.setdefault(i, []).append(a)
@@ -267,7 +292,7 @@ def _run(
     def release(name: str) -> None:
         if name in alive and name not in held:
             alive.discard(name)
-            heap.drop(nodes[name].storage)
+            heap.drop(storage_of(name))
 
     for name in inputs:
         if nodes[name].storage:
@@ -277,9 +302,10 @@ def _run(
             release(name)
 
     for i, name in enumerate(order):
-        p = nodes[name]
+        p = nodes[base(name)]
         if p.storage:
-            heap.add(p.storage, p.nbytes if p.storage == name else 0)
+            root = storage_of(name)
+            heap.add(root, p.nbytes if root == name else 0)
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
@@ -330,7 +356,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         # backward saved it, it dies at its last use here, after those regions' backwards.
         caller_held = set(g.fw_outputs) - passed_on[scope]
         held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
-        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps)
+        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:
@@ -403,7 +429,7 @@ def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
         for j, primal in consumers:
             if j not in read_back:
                 g, sched = graphs[j]
-                read_back[j] = {i for node in sched.backward for i in g.nodes[node].inputs}
+                read_back[j] = {base(i) for node in sched.backward for i in sched.reads.get(node, g.nodes[base(node)].inputs)}
             last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
         moments.setdefault(last, []).append((k, name))
     return moments

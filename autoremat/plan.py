@@ -37,6 +37,7 @@ class GraphPlan:
     # per nn.Module path: node counts and owned bytes, {"saved": n, "saved_bytes": b, "recomputed": ..., ...}
     modules: dict[str, dict[str, int]] = field(default_factory=dict)
     num_nodes: int = 0
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
 
 
 @dataclass
@@ -189,7 +190,7 @@ def build_plan(
                   for n in g.forward_side() if g.nodes[n].dtype}
         graphs.append(GraphPlan(
             index=g.index, fingerprint=g.fingerprint, saved=list(sched.saved),
-            recomputed=list(sched.recomputed), dtypes=dtypes, modules=_module_table(g, sched), num_nodes=len(g.nodes),
+            recomputed=list(sched.recomputed), again=list(sched.again), dtypes=dtypes, modules=_module_table(g, sched), num_nodes=len(g.nodes),
         ))
     ledger.activations = decision.peak
     ledger.budget = budget

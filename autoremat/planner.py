@@ -176,7 +176,7 @@ class Planner:
     def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
         matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
         for g in sorted(matches, key=lambda g: g.index != index):  # same position first
-            return set(g.saved)
+            return set(g.saved) | set(g.again)  # a cut is named among the saved values (again.py)
         raise PlanMismatch(
             f"the plan was made for graph(s) {[g.fingerprint for g in self.plan.graphs]}, but the model "
             f"traced to graph {gp.fingerprint} ({len(gp.nodes)} nodes): the model, its input shapes or "
@@ -314,7 +314,7 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
     if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
         return None
     try:
-        _, tl, cost = evaluate(profiles, [set(g.saved) for g in cached.graphs], dev.alloc_granularity)
+        _, tl, cost = evaluate(profiles, [set(g.saved) | set(g.again) for g in cached.graphs], dev.alloc_granularity)
     except Exception:  # names that are not in the graph, a value nobody may recompute
         return None
     if ledger.fixed + max(tl.peak, ledger.optimizer_step) + SLACK > budget:

@@ -27,6 +27,7 @@ from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.fusion import fused_nodes
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
+from autoremat.passes.reuse import dying_inputs
 from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
 from autoremat.regions import accumulate_grad
 from autoremat.torch_internals import (
@@ -286,6 +287,13 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
 
     if cg.compiler == "inductor":
         _mark_fused(gm, nodes, dev, {*fw_outputs, *grad_outputs})
+    else:  # the backward module writes these pointwise results into a dying input (passes/reuse.py)
+        moved: dict[str, str] = {}
+        for name, into in dying_inputs(gm).items():  # in graph order: a chain ends at the first buffer
+            moved[name] = nodes[name].storage = nodes[into].storage
+            nodes[name].nbytes = 0
+        for prof in nodes.values():  # views of a moved result view the buffer it wrote into
+            prof.storage = moved.get(prof.storage, prof.storage)
     for prof in nodes.values():
         if prof.tuple_parent and prof.storage == prof.name:
             nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes

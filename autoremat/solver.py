@@ -31,6 +31,7 @@ from autoremat.ilp import IlpModel, IlpResult
 from autoremat.ilp_choice import Choice, ChoiceModel
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
+from autoremat.twice import recompute_twice
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
            "choose_dtypes", "choose_trace", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
@@ -253,7 +254,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
 
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, greedy, and
     the best plan an earlier call found for the same graphs (`_floor_memo`); each is lowered further
-    by saving values back (`heuristics.lower_peak`), and the lowest is kept.
+    by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
+    (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
@@ -290,9 +292,17 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     # Every candidate is lowered, not only the best: saving values back reorders them (on a 4-block
     # stack, d=64, seq 32, dropout 0.1, the ILP's min-peak plan had the lower peak and lowered
     # checkpointing the lowest: 971,272 B against 989,444). At most five candidates, up to 150
-    # simulations of the whole step each; a remembered plan was lowered when it was found.
+    # simulations of the whole step each; a remembered plan was refined when it was found.
     lowered = [d if d.saved is remembered else lower_peak(graphs, d, granularity) for d in candidates]
     best = min(lowered, key=lambda d: (d.peak, d.recompute_time_s))
+    if best.saved is not remembered:
+        # then values recomputed twice where that lowers the simulated peak: from the best, and from
+        # checkpointing (whose recomputed blocks leave the cuts the most to gain)
+        refined = [recompute_twice(graphs, best, granularity)]
+        blocks = next((d for d in candidates if d.path == "checkpoint-blocks"), None)
+        if blocks is not None and not best.path.startswith("checkpoint-blocks"):
+            refined.append(lower_peak(graphs, recompute_twice(graphs, blocks, granularity), granularity))
+        best = min(refined, key=lambda d: (d.peak, d.recompute_time_s))
     _remember_floor(key, best)
     return best
 

@@ -5,7 +5,7 @@ budget=1, outputs="loss", no optimizer, verify off so the first plan is the one 
 step is measured (`measure_peak`, every `.grad` present), and the plan is replayed in the memory model with
 its heap observed: at the step where the simulated peak falls, every live storage, largest first.
 
-    python benchmarks/live_at_peak.py --models stack,gpt2 [--quick] [--top 5]
+    python benchmarks/live_at_peak.py --models stack,gpt2 [--quick] [--top 5]   # --top 0 lists every storage
 
 Writes benchmarks/results/live_at_peak_cpu[_quick].md.
 """
@@ -27,6 +27,7 @@ from autoremat import memory
 from autoremat.decision import evaluate
 from autoremat.devices import get_device
 from autoremat.measure import measure_peak
+from autoremat.passes.again import base
 
 MiB = 2**20
 
@@ -52,7 +53,9 @@ def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
     def step(graph, phase, node, during):
         if during > best["during"] and heaps:
             h = heaps[-1]
-            ran = h.snap is not None and h.snap[:2] == (h.scope, profiles[graph_position[graph]].nodes[node].storage)
+            owner = profiles[graph_position[graph]].nodes[base(node)].storage
+            store = node if owner == base(node) else owner  # a copy recomputed again owns a storage of its name
+            ran = h.snap is not None and h.snap[:2] == (h.scope, store)
             best.update(during=during, graph=graph_position[graph], phase=phase, node=node,
                         live=h.snap[2] if ran else dict(h.size))
         return plain_step(graph, phase, node, during)
@@ -85,9 +88,10 @@ def one(cfg: dict, top: int) -> str:
     _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
     plan = om.plan
     profiles = om._planners[0].profiles
-    best = live_at_peak(profiles, [set(g.saved) for g in plan.graphs], get_device("cpu").alloc_granularity)
+    # a cut (recompute again from here, autoremat/passes/again.py) is named among the saved values
+    best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs], get_device("cpu").alloc_granularity)
     g = profiles[best["graph"]]
-    where = g.nodes[best["node"]]
+    where = g.nodes[base(best["node"])]
     live = sorted(best["live"].items(), key=lambda kv: -kv[1])
     lines = [f"## {cfg['name']}: {cfg['kwargs']}", "",
              f"floor budget {budget / MiB:.2f} MiB; predicted peak {plan.predicted_peak / MiB:.2f} MiB, measured "
@@ -98,8 +102,9 @@ def one(cfg: dict, top: int) -> str:
              f"The peak: graph {best['graph']} ({where.module or 'no module'}), {best['phase']} op `{best['node']}` "
              f"({where.target}).", "",
              "| # | graph | tensor | op | shape | module | kind | MiB |", "|---|---|---|---|---|---|---|---|"]
+    top = top or len(live)  # 0: every live storage
     for i, ((scope, name), size) in enumerate(live[:top], 1):
-        p = profiles[scope].nodes[name]
+        p = profiles[scope].nodes[base(name)]
         lines.append(f"| {i} | {scope} | `{name}` | {p.target} | {p.shape} | {p.module} | {p.kind} | {size / MiB:.3f} |")
     rest = live[top:]
     lines += ["", f"The other {len(rest)} live storages: {sum(s for _, s in rest) / MiB:.2f} MiB.", ""]
@@ -110,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="stack,gpt2")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--top", type=int, default=5)
+    ap.add_argument("--top", type=int, default=5, help="how many live storages to list (0: all of them)")
     ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
     ap.add_argument("--name", default="live_at_peak_cpu", help="the results file's stem")
     ap.add_argument("--note", default="", help="a sentence for the header (e.g. which autoremat was imported)")

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
+from autoremat.passes.again import base as again_base
+from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
 
@@ -37,6 +39,8 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     fw, bw = reorder(fw, schedule.forward, "forward"), reorder(bw, schedule.backward, "backward")
     batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
     forward_draws_once(fw)
+    if cg.compiler != "inductor":  # as the profile assumed (profile.py): Inductor reuses buffers itself
+        write_into_dying(bw, dying_inputs(joint))
     return fw, bw
 
 
@@ -81,7 +85,7 @@ def batch_norm_without_running_stats(fw: fx.GraphModule, bw: fx.GraphModule, num
 
 def _check_same_nodes(gm: fx.GraphModule, order: list[str], what: str) -> None:
     have = {n.name for n in gm.graph.nodes if n.op == "call_function"}
-    if have != set(order):
+    if have != {again_base(n) for n in order}:
         extra, missing = sorted(have - set(order))[:5], sorted(set(order) - have)[:5]
         raise RuntimeError(
             f"autoremat internal error: the {what} graph differs from the simulated schedule "
@@ -99,7 +103,16 @@ def reorder(gm: fx.GraphModule, order: list[str], what: str) -> fx.GraphModule:
         if n.op in ("placeholder", "get_attr"):
             env[n] = graph.node_copy(n, env.__getitem__)
     for name in order:
-        env[old[name]] = graph.node_copy(old[name], env.__getitem__)
+        n = old[again_base(name)]
+        if name == n.name:
+            env[n] = graph.node_copy(n, env.__getitem__)
+            continue
+        # a value recomputed again after a cut (autoremat/again.py): a copy of the node, under the
+        # schedule's name; every later reader reads the copy
+        copy = graph.create_node(n.op, n.target, fx.node.map_arg(n.args, env.__getitem__),
+                                 fx.node.map_arg(n.kwargs, env.__getitem__), name=name)
+        copy.meta = dict(n.meta)
+        env[n] = copy
     for n in gm.graph.nodes:
         if n.op == "output":
             graph.node_copy(n, env.__getitem__)
