@@ -71,8 +71,11 @@ def dying_inputs(joint: fx.GraphModule) -> dict[str, str]:
             sharing.setdefault(StorageWeakRef(val.untyped_storage()), []).append(n)
     found: dict[str, str] = {}
     taken: set[StorageWeakRef] = set()
+    leaving = set(nodes[-1].all_input_nodes) if nodes and nodes[-1].op == "output" else set()
     for n in nodes:
-        if n not in backward or not _rewritable(n):
+        # A value the graph returns (a gradient autograd accumulates, or hands to another region, whose
+        # wait the memory model follows by the value's own name) keeps a buffer of its own.
+        if n not in backward or n in leaving or not _rewritable(n):
             continue
         val = n.meta["val"]
         for u in n.args:
