@@ -29,6 +29,19 @@ from autoremat.torch_internals import OpOverload, inductor_realize_reads_thresho
 LOOP_OPS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "var_mean", "std", "argmax", "argmin",
                       "any", "all", "norm", "logsumexp", "gather", "index", "index_select", "embedding"})
 
+# Ops Inductor calls as library kernels (extern_kernels.*): they allocate their output beside their inputs.
+EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "convolution", "convolution_backward",
+                    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_cudnn_attention", "_scaled_mm", "_int_mm"})
+
+
+def own_kernel(n: fx.Node) -> bool:
+    """Inductor generates this op's loop itself (not a library call, not a random draw), so its output may
+    take the buffer of an input that dies in that loop (inplace.py)."""
+    t = n.target
+    return n.op == "call_function" and isinstance(t, OpOverload) and t.overloadpacket.__name__ not in EXTERN and \
+        torch.Tag.nondeterministic_seeded not in t.tags and isinstance(n.meta.get("val"), torch.Tensor)
+
 
 def is_pointwise(n: fx.Node) -> bool:
     return n.op == "call_function" and isinstance(n.target, OpOverload) and torch.Tag.pointwise in n.target.tags

@@ -19,6 +19,8 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+from autoremat.handoffs import handed_over, region_handoffs
+from autoremat.inplace import donor, kernel_last_use, least_peak_first
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -235,6 +237,9 @@ class _Heap:
             self.live += self.size[storage]
         self.refs[storage] += 1
 
+    def sole_bytes(self, name: str) -> int | None:
+        return self.size[(self.scope, name)] if self.refs.get((self.scope, name)) == 1 else None
+
     def drop(self, name: str) -> None:
         storage = (self.scope, name)
         self.refs[storage] -= 1
@@ -255,12 +260,32 @@ def _run(
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
     `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
+    A graph Inductor runs is run in the order its scheduler picks (inplace.py): the lower peak of the
+    graph's own order and the least-peak-first one.
     """
+    if any(p.fused or p.inplace for p in g.nodes.values()):
+        other = least_peak_first(g, order, held, inputs, heap.granularity)
+        if other != order:
+            trial = [_peak_of(g, o, heap, held, inputs, phase) for o in (order, other)]
+            order = other if trial[1] < trial[0] else order
+    _replay(g, order, heap, held, inputs, phase, steps)
+
+
+def _peak_of(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str], phase: str) -> int:
+    copy = _Heap(heap.granularity)
+    copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
+    steps: list[Step] = []
+    _replay(g, order, copy, held, inputs, phase, steps)
+    return max((s.during for s in steps), default=0)
+
+
+def _replay(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str], phase: str,
+            steps: list[Step]) -> None:
     nodes = g.nodes
-    last_use: dict[str, int] = {}
-    for i, name in enumerate(order):
-        for a in nodes[name].inputs:
-            last_use[a] = i
+    last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
+    dies: dict[int, list[str]] = {}
+    for a, i in last_use.items():
+        dies.setdefault(i, []).append(a)
     alive: set[str] = set()
 
     def release(name: str) -> None:
@@ -277,15 +302,19 @@ def _run(
 
     for i, name in enumerate(order):
         p = nodes[name]
+        if p.inplace and p.storage == name:  # Inductor writes it into an input that dies here (inplace.py)
+            dying = [a for a in dies.get(i, ()) if a in alive and a not in held]
+            reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, heap.granularity))
+            if reused:
+                release(reused)
         if p.storage:
             heap.add(p.storage, p.nbytes if p.storage == name else 0)
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
         during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(p.tuple_out_bytes, heap.granularity)
-        for a in set(p.inputs):
-            if last_use.get(a) == i:
-                release(a)
+        for a in dies.get(i, ()):
+            release(a)
         if name not in last_use:
             release(name)
         steps.append(Step(g.index, phase, name, during))
@@ -365,45 +394,3 @@ def tied_waits(profiles: list[GraphProfile]) -> dict[int, list[tuple[int, str]]]
         if len(grads) > 1:
             waits.setdefault(min(grads)[0], []).append(max(grads))
     return waits
-
-
-def region_handoffs(profiles: list[GraphProfile]) -> dict[tuple[int, str], list[tuple[int, str]]]:
-    """The values regions hand later regions, and nobody else holds: {(producer's position, its output):
-    [(consumer's position, the consumer's primal)]}. A value the user also sees (`exported`) is not one."""
-    position = {g.index: i for i, g in enumerate(profiles)}
-    found: dict[tuple[int, str], list[tuple[int, str]]] = {}
-    for j, g in enumerate(profiles):
-        for primal, (index, output) in g.sources.items():
-            k = position.get(index)
-            if k is None or k >= j or output >= len(profiles[k].user_outputs):
-                continue
-            name = profiles[k].user_outputs[output]
-            if name is not None and name not in profiles[k].exported:
-                found.setdefault((k, name), []).append((j, primal))
-    return found
-
-
-def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
-                handoffs: dict[tuple[int, str], list[tuple[int, str]]]) -> dict[int, list[tuple[int, str]]]:
-    """When the values one region hands later regions die: {moment: [(graph position, output)]}.
-
-    Moments count the forwards 0..n-1, then the backwards n..2n-1 (the last graph's first). A
-    region's output that only later regions read (not the user, not its own backward) lives until
-    the last of them is done with it: the end of its forward, or of its backward if that reads it.
-    Every other forward output is held to the end of the step, as the caller holds it.
-    """
-    n = len(graphs)
-    read_back: dict[int, set[str]] = {}  # per consumer: what its backward (recomputation included) reads
-    moments: dict[int, list[tuple[int, str]]] = {}
-    for (k, name), consumers in handoffs.items():
-        producer, producer_sched = graphs[k]
-        if name in producer_sched.saved or producer.nodes[name].kind != "forward":
-            continue  # its own backward holds it (released there), or it owns no storage of its own
-        last = -1
-        for j, primal in consumers:
-            if j not in read_back:
-                g, sched = graphs[j]
-                read_back[j] = {i for node in sched.backward for i in g.nodes[node].inputs}
-            last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
-        moments.setdefault(last, []).append((k, name))
-    return moments
