@@ -36,7 +36,7 @@ def kernel_last_use(g: GraphProfile, order: list[str]) -> dict[str, int]:
             readers.setdefault(a, []).append(i)
     at = list(range(len(order)))
     for i in reversed(range(len(order))):
-        if nodes[order[i]].fused:
+        if inlined(g, order[i]):
             at[i] = max((at[j] for j in readers.get(order[i], ()) if j > i), default=i)
     last: dict[str, int] = {}
     for a, js in readers.items():
@@ -67,7 +67,7 @@ def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: 
     a greedy topological sort that runs next, among the kernels whose inputs exist, one that stays under
     the highest live total so far, freeing the most, else the one that allocates least; ties in graph order.
 
-    Kernels are the non-fused nodes; a fused node is placed just before the first kernel that reads it.
+    Kernels are the nodes not `inlined`; an inlined one is placed just before the first kernel that reads it.
     """
     nodes = g.nodes
     inside = set(order)
@@ -78,9 +78,9 @@ def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: 
         for a in nodes[name].inputs:
             if a not in inside:
                 continue
-            found |= needs(a) if nodes[a].fused else {a}
+            found |= needs(a) if inlined(g, a) else {a}
         return found
-    kernels = [n for n in order if not nodes[n].fused]
+    kernels = [n for n in order if not inlined(g, n)]
     index = {n: i for i, n in enumerate(kernels)}
     readers: dict[str, list[str]] = {}  # storage -> kernels reading it (or a view of it)
     for n in kernels:
@@ -136,7 +136,7 @@ def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: 
 
     def place_fused(name: str) -> None:
         for a in sorted(nodes[name].inputs, key=lambda a: position.get(a, -1)):
-            if a in inside and nodes[a].fused and a not in placed:
+            if a in inside and inlined(g, a) and a not in placed:
                 placed.add(a)
                 place_fused(a)
                 out.append(a)
@@ -145,6 +145,12 @@ def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: 
         out.append(n)
     out += [n for n in order if n not in placed and n not in index]  # fused values no kernel reads
     return out
+
+
+def inlined(g: GraphProfile, name: str) -> bool:
+    """A fused value, or a view of one: no kernel of its own; computed inside each kernel that reads it."""
+    p = g.nodes[name]
+    return p.fused or (bool(p.storage) and p.storage != name and g.nodes[p.storage].fused)
 
 
 def _root_bytes(g: GraphProfile, root: str, granularity: int) -> int:
