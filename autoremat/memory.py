@@ -248,6 +248,24 @@ class _Heap:
             del self.refs[storage]
 
 
+def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str]) -> list[str]:
+    """The order a graph runs in: its own, or for a graph Inductor runs, the one its scheduler picks
+    (inplace.py): the lower peak of the graph's own order and the least-peak-first one."""
+    if not any(p.fused or p.inplace for p in g.nodes.values()):
+        return order
+    other = least_peak_first(g, order, held, inputs, heap.granularity)
+    if other == order:
+        return order
+    trial = []
+    for o in (order, other):
+        copy = _Heap(heap.granularity)
+        copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
+        steps: list[Step] = []
+        _run(g, o, copy, held, inputs, "", steps)
+        trial.append(max((s.during for s in steps), default=0))
+    return other if trial[1] < trial[0] else order
+
+
 def _run(
     g: GraphProfile,
     order: list[str],
@@ -260,27 +278,7 @@ def _run(
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
     `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
-    A graph Inductor runs is run in the order its scheduler picks (inplace.py): the lower peak of the
-    graph's own order and the least-peak-first one.
     """
-    if any(p.fused or p.inplace for p in g.nodes.values()):
-        other = least_peak_first(g, order, held, inputs, heap.granularity)
-        if other != order:
-            trial = [_peak_of(g, o, heap, held, inputs, phase) for o in (order, other)]
-            order = other if trial[1] < trial[0] else order
-    _replay(g, order, heap, held, inputs, phase, steps)
-
-
-def _peak_of(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str], phase: str) -> int:
-    copy = _Heap(heap.granularity)
-    copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
-    steps: list[Step] = []
-    _replay(g, order, copy, held, inputs, phase, steps)
-    return max((s.during for s in steps), default=0)
-
-
-def _replay(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str], phase: str,
-            steps: list[Step]) -> None:
     nodes = g.nodes
     last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
     dies: dict[int, list[str]] = {}
@@ -343,7 +341,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         heap.scope = scope
         # Values that cross into the backward, and forward outputs (held by the caller), stay.
         held = set(sched.saved) | set(g.fw_outputs)
-        _run(g, sched.forward, heap, held, [], "forward", tl.steps)
+        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl.steps)
         saved_alive.append(list(sched.saved))
         release_at(scope)
     tl.boundary = heap.live
@@ -359,7 +357,8 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         # backward saved it, it dies at its last use here, after those regions' backwards.
         caller_held = set(g.fw_outputs) - passed_on[scope]
         held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
-        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps)
+        order = _kernel_order(g, sched.backward, heap, held, saved + tangents)
+        _run(g, order, heap, held, saved + tangents, "backward", tl.steps)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:

@@ -4,7 +4,9 @@ For each model of `speed.py --quick` (the transformer stack and the small HF GPT
 the smallest feasible budget and the no-recompute total under Inductor (speed.limits), then a plan at
 the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
 with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
-one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). Columns:
+one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). A smallest
+budget that verification refuses (it measured more than predicted and the re-plan no longer fits) is
+retried at the budget the refusal names, as speed.py does; the row says so. Columns:
 predicted / measured peak, prediction error, budget used (measured / budget), verification's note.
 
     python benchmarks/inductor_prediction.py [--models stack,gpt2] [--dropout 0.1,0.0]
@@ -82,7 +84,14 @@ def main() -> None:
             bench = _Bench(cfg)
             lo, hi, _ = speed.limits(bench)
             for point, budget in (("smallest", lo), ("middle", (lo + hi) // 2), ("top", hi)):
-                r = row(bench, int(budget))
+                try:
+                    r = row(bench, int(budget))
+                except autoremat.BudgetError as e:  # verification found more than predicted at the floor
+                    if point != "smallest" or not e.smallest_budget:
+                        raise
+                    print(f"{cfg['name']}: BudgetError at {budget} B; retried at {e.smallest_budget} B", flush=True)
+                    budget, point = e.smallest_budget, f"smallest (refused at {budget / MiB:.3f}: retried)"
+                    r = row(bench, int(budget))
                 err = r["predicted"] / r["measured"] - 1
                 line = (f"| {cfg['name']} (dropout {drop}) | {point} | {budget / MiB:.3f} | {r['predicted'] / MiB:.3f} | "
                         f"{r['measured'] / MiB:.3f} | {err:+.1%} | {r['measured'] / budget:.1%} | {r['plan_s']:.0f} | "
