@@ -250,7 +250,9 @@ class _Heap:
 
 def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str]) -> list[str]:
     """The order a graph runs in: its own, or for a graph Inductor runs, the one its scheduler picks
-    (inplace.py): the lower peak of the graph's own order and the least-peak-first one."""
+    (inplace.py): the least-peak-first one where its peak is lower than the graph's own order's, both
+    estimated as Inductor does, before it decides which outputs to write in place (a tie keeps the
+    graph's order)."""
     if not any(p.fused or p.inplace for p in g.nodes.values()):
         return order
     other = least_peak_first(g, order, held, inputs, heap.granularity)
@@ -261,7 +263,7 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
         copy = _Heap(heap.granularity)
         copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
         steps: list[Step] = []
-        _run(g, o, copy, held, inputs, "", steps)
+        _run(g, o, copy, held, inputs, "", steps, in_place=False)
         trial.append(max((s.during for s in steps), default=0))
     return other if trial[1] < trial[0] else order
 
@@ -274,6 +276,7 @@ def _run(
     inputs: list[str],
     phase: str,
     steps: list[Step],
+    in_place: bool = True,
 ) -> None:
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
@@ -300,7 +303,7 @@ def _run(
 
     for i, name in enumerate(order):
         p = nodes[name]
-        if p.inplace and p.storage == name:  # Inductor writes it into an input that dies here (inplace.py)
+        if in_place and p.inplace and p.storage == name:  # Inductor writes it into an input that dies here (inplace.py)
             dying = [a for a in dies.get(i, ()) if a in alive and a not in held]
             reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, heap.granularity))
             if reused:
