@@ -74,21 +74,21 @@ def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: 
     deps: dict[str, set[str]] = {}  # kernel -> the kernels it reads, through fused nodes
 
     def needs(name: str) -> set[str]:
+        """What kernel `name` reads, through the inlined values it computes: nodes of `order` and inputs."""
         found: set[str] = set()
         for a in nodes[name].inputs:
-            if a not in inside:
-                continue
-            found |= needs(a) if inlined(g, a) else {a}
+            found |= needs(a) if a in inside and inlined(g, a) else {a}
         return found
     kernels = [n for n in order if not inlined(g, n)]
     index = {n: i for i, n in enumerate(kernels)}
     readers: dict[str, list[str]] = {}  # storage -> kernels reading it (or a view of it)
+    reads: dict[str, set[str]] = {}
     for n in kernels:
-        deps[n] = needs(n)
-        for a in deps[n] | {a for a in nodes[n].inputs if a not in inside}:
-            root = nodes[a].storage
-            if root:
-                readers.setdefault(root, []).append(n)
+        read = needs(n)
+        deps[n] = read & inside
+        reads[n] = {nodes[a].storage for a in read} - {""}
+        for root in reads[n]:
+            readers.setdefault(root, []).append(n)
     size = {n: _round(nodes[n].nbytes, granularity) if nodes[n].storage == n else 0 for n in kernels}
     frees: dict[str, int] = {n: 0 for n in kernels}
     left = {root: len(set(rs)) for root, rs in readers.items()}
@@ -122,7 +122,7 @@ def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: 
             indegree[u] -= 1
             if not indegree[u]:
                 ready.add(u)
-        for root in {nodes[a].storage for a in deps[pick] | set(nodes[pick].inputs) if a in nodes} - {""}:
+        for root in reads[pick]:
             if root in left:
                 left[root] -= 1
                 if left[root] == 1 and root not in kept:
