@@ -319,7 +319,8 @@ def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSp
         p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
     for n in gm.graph.nodes:
         if n.name in nodes:
-            nodes[n.name].inplace = n.name not in fused and nodes[n.name].storage == n.name and own_kernel(n)
+            p = nodes[n.name]
+            p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
 
 
 def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list, grads: list) -> dict:
