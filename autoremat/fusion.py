@@ -19,8 +19,6 @@ is its arithmetic only (plus no launch of its own).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
 import torch
 import torch.fx as fx
 
@@ -30,6 +28,19 @@ from autoremat.torch_internals import OpOverload, inductor_realize_reads_thresho
 # (gather, index, embedding), whose data input is read element by element inside the loop.
 LOOP_OPS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "var_mean", "std", "argmax", "argmin",
                       "any", "all", "norm", "logsumexp", "gather", "index", "index_select", "embedding"})
+
+# Ops Inductor calls as library kernels (extern_kernels.*): they allocate their output beside their inputs.
+EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "convolution", "convolution_backward",
+                    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_cudnn_attention", "_scaled_mm", "_int_mm"})
+
+
+def own_kernel(n: fx.Node) -> bool:
+    """Inductor generates this op's loop itself (not a library call, not a random draw), so its output may
+    take the buffer of an input that dies in that loop (inplace.py)."""
+    t = n.target
+    return n.op == "call_function" and isinstance(t, OpOverload) and t.overloadpacket.__name__ not in EXTERN and \
+        torch.Tag.nondeterministic_seeded not in t.tags and isinstance(n.meta.get("val"), torch.Tensor)
 
 
 def is_pointwise(n: fx.Node) -> bool:
@@ -73,22 +84,3 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
     return fused
 
 
-def last_reads(order: Sequence[str], inputs_of: Callable[[str], Sequence[str]],
-               fused: Callable[[str], bool]) -> dict[str, int]:
-    """Position in `order` of each value's last read. Inductor inlines a fused value into every kernel that
-    reads it, so a read of a fused value reads that value's own inputs there: they stay alive until its
-    last reader runs, not until the fused node's place in the graph (measured on a residual conv-BN block:
-    the incoming gradient and the ReLU output, read by the ReLU's fused backward, held past the
-    convolution's backward until the residual add's kernel, 2 MiB the model had freed)."""
-    last: dict[str, int] = {}
-    for i, name in enumerate(order):
-        todo, seen = list(inputs_of(name)), set()
-        while todo:
-            a = todo.pop()
-            if a in seen:
-                continue
-            seen.add(a)
-            last[a] = i
-            if fused(a):
-                todo.extend(inputs_of(a))
-    return last

@@ -19,7 +19,8 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
-from autoremat.fusion import last_reads
+from autoremat.handoffs import handed_over, region_handoffs
+from autoremat.inplace import donor, kernel_last_use, least_peak_first
 from autoremat.passes.again import MARK, base, cut_backward
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
@@ -250,12 +251,35 @@ class _Heap:
             self.live += self.size[storage]
         self.refs[storage] += 1
 
+    def sole_bytes(self, name: str) -> int | None:
+        return self.size[(self.scope, name)] if self.refs.get((self.scope, name)) == 1 else None
+
     def drop(self, name: str) -> None:
         storage = (self.scope, name)
         self.refs[storage] -= 1
         if self.refs[storage] == 0:
             self.live -= self.size.pop(storage)
             del self.refs[storage]
+
+
+def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str]) -> list[str]:
+    """The order a graph runs in: its own, or for a graph Inductor runs, the one its scheduler picks
+    (inplace.py): the least-peak-first one where its peak is lower than the graph's own order's, both
+    estimated as Inductor does, before it decides which outputs to write in place (a tie keeps the
+    graph's order)."""
+    if not any(p.fused or p.inplace for p in g.nodes.values()):
+        return order
+    other = least_peak_first(g, order, held, inputs, heap.granularity)
+    if other == order:
+        return order
+    trial = []
+    for o in (order, other):
+        copy = _Heap(heap.granularity)
+        copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
+        steps: list[Step] = []
+        _run(g, o, copy, held, inputs, "", steps, in_place=False)
+        trial.append(max((s.during for s in steps), default=0))
+    return other if trial[1] < trial[0] else order
 
 
 def _run(
@@ -268,6 +292,7 @@ def _run(
     steps: list[Step],
     reads: dict[str, tuple[str, ...]] | None = None,
     storage: dict[str, str] | None = None,
+    in_place: bool = True,
 ) -> None:
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
@@ -282,11 +307,13 @@ def _run(
     def storage_of(name: str) -> str:
         return storage[name] if name in storage else nodes[base(name)].storage
 
-    # a fused value's inputs live until its last reader (fusion.py)
-    last_use = last_reads(order, inputs_of, lambda a: nodes[base(a)].fused)
-    dying: dict[int, list[str]] = {}
+    if any(p.fused or p.inplace for p in nodes.values()):
+        last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
+    else:  # eager: each op reads its inputs (copies recomputed twice read copies: passes/again.py)
+        last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
+    dies: dict[int, list[str]] = {}
     for a, i in last_use.items():
-        dying.setdefault(i, []).append(a)
+        dies.setdefault(i, []).append(a)
     alive: set[str] = set()
 
     def release(name: str) -> None:
@@ -303,6 +330,11 @@ def _run(
 
     for i, name in enumerate(order):
         p = nodes[base(name)]
+        if in_place and p.inplace and p.storage == name:  # Inductor writes it into an input that dies here (inplace.py)
+            dying = [a for a in dies.get(i, ()) if a in alive and a not in held]
+            reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, heap.granularity))
+            if reused:
+                release(reused)
         if p.storage:
             root = storage_of(name)
             heap.add(root, p.nbytes if root == name else 0)
@@ -310,7 +342,7 @@ def _run(
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
         during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(p.tuple_out_bytes, heap.granularity)
-        for a in dying.get(i, ()):
+        for a in dies.get(i, ()):
             release(a)
         if name not in last_use:
             release(name)
@@ -340,7 +372,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         heap.scope = scope
         # Values that cross into the backward, and forward outputs (held by the caller), stay.
         held = set(sched.saved) | set(g.fw_outputs)
-        _run(g, sched.forward, heap, held, [], "forward", tl.steps)
+        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl.steps)
         saved_alive.append(list(sched.saved))
         release_at(scope)
     tl.boundary = heap.live
@@ -356,7 +388,8 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         # backward saved it, it dies at its last use here, after those regions' backwards.
         caller_held = set(g.fw_outputs) - passed_on[scope]
         held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
-        _run(g, sched.backward, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage)
+        order = _kernel_order(g, sched.backward, heap, held, saved + tangents)
+        _run(g, order, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:
@@ -391,45 +424,3 @@ def tied_waits(profiles: list[GraphProfile]) -> dict[int, list[tuple[int, str]]]
         if len(grads) > 1:
             waits.setdefault(min(grads)[0], []).append(max(grads))
     return waits
-
-
-def region_handoffs(profiles: list[GraphProfile]) -> dict[tuple[int, str], list[tuple[int, str]]]:
-    """The values regions hand later regions, and nobody else holds: {(producer's position, its output):
-    [(consumer's position, the consumer's primal)]}. A value the user also sees (`exported`) is not one."""
-    position = {g.index: i for i, g in enumerate(profiles)}
-    found: dict[tuple[int, str], list[tuple[int, str]]] = {}
-    for j, g in enumerate(profiles):
-        for primal, (index, output) in g.sources.items():
-            k = position.get(index)
-            if k is None or k >= j or output >= len(profiles[k].user_outputs):
-                continue
-            name = profiles[k].user_outputs[output]
-            if name is not None and name not in profiles[k].exported:
-                found.setdefault((k, name), []).append((j, primal))
-    return found
-
-
-def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
-                handoffs: dict[tuple[int, str], list[tuple[int, str]]]) -> dict[int, list[tuple[int, str]]]:
-    """When the values one region hands later regions die: {moment: [(graph position, output)]}.
-
-    Moments count the forwards 0..n-1, then the backwards n..2n-1 (the last graph's first). A
-    region's output that only later regions read (not the user, not its own backward) lives until
-    the last of them is done with it: the end of its forward, or of its backward if that reads it.
-    Every other forward output is held to the end of the step, as the caller holds it.
-    """
-    n = len(graphs)
-    read_back: dict[int, set[str]] = {}  # per consumer: what its backward (recomputation included) reads
-    moments: dict[int, list[tuple[int, str]]] = {}
-    for (k, name), consumers in handoffs.items():
-        producer, producer_sched = graphs[k]
-        if name in producer_sched.saved or producer.nodes[name].kind != "forward":
-            continue  # its own backward holds it (released there), or it owns no storage of its own
-        last = -1
-        for j, primal in consumers:
-            if j not in read_back:
-                g, sched = graphs[j]
-                read_back[j] = {base(i) for node in sched.backward for i in sched.reads.get(node, g.nodes[base(node)].inputs)}
-            last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
-        moments.setdefault(last, []).append((k, name))
-    return moments

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
-from autoremat.fusion import fused_nodes
+from autoremat.fusion import fused_nodes, own_kernel
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs
 from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
@@ -67,6 +67,7 @@ class NodeProfile:
     tuple_out_bytes: int = 0  # for a multi-output op: its used outputs, which exist while it runs
     tuple_parent: str = ""  # for getitem nodes: the multi-output node
     fused: bool = False  # Inductor inlines it into its readers: owns no bytes, never saved (fusion.py)
+    inplace: bool = False  # Inductor's own kernel computes it: it may write into an input that dies there (inplace.py)
 
 
 @dataclass
@@ -319,10 +320,15 @@ def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSp
     """Inductor's pointwise fusion: a fused node allocates nothing and costs its arithmetic only."""
     aliases = {name: p.storage for name, p in nodes.items() if p.storage}
     banned = {name for name, p in nodes.items() if p.recompute_ban}
-    for name in fused_nodes(gm, outputs, aliases, banned):
+    fused = fused_nodes(gm, outputs, aliases, banned)
+    for name in fused:
         p = nodes[name]
         p.fused, p.nbytes = True, 0
         p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
+    for n in gm.graph.nodes:
+        if n.name in nodes:
+            p = nodes[n.name]
+            p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
 
 
 def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list, grads: list) -> dict:

@@ -1,0 +1,112 @@
+"""autoremat's predicted peak against the measured one under compiler="inductor" (issue #17), at three budgets.
+
+For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2) and dropout setting:
+the smallest feasible budget and the no-recompute total under Inductor (speed.limits), then a plan at
+the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
+with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
+one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). A smallest
+budget that verification refuses (it measured more than predicted and the re-plan no longer fits) is
+retried at the budget the refusal names, as speed.py does; the row says so. Columns:
+predicted / measured peak, prediction error, budget used (measured / budget), verification's note.
+
+    python benchmarks/inductor_prediction.py [--models stack,gpt2] [--dropout 0.1,0.0]
+
+Writes benchmarks/results/inductor_prediction_cpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.append(str(REPO))
+
+import remat_vs_peers as peers  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
+import speed  # noqa: E402
+
+import autoremat  # noqa: E402
+from autoremat.measure import measure_peak  # noqa: E402
+
+MiB = 2**20
+
+
+class _Bench:
+    """What speed.limits needs: a fresh copy of the model and its example inputs."""
+
+    def __init__(self, cfg: dict) -> None:
+        torch.manual_seed(peers.SEED)
+        self.pristine, self.ex = cfg["factory"](**cfg["kwargs"])
+        self.pristine.train()
+
+    def fresh(self) -> torch.nn.Module:
+        return copy.deepcopy(self.pristine)
+
+
+def row(bench: _Bench, budget: int) -> dict:
+    torch._dynamo.reset()
+    model = bench.fresh()
+    t0 = time.perf_counter()
+    om = autoremat.optimize(model, budget=budget, example_inputs=bench.ex, optimizer=None, compiler="inductor",
+                            progress=False)
+    plan_s = time.perf_counter() - t0
+    args, kwargs = peers.split(bench.ex)
+    step = peers.make_step(om, args, kwargs)
+    step()
+    step()
+    _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, bench.ex))
+    p = om.plan
+    notes = [n for n in p.notes if "verified" in n or "re-planned" in n]
+    return dict(budget=budget, predicted=p.predicted_peak, measured=m.peak_bytes, plan_s=plan_s,
+                verify=(notes[0][:90] if notes else "-"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="stack,gpt2")
+    ap.add_argument("--dropout", default="0.1,0.0")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "inductor_prediction_cpu.md"))
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    lines = ["| model | budget point | budget (MiB) | predicted (MiB) | measured (MiB) | prediction error | budget used "
+             "| plan s | verification |", "|---|---|---|---|---|---|---|---|---|"]
+    for drop in (float(x) for x in a.dropout.split(",")):
+        for cfg in speed.configs(True, drop):
+            if cfg["name"] not in a.models.split(","):
+                continue
+            bench = _Bench(cfg)
+            lo, hi, _ = speed.limits(bench)
+            for point, budget in (("smallest", lo), ("middle", (lo + hi) // 2), ("top", hi)):
+                try:
+                    r = row(bench, int(budget))
+                except autoremat.BudgetError as e:  # verification found more than predicted at the floor
+                    if point != "smallest" or not e.smallest_budget:
+                        raise
+                    print(f"{cfg['name']}: BudgetError at {budget} B; retried at {e.smallest_budget} B", flush=True)
+                    budget, point = e.smallest_budget, f"smallest (refused at {budget / MiB:.3f}: retried)"
+                    r = row(bench, int(budget))
+                err = r["predicted"] / r["measured"] - 1
+                line = (f"| {cfg['name']} (dropout {drop}) | {point} | {budget / MiB:.3f} | {r['predicted'] / MiB:.3f} | "
+                        f"{r['measured'] / MiB:.3f} | {err:+.1%} | {r['measured'] / budget:.1%} | {r['plan_s']:.0f} | "
+                        f"{r['verify']} |")
+                print(line, flush=True)
+                lines.append(line)
+    head = ["# autoremat's prediction under Inductor, CPU (issue #17)", "",
+            f"Command: `python benchmarks/inductor_prediction.py --models {a.models} --dropout {a.dropout}`, "
+            f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
+            f"{peers.git_state()}, wall {time.perf_counter() - started:.0f} s.", "",
+            "Models: `speed.py --quick`'s. Budgets: the smallest feasible, the middle and the top (no-recompute "
+            "total) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`.", ""]
+    Path(a.out).write_text("\n".join(head + lines) + "\n")
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
