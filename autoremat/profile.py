@@ -41,7 +41,7 @@ from autoremat.torch_internals import (
 )
 
 # Namespaces whose ops we know to be pure functions of their inputs.
-PURE_NAMESPACES = {"aten", "prims"}
+PURE_NAMESPACES = {"aten", "prims", "autoremat"}  # autoremat ops: pure unless tagged random
 # Ops that are never worth saving: recomputing them costs nothing (metadata only).
 _VIEW_COST = 0.0
 
