@@ -274,7 +274,10 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             if n.target is operator.getitem or (is_alias and not flops):
                 prof.flops, prof.bytes_moved, prof.time_s = 0.0, 0.0, _VIEW_COST
             else:
-                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(prof.dtype, "fp32")
+                # a matmul runs at its inputs' rate (a 16-bit one may write fp32, or a tuple)
+                ins = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val")) if t.is_floating_point()]
+                rate = str(ins[0].dtype).replace("torch.", "") if matmul and ins else prof.dtype
+                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(rate, "fp32")
                 prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
                 prof.bytes_moved = float(moved)
                 prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
