@@ -80,3 +80,103 @@ def test_a_bf16_llama_holds_no_seq_by_seq_value_and_costs_the_recomputation():
     assert all(p.flops == 5 * per_matmul for p in bwd)  # the scores recomputed, then dV, dP, dQ, dK
     # the GPU kernel's scratch: an fp32 dq accumulator and one fp32 per row
     assert all(p.transient_bytes == 4 * (1 * 4 * 128 * 16 + 4 * 128) for p in bwd)
+
+
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("sum", 0.1)])
+def test_fused_cross_entropy_gives_eagers_loss_and_logit_gradients(reduction, smoothing):
+    from autoremat.passes.fused_loss import fused_cross_entropy
+
+    torch.manual_seed(0)
+    n, v = 600, 96  # rows over two blocks of 256
+    logits = (3 * torch.randn(n, v)).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, v, (n,))
+    y[::7] = -100  # ignored rows
+    ref = F.cross_entropy(logits.float(), y, ignore_index=-100, reduction=reduction, label_smoothing=smoothing)
+    (ref_grad,) = torch.autograd.grad(ref, logits)
+    loss = fused_cross_entropy(logits, y, ignore_index=-100, reduction=reduction, label_smoothing=smoothing)
+    (grad,) = torch.autograd.grad(loss, logits)
+    # fp32 inside both: a logsumexp over v words, then a sum over n rows; the gradient is rounded to bf16
+    # once by both (the cast's backward there, the op's output here), from fp32 values v roundings apart.
+    assert_close_for(loss, ref, depth=n + v)
+    assert grad.dtype == torch.bfloat16 and not grad[::7].any()
+    assert_close_for(grad, ref_grad, depth=2, dtype=torch.bfloat16)
+
+
+def test_mm_upcast_is_the_16_bit_product_cast_to_fp32():
+    from autoremat.passes import grad_upcast
+
+    torch.manual_seed(0)
+    a, b = torch.randn(300, 40, dtype=torch.bfloat16), torch.randn(40, 70, dtype=torch.bfloat16)
+    old = grad_upcast._BLOCK_ELEMENTS
+    try:
+        grad_upcast._BLOCK_ELEMENTS = 70 * 64  # blocks of 64 rows: five blocks, the last one partial
+        out = grad_upcast.mm_upcast(a, b, torch.float32)
+    finally:
+        grad_upcast._BLOCK_ELEMENTS = old
+    assert out.dtype == torch.float32 and out.is_contiguous()
+    assert_close_for(out, (a @ b).float(), depth=2, dtype=torch.bfloat16)  # one bf16 rounding each
+
+
+def _tiny_llama(vocab=128, d=64, seq=64, layers=2, device=None):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=176, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq, use_cache=False)
+    with torch.device(device or "cpu"):
+        model = LlamaForCausalLM(cfg)
+        ids = torch.randint(0, vocab, (1, seq))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def test_a_bf16_llama_step_runs_the_fused_ops_and_is_as_accurate_as_autocast():
+    from tests.tolerances import as_accurate, tol
+
+    model, ex = _tiny_llama()
+
+    def grads(fn, autocast=False):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(**ex).loss
+        loss.backward()
+        return loss.detach().double(), torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    ref_loss, ref = grads(model)
+    _, ac = grads(model, autocast=True)
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", compiler="eager")
+    targets = {p.target for g in om._planner.profiles for p in g.nodes.values()}
+    assert {"autoremat.attention.default", "autoremat.attention_backward.default", "autoremat.cross_entropy.default",
+            "autoremat.cross_entropy_backward.default", "autoremat.mm_upcast.default"} <= targets
+    assert "aten._log_softmax.default" not in targets
+    loss, got = grads(om)
+    # bf16 roundings on the longest chain: each layer's seven matmuls and its attention round their inputs
+    # in the forward and again in the backward, the LM head twice more (tests/tolerances.py).
+    rtol, _ = tol(torch.bfloat16, 2 * 8 * 2 + 2)
+    assert rel(got, ref) <= rtol and abs(loss - ref_loss) / ref_loss.abs() <= rtol
+    assert as_accurate(rel(got, ref), 2 * rel(ac, ref))
+
+
+def test_the_fused_loss_and_gradient_upcasts_lower_the_bf16_floor(monkeypatch):
+    # A large vocabulary, so that the loss region holds the floor's peak (as a 7B Llama's does).
+    from autoremat import capture
+    from autoremat.passes import loss_chunks
+
+    model, ex = _tiny_llama(vocab=4096, seq=256, layers=1, device="meta")
+    monkeypatch.setattr(loss_chunks, "CANDIDATES", (1,))  # the loss left whole (chunked, it is plain ops)
+
+    def floor():
+        with pytest.raises(autoremat.BudgetError) as err:
+            autoremat.optimize(model, budget=1024, example_inputs=ex, precision="bf16", device="h100",
+                               compiler="eager")
+        return err.value.smallest_budget
+
+    fused = floor()
+    with monkeypatch.context() as m:
+        m.setattr(capture, "fuse_gradient_upcasts", lambda joint: 0)
+        m.setattr(loss_chunks, "_low_logits", lambda site: False)
+        plain = floor()
+    # at least the LM head's 16-bit weight gradient (4096 x 64 bf16) is no longer alive beside its fp32 one
+    assert plain - fused >= 4096 * 64 * 2, (plain, fused)
