@@ -157,6 +157,10 @@ def test_a_bf16_llama_step_runs_the_fused_ops_and_is_as_accurate_as_autocast():
     rtol, _ = tol(torch.bfloat16, 2 * 8 * 2 + 2)
     assert rel(got, ref) <= rtol and abs(loss - ref_loss) / ref_loss.abs() <= rtol
     assert as_accurate(rel(got, ref), 2 * rel(ac, ref))
+    assert "one fused cross-entropy over its 16-bit logits" in om.plan.summary()
+    # the saved plan re-applied: the same rewrites (the fused loss included), the same graphs, the same bits
+    again = autoremat.optimize(model, budget=10**9, example_inputs=ex, plan=om.plan, compiler="eager")
+    assert torch.equal(grads(again)[1], got)
 
 
 def test_the_fused_loss_and_gradient_upcasts_lower_the_bf16_floor(monkeypatch):

@@ -20,6 +20,9 @@ the token dimensions (HF's `ForCausalLM` loss, the plain `logits.view(-1, V)` fo
 `logits[..., :-1, :]` shift). A class weight, reduction="none", probability targets or any other
 shape is left exactly as it was: a pattern not recognised is never rewritten.
 
+One chunk with outputs="all" leaves the loss as the model wrote it, except over 16-bit logits: there
+it becomes one fused op (passes/fused_loss.py, no tokens x vocabulary fp32 value stored).
+
 `outputs`: "all" keeps the model's logits output (the projection is computed whole once more for it,
 and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
 None, so the full logits are never allocated.
@@ -43,7 +46,7 @@ from autoremat.passes.fused_loss import fused_cross_entropy
 from autoremat.torch_internals import C_NN_LINEAR
 
 OUTPUTS = ("all", "loss")
-CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss as it was (outputs="all")
+CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss whole (outputs="all")
 _CE = (F.cross_entropy,)
 _LINEAR = (C_NN_LINEAR, F.linear)
 _MATMUL = (torch.matmul, operator.matmul)
@@ -355,10 +358,11 @@ def candidates(rows: int) -> list[int]:
     return [k for k in CANDIDATES if k == 1 or k <= rows]
 
 
-def describe(chunks: int, outputs: str, rows: int) -> str:
+def describe(chunks: int, outputs: str, rows: int, fused: int = 0) -> str:
     """The plan summary's line about the loss region."""
     kept = "logits not returned (outputs='loss')" if outputs == "loss" else "logits output kept whole"
     if chunks <= 1:
-        return f"loss not chunked (1 piece over {rows} token rows); {kept}"
+        how = "; one fused cross-entropy over its 16-bit logits (autoremat::cross_entropy)" if fused else ""
+        return f"loss not chunked (1 piece over {rows} token rows){how}; {kept}"
     size = -(-rows // chunks)
     return f"loss chunked into {chunks} pieces of {size} token rows; {kept}"
