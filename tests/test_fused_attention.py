@@ -184,3 +184,19 @@ def test_the_fused_loss_and_gradient_upcasts_lower_the_bf16_floor(monkeypatch):
         plain = floor()
     # at least the LM head's 16-bit weight gradient (4096 x 64 bf16) is no longer alive beside its fp32 one
     assert plain - fused >= 4096 * 64 * 2, (plain, fused)
+
+
+def test_a_row_with_every_key_masked_gives_zeros_as_eager_does():
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 8, 4)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[3] = False
+    ref = F.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+    assert not ref[:, :, 3].any()
+    out = fa.fused_attention(q, q, q, attn_mask=keep)
+    additive = torch.zeros(8, 8).masked_fill(~keep, float("-inf"))
+    block, lse = fa._blockwise_forward(q, q, q, additive, False, 0.5)
+    grads = fa._blockwise_backward(torch.ones_like(block), q, q, q, block, lse, additive, False, 0.5)
+    for got in (out, block):
+        assert_close_for(got, ref, depth=8 + 4)
+    assert not any(g.isnan().any() for g in grads)

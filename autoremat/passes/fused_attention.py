@@ -20,8 +20,7 @@ Costs: the forward counts the two matmuls of attention, the backward five (the s
 then dV, dP, dQ, dK), torch.utils.flop_counter's own formulas for SDPA; a causal mask is counted
 in full (a kernel given an explicit mask cannot skip blocks).
 Limits: no dropout (`attention.attention_16bit` keeps plain ops for that), a key/value of fewer
-heads is repeated first (enable_gqa), a row with every key masked gives NaN where the math path
-gives zeros (causal masks never mask a whole row).
+heads is repeated first (enable_gqa); a row with every key masked gives zeros, as eager's kernels do.
 """
 
 from __future__ import annotations
@@ -60,6 +59,11 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, rows: s
     return s
 
 
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """A fully masked row's logsumexp (-inf) as 0, so its probabilities are exp(-inf) = 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def _blockwise_forward(q, k, v, mask, causal, scale):
     out = _bshd((*q.shape[:-1], v.size(-1)), q.dtype, q.device)
     lse = _bshd(tuple(q.shape[:-1]), torch.float32, q.device)
@@ -68,7 +72,7 @@ def _blockwise_forward(q, k, v, mask, causal, scale):
         s = _scores(q, k, mask, rows, causal, scale)
         m = s.logsumexp(-1)
         lse[..., rows] = m
-        out[..., rows, :] = ((s - m[..., None]).exp().to(v.dtype).float() @ v.float()).to(out.dtype)
+        out[..., rows, :] = ((s - _finite(m)[..., None]).exp().to(v.dtype).float() @ v.float()).to(out.dtype)
     return out, lse
 
 
@@ -79,7 +83,7 @@ def _blockwise_backward(grad, q, k, v, out, lse, mask, causal, scale):
     delta = (grad.float() * out.float()).sum(-1)  # dot(dO, O) per row
     for r in range(0, q.size(-2), _BLOCK):
         rows = slice(r, min(r + _BLOCK, q.size(-2)))
-        p = (_scores(q, k, mask, rows, causal, scale) - lse[..., rows, None]).exp()
+        p = (_scores(q, k, mask, rows, causal, scale) - _finite(lse[..., rows])[..., None]).exp()
         g = grad[..., rows, :].float()
         dv += p.to(v.dtype).float().transpose(-2, -1) @ g
         ds = p * (g @ v.float().transpose(-2, -1) - delta[..., rows, None]) * scale
