@@ -355,7 +355,7 @@ def optimize(
                                       kwargs, where, fp32_ops, store, fields)
             dtypes = plan.precision.get("dtypes") or []
             pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
-            if plan.loss.get("chunks", 1) > 1 or plan.loss.get("outputs") == "loss":  # the loss region as planned
+            if plan.loss:  # the loss region as planned (one chunk of 16-bit logits: the fused loss)
                 pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
             applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
                                      pre_pass=pre, regions=regions, release_grads=release_grads, **opts)

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.passes.decompositions import DECOMPOSITIONS, LAYOUT_DECOMPOSITIONS
+from autoremat.passes.grad_upcast import fuse_gradient_upcasts
 from autoremat.passes.rng_replay import replay_random_draws
 from autoremat.passes.weight_casts import split_weight_casts
 from autoremat.regions import LINKS, RegionLinks, compile_regions, release_gradients, with_stand_ins
@@ -136,6 +137,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         split_weight_casts(joint)  # a 16-bit weight copy is cast again for the backward, not held
         if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
             replay_random_draws(joint)
+            fuse_gradient_upcasts(joint)  # a 16-bit weight gradient written into fp32 rows, no whole copy
             if links is not None and release_grads:
                 compiling["released"] = release_gradients(joint, num_fwd_outputs,
                                                           set(static_lifetime_input_indices or []), links.shared)

@@ -98,6 +98,7 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     if loss is not None and loss.found:
         kept = max(r.logits_kept for r in loss.reports)
         plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
+                     "fused": max(r.fused for r in loss.reports),
                      "skipped": list(dict.fromkeys(w for r in loss.reports for w in r.skipped))}
         if outputs == "loss" and kept:
             plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "

@@ -117,7 +117,7 @@ class Plan:
         lines += self._module_lines()
         if self.loss:
             lines += ["", describe_loss(self.loss.get("chunks", 1), self.loss.get("outputs", "all"),
-                                        self.loss.get("rows", 0))]
+                                        self.loss.get("rows", 0), self.loss.get("fused", 0))]
         lines += self._precision_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

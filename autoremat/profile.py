@@ -42,7 +42,7 @@ from autoremat.torch_internals import (
 )
 
 # Namespaces whose ops we know to be pure functions of their inputs.
-PURE_NAMESPACES = {"aten", "prims"}
+PURE_NAMESPACES = {"aten", "prims", "autoremat"}  # autoremat ops: pure unless tagged random
 # Ops that are never worth saving: recomputing them costs nothing (metadata only).
 _VIEW_COST = 0.0
 
@@ -276,7 +276,10 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             if n.target is operator.getitem or (is_alias and not flops):
                 prof.flops, prof.bytes_moved, prof.time_s = 0.0, 0.0, _VIEW_COST
             else:
-                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(prof.dtype, "fp32")
+                # a matmul runs at its inputs' rate (a 16-bit one may write fp32, or a tuple)
+                ins = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val")) if t.is_floating_point()]
+                rate = str(ins[0].dtype).replace("torch.", "") if matmul and ins else prof.dtype
+                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(rate, "fp32")
                 prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
                 prof.bytes_moved = float(moved)
                 prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)

@@ -11,7 +11,7 @@ Nothing runs on a GPU: each step is captured on the meta device and timed by aut
   auto              autoremat.optimize(precision="auto"): fastest of fp32 / the joint ILP's dtypes / all-bf16
                     (on meta each call's error is bf16's unit roundoff; the tolerance is autocast's)
   autocast + ckpt   the graph precision="bf16" captures (autocast's policy: matmul-class calls in bf16, the
-                    calls autocast keeps in fp32 in fp32, attention as a GPU kernel runs it in bf16), planned
+                    calls autocast keeps in fp32 in fp32, attention as a GPU flash kernel runs it in bf16), planned
                     as checkpoint-every-block: heuristics.checkpoint_blocks saves each block's inputs (and
                     what may not be recomputed), every value inside a block is recomputed in its backward;
                     peak from the same simulator (memory.simulate), time = every op once + the recomputation.
@@ -165,10 +165,12 @@ def goals(res: dict) -> dict:
 
 def markdown(results: dict) -> str:
     lines = [f"# Mixed precision at scale, planned on the meta device ({DEVICE} roofline)", "",
-             f"torch {torch.__version__}; loss region in {results['chunks']} chunks for every row. "
+             f"torch {torch.__version__}; the loss region is planned whole and in {results['chunks']} chunks for "
+             "every row (a floor is the lower of the two; whole, 16-bit logits get one fused cross-entropy). "
              "How each row is made: see the docstring of benchmarks/precision_at_scale.py. The autocast + "
              "checkpoint row is the graph precision='bf16' captures (matmul-class calls in bf16, autocast's fp32 "
-             "calls in fp32, attention with 16-bit scores and probabilities as GPU kernels keep them), with "
+             "calls in fp32, attention as one fused op that keeps its output and logsumexp and recomputes the "
+             "scores in its backward, as GPU flash kernels do), with "
              "heuristics.checkpoint_blocks's saved set (each block's inputs; every value inside a block recomputed "
              "in its backward), simulated by memory.simulate; its time is every op once plus that recomputation.",
              ""]

@@ -6,11 +6,15 @@
 - `rng_replay`: each random draw of a joint graph saves the generator state before it, so the backward
   may replay the draw instead of keeping its output (a dropout mask costs its state, not its bytes).
 - `weight_casts`: a weight's 16-bit copy cast again for the backward, so it is not held from the forward.
+- `grad_upcast`: a 16-bit weight gradient and its fp32 upcast computed as one op over blocks of rows
+  (`autoremat::mm_upcast`), so no whole 16-bit copy sits beside the fp32 gradient.
 - `joint`: what the passes over a joint graph share (its backward side).
 - `dtypes`: the dtype rewrite of a dynamo graph for precision= (`apply_dtypes`), before tracing;
-  `attention`: an attention run in 16 bits written as a GPU kernel computes it.
+  `fused_attention`: an attention run in 16 bits as one fused op (`autoremat::attention`: output and
+  logsumexp kept, scores recomputed in its backward); `attention`: the plain-op form used with dropout.
 - `loss_chunks`: a vocabulary projection + cross-entropy of a dynamo graph rewritten into chunks of
-  token rows, before tracing; the planner chooses the chunk count (`outputs="loss"` drops the logits).
+  token rows, before tracing; the planner chooses the chunk count (`outputs="loss"` drops the logits);
+  `fused_loss`: a 16-bit site left whole computes its cross-entropy as one fused op.
 - `remat`: the save/recompute split of a joint graph into forward and backward modules, in the
   simulated order (`split`, `reorder`), once the plan is solved; a recomputed batch norm runs without
   its running-stat update, and the forward draws each random value once.

@@ -2,8 +2,9 @@
 
 `apply_dtypes(gm, dtypes)` casts the inputs of the chosen calls, lets the low dtype flow through the
 ops that follow (type promotion decides, as in eager), and casts back to fp32 in front of every
-`FP32_KEPT` call. An attention call run in 16 bits becomes `passes.attention.attention_16bit`: scores
-and probabilities in 16 bits, as GPU kernels keep them. It is applied to each dynamo graph before AOTAutograd traces it (precision_plan.pre_pass),
+`FP32_KEPT` call. An attention call run in 16 bits becomes `passes.fused_attention.fused_attention`:
+one fused kernel that keeps its output and a logsumexp and recomputes the scores in its backward, as
+GPU flash kernels do (with dropout, `passes.attention.attention_16bit`: 16-bit scores and probabilities). It is applied to each dynamo graph before AOTAutograd traces it (precision_plan.pre_pass),
 so the joint graph, its profile and its plan see the 16-bit values.
 """
 
@@ -15,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autoremat.passes.attention import attention_16bit
+from autoremat.passes.fused_attention import fused_attention
 from autoremat.precision_measure import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
 
 _INHERITED = ("nn_module_stack", "stack_trace", "source_fn_stack")
@@ -66,7 +67,7 @@ def apply_dtypes(gm: fx.GraphModule, dtypes: dict[str, str], fp32_ops: Iterable[
             recast(node, low[node.name], only_low=False)
             maybe_low.add(node)
             if node.target is F.scaled_dot_product_attention:
-                node.target = attention_16bit  # not the math fallback's fp32 interior (passes/attention.py)
+                node.target = fused_attention  # not the math fallback's fp32 interior (passes/fused_attention.py)
         elif call_name(node) in kept or is_matmul(node):
             # fp32 calls; matmuls do not promote mixed dtypes, so a fp32 one gets fp32 inputs too
             recast(node, torch.float32, only_low=True)

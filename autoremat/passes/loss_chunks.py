@@ -20,6 +20,9 @@ the token dimensions (HF's `ForCausalLM` loss, the plain `logits.view(-1, V)` fo
 `logits[..., :-1, :]` shift). A class weight, reduction="none", probability targets or any other
 shape is left exactly as it was: a pattern not recognised is never rewritten.
 
+One chunk with outputs="all" leaves the loss as the model wrote it, except over 16-bit logits: there
+it becomes one fused op (passes/fused_loss.py, no tokens x vocabulary fp32 value stored).
+
 `outputs`: "all" keeps the model's logits output (the projection is computed whole once more for it,
 and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
 None, so the full logits are never allocated.
@@ -39,10 +42,11 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autoremat.passes.fused_loss import fused_cross_entropy
 from autoremat.torch_internals import C_NN_LINEAR
 
 OUTPUTS = ("all", "loss")
-CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss as it was (outputs="all")
+CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss whole (outputs="all")
 _CE = (F.cross_entropy,)
 _LINEAR = (C_NN_LINEAR, F.linear)
 _MATMUL = (torch.matmul, operator.matmul)
@@ -105,6 +109,7 @@ class Report:
     rows: int = 0  # token rows of the largest site
     vocab: int = 0
     logits_kept: int = 0  # sites whose logits stayed materialised for another use
+    fused: int = 0  # 16-bit sites left whole, their loss one fused kernel (passes/fused_loss.py)
     skipped: list[str] = field(default_factory=list)  # cross_entropy calls left alone, and why
 
 
@@ -219,7 +224,9 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
 
     outputs="loss": a logits tensor the graph returns is returned as None instead, and the loss is
     rewritten even for chunks == 1 (one piece), so that the logits output is None whatever the count.
-    With outputs="all" and chunks == 1 nothing changes (the sites are still counted in `report`).
+    With outputs="all" and chunks == 1 the projection and its casts stay as they were (the sites are
+    still counted in `report`); the loss of a site with 16-bit logits becomes one fused kernel
+    (passes/fused_loss.py), the others are left alone.
     Returns the number of sites rewritten.
     """
     if outputs not in OUTPUTS:
@@ -229,7 +236,9 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     report.sites += len(sites)
     for s in sites:
         report.rows, report.vocab = max(report.rows, s.rows), max(report.vocab, s.vocab)
-    if not sites or (chunks <= 1 and outputs == "all"):
+    if chunks <= 1 and outputs == "all":
+        return sum(_fuse(gm.graph, s, report) for s in sites if _low_logits(s))
+    if not sites:
         return 0
     graph = gm.graph
     for s in sites:
@@ -268,6 +277,38 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     graph.lint()
     gm.recompile()
     return len(sites)
+
+
+def _low_logits(s: Site) -> bool:
+    """16-bit logits (the precision rewrite cast the projection's input) that the loss casts to fp32."""
+    casts = [_cast_dtype(n) for n in s.chain if _cast_dtype(n) is not None]
+    x = s.proj.args[0]
+    return isinstance(x, fx.Node) and _cast_dtype(x) in (torch.bfloat16, torch.float16) and \
+        bool(casts) and casts[-1] == torch.float32
+
+
+def _fuse(graph: fx.Graph, s: Site, report: Report) -> int:
+    """Replace the site's loss by `fused_loss.fused_cross_entropy` over its 16-bit logits, whole."""
+    with graph.inserting_before(s.loss):
+        x = s.proj
+        for n in s.chain:  # the same row selection and views, without the casts
+            if n.target is operator.getitem:
+                x = graph.call_function(operator.getitem, (x, n.args[1]))
+            elif n.target in _RESHAPES or n.target is torch.reshape:
+                x = graph.call_method("reshape", (x, (*_value(n).shape[:-1], s.vocab)))
+        x = graph.call_method("reshape", (x, (-1, s.vocab)))
+        new = graph.call_function(fused_cross_entropy, (x, s.target), {
+            "ignore_index": s.ignore_index, "reduction": s.reduction, "label_smoothing": s.label_smoothing})
+    new.meta.update({k: v for k, v in s.loss.meta.items() if k != "example_value"})
+    s.loss.replace_all_uses_with(new)
+    graph.erase_node(s.loss)
+    for n in reversed(s.chain):
+        if not n.users:
+            graph.erase_node(n)
+    graph.lint()
+    graph.owning_module.recompile()
+    report.fused += 1
+    return 1
 
 
 @dataclass
@@ -317,10 +358,11 @@ def candidates(rows: int) -> list[int]:
     return [k for k in CANDIDATES if k == 1 or k <= rows]
 
 
-def describe(chunks: int, outputs: str, rows: int) -> str:
+def describe(chunks: int, outputs: str, rows: int, fused: int = 0) -> str:
     """The plan summary's line about the loss region."""
     kept = "logits not returned (outputs='loss')" if outputs == "loss" else "logits output kept whole"
     if chunks <= 1:
-        return f"loss not chunked (1 piece over {rows} token rows); {kept}"
+        how = "; one fused cross-entropy over its 16-bit logits (autoremat::cross_entropy)" if fused else ""
+        return f"loss not chunked (1 piece over {rows} token rows){how}; {kept}"
     size = -(-rows // chunks)
     return f"loss chunked into {chunks} pieces of {size} token rows; {kept}"
