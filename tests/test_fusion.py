@@ -90,7 +90,9 @@ def test_fused_values_own_no_bytes_and_are_never_handed_to_the_backward():
     eager, ind = profile_graph(cg), profile_graph(dataclasses.replace(cg, compiler="inductor"))
     fused = [n for n, p in ind.nodes.items() if p.fused]
     assert fused and not any(p.fused for p in eager.nodes.values())
-    assert all(ind.nodes[n].nbytes == 0 and eager.nodes[n].nbytes > 0 for n in fused)
+    # eager allocates each of them, or writes it into a dying input's buffer (passes/reuse.py)
+    assert all(ind.nodes[n].nbytes == 0 and (eager.nodes[n].nbytes > 0 or eager.nodes[n].storage != n)
+               for n in fused)
     (everything,) = save_all([ind])
     assert set(fused) & everything  # the backward reads some fused values: the sigmoids
     sched = make_schedule(ind, everything)
