@@ -260,12 +260,7 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
             new = graph.call_function(chunked_cross_entropy, (h, weight, bias, s.target), {
                 "proj": s.kind, "chunks": min(chunks, s.rows), "ignore_index": s.ignore_index,
                 "reduction": s.reduction, "label_smoothing": s.label_smoothing, "dtype": cast})
-        new.meta.update({k: v for k, v in s.loss.meta.items() if k != "example_value"})
-        s.loss.replace_all_uses_with(new)
-        graph.erase_node(s.loss)
-        for n in reversed(s.chain):
-            if not n.users:
-                graph.erase_node(n)
+        _replace_loss(graph, s, new)
         if outputs == "loss":
             out = graph.find_nodes(op="output")[0]
             out.args = fx.node.map_arg(out.args, lambda a, p=s.proj: None if a is p else a)
@@ -277,6 +272,16 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     graph.lint()
     gm.recompile()
     return len(sites)
+
+
+def _replace_loss(graph: fx.Graph, s: Site, new: fx.Node) -> None:
+    """The site's loss replaced by `new`, and the casts and views only it read removed."""
+    new.meta.update({k: v for k, v in s.loss.meta.items() if k != "example_value"})
+    s.loss.replace_all_uses_with(new)
+    graph.erase_node(s.loss)
+    for n in reversed(s.chain):
+        if not n.users:
+            graph.erase_node(n)
 
 
 def _low_logits(s: Site) -> bool:
@@ -299,12 +304,7 @@ def _fuse(graph: fx.Graph, s: Site, report: Report) -> int:
         x = graph.call_method("reshape", (x, (-1, s.vocab)))
         new = graph.call_function(fused_cross_entropy, (x, s.target), {
             "ignore_index": s.ignore_index, "reduction": s.reduction, "label_smoothing": s.label_smoothing})
-    new.meta.update({k: v for k, v in s.loss.meta.items() if k != "example_value"})
-    s.loss.replace_all_uses_with(new)
-    graph.erase_node(s.loss)
-    for n in reversed(s.chain):
-        if not n.users:
-            graph.erase_node(n)
+    _replace_loss(graph, s, new)
     graph.lint()
     graph.owning_module.recompile()
     report.fused += 1
