@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autoremat.cuts import base
 from autoremat.memory import Schedule, Timeline, make_schedule, simulate
-from autoremat.passes.again import base
 from autoremat.profile import GraphProfile
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from autoremat.passes.again import base
+from autoremat.cuts import base
 from autoremat.profile import GraphProfile
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ import math
 import weakref
 from dataclasses import dataclass, field
 
+from autoremat.cuts import MARK, base, cut_backward
 from autoremat.handoffs import handed_over, region_handoffs
 from autoremat.inplace import donor, kernel_last_use, least_peak_first
-from autoremat.passes.again import MARK, base, cut_backward
 from autoremat.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -119,7 +119,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     """Execution order of the forward and backward graphs for one graph's saved set."""
     nodes = g.nodes
     order = {name: i for i, name in enumerate(nodes)}
-    # a backward node marks a cut, its name + MARK a narrow one (passes/again.py)
+    # a backward node marks a cut, its name + MARK a narrow one (cuts.py)
     cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}
     narrow = {base(s) for s in saved if s not in nodes and base(s) in nodes and nodes[base(s)].kind == "backward"}
     saved = {s for s in saved if s in nodes}
@@ -309,7 +309,7 @@ def _run(
 
     if any(p.fused or p.inplace for p in nodes.values()):
         last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
-    else:  # eager: each op reads its inputs (copies recomputed twice read copies: passes/again.py)
+    else:  # eager: each op reads its inputs (copies recomputed twice read copies: cuts.py)
         last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
     dies: dict[int, list[str]] = {}
     for a, i in last_use.items():

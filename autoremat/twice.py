@@ -1,4 +1,4 @@
-"""Which values to recompute twice: cuts (passes/again.py) that lower the simulated peak.
+"""Which values to recompute twice: cuts (cuts.py) that lower the simulated peak.
 
 At the peak step of a backward, the recomputed values alive there that the step does not read were
 emitted for an earlier reader and are held for a later one. A cut before that later reader frees
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from autoremat.cuts import MARK, base
 from autoremat.decision import Decision, evaluate
-from autoremat.passes.again import MARK, base
 from autoremat.profile import GraphProfile
 
 
@@ -50,7 +50,7 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
                 if hit and e not in schedule.again and e + MARK not in schedule.again:
                     candidates.append(e)
                 held -= hit
-        # a cut or a narrow cut (passes/again.py), in every identical graph (a repeated block) and in this one
+        # a cut or a narrow cut (cuts.py), in every identical graph (a repeated block) and in this one
         twins = [k for k, h in enumerate(graphs) if h.fingerprint == g.fingerprint]
         trials = [(c, where) for where in ([twins, [at]] if len(twins) > 1 else [[at]])
                   for e in candidates for c in (e, e + MARK)]

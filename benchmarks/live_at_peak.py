@@ -24,10 +24,10 @@ import torch
 
 import autoremat
 from autoremat import memory
+from autoremat.cuts import base
 from autoremat.decision import evaluate
 from autoremat.devices import get_device
 from autoremat.measure import measure_peak
-from autoremat.passes.again import base
 
 MiB = 2**20
 
@@ -88,7 +88,7 @@ def one(cfg: dict, top: int) -> str:
     _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
     plan = om.plan
     profiles = om._planners[0].profiles
-    # a cut (recompute again from here, autoremat/passes/again.py) is named among the saved values
+    # a cut (recompute again from here, autoremat/cuts.py) is named among the saved values
     best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs], get_device("cpu").alloc_granularity)
     g = profiles[best["graph"]]
     where = g.nodes[base(best["node"])]

@@ -11,8 +11,8 @@ import autoremat
 import autoremat.passes.remat as remat_pass
 import autoremat.profile as profile_mod
 import autoremat.solver as solver_mod
+from autoremat.cuts import MARK, base, cut_backward
 from autoremat.measure import measure_peak
-from autoremat.passes.again import MARK, base, cut_backward
 from examples import models
 from tests.tolerances import assert_close_for
 

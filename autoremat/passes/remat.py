@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from autoremat.passes.again import base as again_base
+from autoremat.cuts import base as again_base
 from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
