@@ -1,9 +1,23 @@
 """Budgets for tests: the range from the smallest budget a verified plan accepts to no recomputation."""
 
 import pytest
+import torch
 
 import autoremat
 from autoremat.ledger import Ledger
+from examples import models
+
+
+def seeded_grads(model, fns, example_inputs, seed: int = 1) -> list[list]:
+    """Each parameter's gradient after one backward of each of `fns` (the model and its optimized form),
+    from no `.grad` and the same seed, so dropout draws the same masks in every run."""
+    grads = []
+    for fn in fns:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        models.loss_of(fn(*example_inputs)).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
 
 
 def budget_range(model, example_inputs) -> tuple[int, int]:

@@ -14,18 +14,14 @@ import autoremat.solver as solver_mod
 from autoremat.cuts import MARK, base, cut_backward
 from autoremat.measure import measure_peak
 from examples import models
+from tests.budgets import seeded_grads
 from tests.tolerances import assert_close_for
 
 SEED_BYTES = 16  # `.backward()`'s scalar seed and the loss: allocated outside the plan's graphs
 
 
 def _grads_and_peak(model, ex, om):
-    grads = []
-    for fn in (model, om):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        models.loss_of(fn(*ex)).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+    grads = seeded_grads(model, (model, om), ex)
 
     def step() -> None:
         torch.manual_seed(1)

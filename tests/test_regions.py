@@ -12,6 +12,7 @@ from autoremat import memory, regions
 from autoremat.ledger import Ledger
 from autoremat.measure import measure_peak
 from examples import models
+from tests.budgets import seeded_grads
 from tests.tolerances import assert_close_for
 
 
@@ -65,12 +66,7 @@ def test_post_accumulate_grad_hooks_fire_once_per_parameter_per_backward():
 def test_gradients_equal_eagers_with_dropout():
     model, ex = _stack()
     om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
-    grads = []
-    for fn in (model, om):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        models.loss_of(fn(*ex)).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+    grads = seeded_grads(model, (model, om), ex)
     for g, r in zip(*grads, strict=True):
         # the same ops and random draws; the residual stream's gradient, fed by two graphs, is summed
         # by autograd in its own order: reduction-order tolerance over the tokens a weight sums
