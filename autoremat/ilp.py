@@ -15,7 +15,7 @@ Data, per graph (computed by ilp_data.py, lifetimes.py and memory.py):
                with block drag, a chain of recomputed users in the same block pulls it earlier)
   last(v)      the last backward step that reads v (Lifetimes.last_read)
   out_g        bytes of graph g's forward outputs (held by the caller, or by later regions)
-  wait_g       bytes of later regions' gradients of a shared input (memory.tied_waits) held during g's backward
+  wait_g       bytes of later regions' gradients of a shared input (handoffs.tied_waits) held during g's backward
 
 Variables:
   s_v, r_v in {0,1}   v is saved for the backward / recomputed in it

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoremat.memory import INF, _round, region_handoffs, tied_waits
+from autoremat.handoffs import region_handoffs, tied_waits
+from autoremat.memory import INF, _round
 from autoremat.profile import GraphProfile
 from autoremat.regions import block_of
 
@@ -94,7 +95,7 @@ def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[
 
 def waiting_bytes(graphs: list[GraphProfile], granularity: int = 1) -> list[int]:
     """Per graph, the bytes of other regions' gradients of a shared input (a tied weight, an output two
-    regions read) that wait in autograd while its backward runs (memory.tied_waits): from the backward
+    regions read) that wait in autograd while its backward runs (handoffs.tied_waits): from the backward
     after the one that computed them to the end of the one they wait for."""
     waiting = [0] * len(graphs)
     for until, grads in tied_waits(graphs).items():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat import memory, regions
+from autoremat import handoffs, regions
 from autoremat.ledger import Ledger
 from autoremat.measure import measure_peak
 from examples import models
@@ -169,7 +169,7 @@ def test_a_tied_weights_gradient_waits_for_the_other_regions_and_the_plan_predic
     (with `tied_waits` emptied for the simulator and the ILP: 889,988 B predicted, 1,001,544 B measured)."""
     model, ex, om = _gpt2_floor()
     profiles = om._planners[0].profiles
-    waits = memory.tied_waits(profiles)
+    waits = handoffs.tied_waits(profiles)
     assert waits, [g.tied for g in profiles]
     (until, [(computed_by, name)]), = waits.items()
     assert until == 0 and computed_by == len(profiles) - 1, waits
@@ -207,7 +207,7 @@ def test_a_gradient_two_regions_send_the_same_output_waits_and_the_plan_predicts
                             verify=False, compiler="eager")
     profiles = om._planners[0].profiles
     assert len(profiles) == 5
-    (until, [(computed_by, name)]), = memory.tied_waits(profiles).items()
+    (until, [(computed_by, name)]), = handoffs.tied_waits(profiles).items()
     assert (until, computed_by) == (3, 4)  # the tail's gradient waits for the last block's backward
     assert profiles[computed_by].nodes[name].shape == tuple(x.shape)
 
