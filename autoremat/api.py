@@ -361,7 +361,7 @@ def optimize(
                                      pre_pass=pre, regions=regions, release_grads=release_grads, **opts)
             compiled = compile_and_trace(model, applier, compiler, args, kwargs)
             require_graphs(model, applier)
-            traced = [p.fingerprint for p in applier.profiles]
+            traced = [p.fingerprint for p in applier.sequence()]
             if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
                 raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
                                    f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
