@@ -1,6 +1,7 @@
 """autoremat's predicted peak against the measured one under compiler="inductor" (issue #17), at three budgets.
 
-For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2) and dropout setting:
+For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2), and `floor.py --quick`'s
+ResNet-shaped conv net (conv-BN-ReLU-dropout blocks, `conv`), and each dropout setting:
 the smallest feasible budget and the no-recompute total under Inductor (speed.limits), then a plan at
 the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
 with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
@@ -9,7 +10,7 @@ budget that verification refuses (it measured more than predicted and the re-pla
 retried at the budget the refusal names, as speed.py does; the row says so. Columns:
 predicted / measured peak, prediction error, budget used (measured / budget), verification's note.
 
-    python benchmarks/inductor_prediction.py [--models stack,gpt2] [--dropout 0.1,0.0]
+    python benchmarks/inductor_prediction.py [--models stack,gpt2,conv] [--dropout 0.1,0.0] [--out PATH]
 
 Writes benchmarks/results/inductor_prediction_cpu.md.
 """
@@ -28,6 +29,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))
 
+import floor  # noqa: E402
 import remat_vs_peers as peers  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
 import speed  # noqa: E402
 
@@ -69,7 +71,7 @@ def row(bench: _Bench, budget: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="stack,gpt2")
+    ap.add_argument("--models", default="stack,gpt2,conv")
     ap.add_argument("--dropout", default="0.1,0.0")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "inductor_prediction_cpu.md"))
     a = ap.parse_args()
@@ -78,7 +80,8 @@ def main() -> None:
     lines = ["| model | budget point | budget (MiB) | predicted (MiB) | measured (MiB) | prediction error | budget used "
              "| plan s | verification |", "|---|---|---|---|---|---|---|---|---|"]
     for drop in (float(x) for x in a.dropout.split(",")):
-        for cfg in speed.configs(True, drop):
+        conv = dict(name="conv", factory=floor.resnet, kwargs={**floor.SIZES["resnet"][1], "dropout": drop})
+        for cfg in [*speed.configs(True, drop), conv]:
             if cfg["name"] not in a.models.split(","):
                 continue
             bench = _Bench(cfg)
@@ -102,7 +105,7 @@ def main() -> None:
             f"Command: `python benchmarks/inductor_prediction.py --models {a.models} --dropout {a.dropout}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
             f"{peers.git_state()}, wall {time.perf_counter() - started:.0f} s.", "",
-            "Models: `speed.py --quick`'s. Budgets: the smallest feasible, the middle and the top (no-recompute "
+            "Models: `speed.py --quick`'s (stack, gpt2) and `floor.py --quick`'s resnet (conv). Budgets: the smallest feasible, the middle and the top (no-recompute "
             "total) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`.", ""]
     Path(a.out).write_text("\n".join(head + lines) + "\n")
     print("wrote", a.out)
