@@ -77,10 +77,14 @@ class StepWindow:
         if self.meter is not None:
             self.meter.__exit__(RuntimeError, RuntimeError("cancelled"), None)
         elif self.prof is not None:
+            if sys.getprofile() == self._on_event:
+                sys.setprofile(None)
             self._stop()
 
     def finish(self) -> None:
         """CPU: stop the profiler (never inside the engine) and hand over the peak up to the backward's end."""
+        if sys.getprofile() == self._on_event:  # finished at the next graph call: the hook never fired
+            sys.setprofile(None)
         if self.prof is None:
             return
         prof = self._stop()
@@ -111,7 +115,6 @@ class StepWindow:
         """The one-shot profile hook: at the return from the engine's entry, stop measuring and report."""
         if event != "return" or frame.f_code is not backward_entry_code() or in_backward():
             return
-        sys.setprofile(None)
         self.finish()
 
     def _report(self, delta: int) -> None:
