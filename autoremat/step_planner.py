@@ -153,6 +153,8 @@ class StepPlanner(Planner):
             return
         params = [p for ref, _ in self._param_bytes.values() if (p := ref()) is not None]
         try:
+            if self._where.type == "cpu" and _ranks() > 1:  # the ranks would have to agree on re-planning (not built)
+                raise RuntimeError("under torch.distributed the ranks' CPU measurements are not agreed on")
             self._window = StepWindow(self._where, params, self._check_measured)
         except (RuntimeError, ValueError) as e:  # the user's own profiler is running, or not cpu / cuda
             if not self._said_unverified:
@@ -378,3 +380,8 @@ class StepPlanner(Planner):
             return self.step_plans[-1]
         calls = [c for c in self.step if c.use.gp is not None]
         return self._plan_of(calls, [c.saved for c in calls], "as first run") if calls else None
+
+
+def _ranks() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
