@@ -338,8 +338,8 @@ def optimize(
                   "compiler": compiler, "regions": regions, "release_grads": release_grads, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
                   **opts}
 
-        def builder(args: tuple, kwargs: dict, ledger: Ledger) -> Callable:
-            return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=compiler, args=args,
+        def builder(args: tuple, kwargs: dict, ledger: Ledger, used: str | None = None) -> Callable:
+            return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=used or compiler, args=args,
                                      kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
                                      regions=regions, release_grads=release_grads, outputs=outputs)
 
@@ -361,7 +361,7 @@ def optimize(
                                      pre_pass=pre, regions=regions, release_grads=release_grads, **opts)
             compiled = compile_and_trace(model, applier, compiler, args, kwargs)
             require_graphs(model, applier)
-            traced = [p.fingerprint for p in applier.profiles]
+            traced = [p.fingerprint for p in applier.sequence()]
             if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
                 raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
                                    f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
@@ -369,7 +369,8 @@ def optimize(
             plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
             return plan, compiled, applier
 
-        (plan, compiled, planner), choice = run_with_fallback(choice, plan_step)
+        asked = choice  # each input shape chooses as the first did: Inductor, else eager where only eager fits
+        (plan, compiled, planner), choice = run_with_fallback(asked, plan_step)
         planner.strict = False
         _stamp(plan, choice, started, compiling)
         chosen = plan.precision.get("dtypes") or []
@@ -377,8 +378,10 @@ def optimize(
         def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
             """A new input shape: the whole pipeline again, with the dtypes already chosen."""
             now, clock = time.perf_counter(), COMPILE_CLOCK.seconds
-            made = builder(new_args, new_kwargs, ledger_for(new_args, new_kwargs))(budget_bytes, chosen, None, fields)
-            _stamp(made[0], choice, now, clock)
+            shape_ledger = ledger_for(new_args, new_kwargs)
+            made, used = run_with_fallback(asked, lambda c: builder(new_args, new_kwargs, shape_ledger, c)(
+                budget_bytes, chosen, None, {**fields, "compiler": c}))
+            _stamp(made[0], used, now, clock)
             return made
 
         return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,

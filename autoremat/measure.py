@@ -40,7 +40,7 @@ from typing import Any, Self
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from autoremat.torch_internals import allocation_events, is_traceable_wrapper_subclass, profiler_enabled, queue_callback
+from autoremat.torch_internals import allocation_events, is_traceable_wrapper_subclass, profiler_enabled
 
 METHOD_PROFILER = "profiler"
 METHOD_CUDA = "cuda_max_memory_allocated"
@@ -332,42 +332,3 @@ def measure_peak(
     assert meter.result is not None
     return out, meter.result
 
-
-class StepWindow:
-    """Measure a training step that someone else's code runs, on CUDA: from now to the end of its backward.
-
-    The torch.compile backend cannot call the step itself; it opens a window when the step's first
-    graph runs and `close_after_backward()` (from a hook that fires during the backward) asks the
-    autograd engine to call back when the whole backward is done. Then `on_done` receives the
-    activation bytes: the allocator's peak above what was allocated when the window opened, less
-    the `.grad` buffers that appeared inside it (a first micro-step's gradients, which a ledger
-    counts as fixed memory already).
-
-    CUDA only: on CPU the only allocation record is the profiler's, and a profiler cannot be
-    stopped from inside the autograd engine (the engine restores its thread-local profiler state
-    after its callbacks, leaving a half-stopped profiler enabled), nor anywhere else the backend
-    controls before the user's next step.
-    """
-
-    def __init__(self, device: torch.device, params: list[torch.Tensor], on_done: Callable[[int], None]) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"StepWindow measures with the CUDA allocator's counters; got {device}")
-        self.on_done = on_done
-        self.gradless = [p for p in params if p.grad is None]
-        self.meter = PeakMeter(device=device)
-        self.meter.__enter__()
-        self.queued = False
-
-    def close_after_backward(self) -> None:
-        if not self.queued:
-            self.queued = True
-            queue_callback(self._done)
-
-    def cancel(self) -> None:
-        """The step never reached the end of a backward (an exception, a forward without one)."""
-        self.meter.__exit__(RuntimeError, RuntimeError("cancelled"), None)
-
-    def _done(self) -> None:
-        self.meter.__exit__(None, None, None)
-        fresh = sum(p.grad.untyped_storage().nbytes() for p in self.gradless if p.grad is not None)
-        self.on_done(max(0, self.meter.result.delta_peak_bytes - fresh))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from autoremat.calls import CallLog, one_set_per_graph, repeats
 from autoremat.capture import CapturedGraph, aot_backend, compile_fresh, default_split
 from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
@@ -193,18 +194,32 @@ def plan_graphs(
     solver: str = "auto",
     time_limit: float = 10.0,
     gap: float = DEFAULT_GAP,
+    one_set: bool = False,
 ) -> Decision:
-    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves."""
+    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
+
+    one_set: a profile that appears at several positions (one compiled graph called several times)
+    saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
     budget = budget_or_memory(budget, device)
     activations = activation_budget(budget, ledger, device)
+    one_set = one_set and repeats(profiles)
+
+    def smallest() -> Decision:
+        found = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
+        return one_set_per_graph(profiles, found, None) if one_set else found
     try:
         if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
-            smallest = smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver,
-                                     time_limit=time_limit)
-            raise Infeasible(smallest, "the fixed parts and optimizer.step()'s temporaries exceed the budget")
-        return solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
-                     time_limit=time_limit, gap=gap)
+            raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
+        decision = solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
+                         time_limit=time_limit, gap=gap)
+        if one_set:
+            decision = one_set_per_graph(profiles, decision, activations)
+            if decision.peak > activations:
+                raise Infeasible(smallest(), "no plan with one saved set per compiled graph fits")
+        return decision
     except Infeasible as e:
+        if one_set and e.status != "no plan with one saved set per compiled graph fits":
+            e.smallest = one_set_per_graph(profiles, e.smallest, None)
         raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
 
 
@@ -250,6 +265,11 @@ class CapturePlanner(Planner):
         self.lookup = lookup
         self.cached: Plan | None = None
         self.strict = True
+        self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
+
+    def sequence(self) -> list[GraphProfile]:
+        """The step's graphs as it calls them: a graph compiled once and called per block appears per call."""
+        return self.log.sequence()
 
     def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         fp = fingerprint(cg.joint)
@@ -310,7 +330,7 @@ def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
 
 def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
     """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
-    cached, profiles = planner.cached, planner.profiles
+    cached, profiles = planner.cached, planner.sequence()
     if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
         return None
     try:
@@ -327,10 +347,15 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
 
 
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
-    compiled = compile_fresh(model, aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
-                                                regions=planner.regions, release_grads=planner.release_grads))
-    with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
-        out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
+    compiled = compile_fresh(model, planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
+                                                                 regions=planner.regions,
+                                                                 release_grads=planner.release_grads)))
+    planner.log.recording = True
+    try:
+        with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
+            out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
+    finally:
+        planner.log.recording = False
     del out
     reshard(model)
     return compiled
@@ -343,13 +368,17 @@ def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kw
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
     model does not predict); the plan still reports `ledger`.
     """
-    profiles = planner.profiles
+    profiles = planner.sequence()
     progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
                   sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
-    decision = plan_graphs(profiles, budget, reserve or ledger, dev, **opts)
+    decision = plan_graphs(profiles, budget, reserve or ledger, dev, one_set=True, **opts)
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
     progress.info("compiling the planned step")
-    if len(profiles) > 1:
+    if repeats(profiles):
+        plan.notes.append(f"{len(profiles)} graph calls of {len({id(g) for g in profiles})} compiled graphs (a graph "
+                          "break inside a loop compiles the loop body once, called per iteration) were planned "
+                          "jointly under one budget")
+    elif len(profiles) > 1:
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
     applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,

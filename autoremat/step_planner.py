@@ -4,7 +4,7 @@ Dynamo hands the backend (backend.py) one graph at a time, and a graph may run s
 step or at several input shapes, so `StepPlanner` plans steps, not graphs: a step it has not seen
 runs every call at that call's most frugal plan, each checked against the budget with everything
 the earlier calls of the step hold; once the step is complete its calls are planned jointly and
-compiled again; on CUDA a planned step is measured and planned again with the gap reserved, or the
+compiled again; a planned step is measured (window.py) and planned again with the gap reserved, or the
 next step refused (docs/backend.md).
 """
 
@@ -25,13 +25,13 @@ from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.heuristics import checkpoint_blocks, save_all
 from autoremat.ledger import Ledger, parameter_bytes, storage_key
-from autoremat.measure import StepWindow
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
 from autoremat.planner import Planner, budget_or_memory, plan_graphs
 from autoremat.profile import GraphProfile
 from autoremat.solver import smallest_peak
-from autoremat.torch_internals import tree_leaves
+from autoremat.torch_internals import in_backward, tree_leaves
 from autoremat.units import format_bytes
+from autoremat.window import StepWindow
 
 log = logging.getLogger("autoremat")
 
@@ -97,6 +97,9 @@ class StepPlanner(Planner):
 
     def run(self, use: GraphUse, args: tuple) -> Any:
         """One call of a compiled graph: place it in its step, compile it if needed, check it, run it."""
+        if self._window is not None and self._window.pending and not in_backward():
+            window, self._window = self._window, None
+            window.finish()  # the step just measured (CPU): checked before the next one starts
         if use.inference or not torch.is_grad_enabled():
             return self._compiled(use, None, args)[0](*args)
         if self.backward_seen:
@@ -148,14 +151,16 @@ class StepPlanner(Planner):
             self._window = None
         if not [s for s in self.steps if s not in self.verified] or self._where is None:
             return
-        if self._where.type != "cuda":  # see measure.StepWindow: only the CUDA allocator's counters will do
+        params = [p for ref, _ in self._param_bytes.values() if (p := ref()) is not None]
+        try:
+            if self._where.type == "cpu" and _ranks() > 1:  # the ranks would have to agree on re-planning (not built)
+                raise RuntimeError("under torch.distributed the ranks' CPU measurements are not agreed on")
+            self._window = StepWindow(self._where, params, self._check_measured)
+        except (RuntimeError, ValueError) as e:  # the user's own profiler is running, or not cpu / cuda
             if not self._said_unverified:
                 self._said_unverified = True
-                log.info("autoremat: the torch.compile backend verifies planned steps on CUDA only; on %s use "
-                         "autoremat.optimize, which measures a step itself", self._where.type)
-            return
-        params = [p for ref, _ in self._param_bytes.values() if (p := ref()) is not None]
-        self._window = StepWindow(self._where, params, self._check_measured)
+                log.info("autoremat: a planned step of the torch.compile backend is not measured (%s); "
+                         "autoremat.optimize measures a step itself", e)
 
     def _check_measured(self, activations: int) -> None:
         """The end of a measured backward (`activations`: its measured peak above the fixed bytes): the
@@ -375,3 +380,8 @@ class StepPlanner(Planner):
             return self.step_plans[-1]
         calls = [c for c in self.step if c.use.gp is not None]
         return self._plan_of(calls, [c.saved for c in calls], "as first run") if calls else None
+
+
+def _ranks() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -351,6 +351,17 @@ def profiler_enabled() -> bool:
     return bool(torch._C._autograd._profiler_enabled())
 
 
+def backward_entry_code() -> Any:
+    """The code object of the Python function every `.backward()` / `autograd.grad` runs the C++ engine from:
+    its return is the first moment after a backward that is outside the engine."""
+    return torch.autograd.graph._engine_run_backward.__code__
+
+
+def in_backward() -> bool:
+    """Whether this code runs inside the autograd engine (a node of a backward is executing)."""
+    return torch._C._current_autograd_node() is not None
+
+
 def allocation_events(prof: torch.profiler.profile) -> Iterator[tuple[int, int, torch.device]]:
     """(start time ns, signed bytes, device) of every allocation (+) and free (-) a stopped profiler saw."""
     kineto_results = prof.profiler.kineto_results if prof.profiler is not None else None

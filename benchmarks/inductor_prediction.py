@@ -1,15 +1,18 @@
 """autoremat's predicted peak against the measured one under compiler="inductor" (issue #17), at three budgets.
 
-For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2) and dropout setting:
+For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2), and `floor.py --quick`'s
+ResNet-shaped conv net (conv-BN-ReLU-dropout blocks, `conv`), and each dropout setting:
 the smallest feasible budget and the no-recompute total under Inductor (speed.limits), then a plan at
 the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
 with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
 one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). A smallest
 budget that verification refuses (it measured more than predicted and the re-plan no longer fits) is
 retried at the budget the refusal names, as speed.py does; the row says so. Columns:
-predicted / measured peak, prediction error, budget used (measured / budget), verification's note.
+predicted / measured peak, prediction error, budget used (measured / budget), each measured twice: with the
+model's outputs held through the backward (what the memory model assumes, as optimize's verification
+does) and with only the loss kept; verification's note.
 
-    python benchmarks/inductor_prediction.py [--models stack,gpt2] [--dropout 0.1,0.0]
+    python benchmarks/inductor_prediction.py [--models stack,gpt2,conv] [--dropout 0.1,0.0] [--out PATH]
 
 Writes benchmarks/results/inductor_prediction_cpu.md.
 """
@@ -28,11 +31,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))
 
+import floor  # noqa: E402
 import remat_vs_peers as peers  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
 import speed  # noqa: E402
 
 import autoremat  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
+from autoremat.pipeline import loss_of  # noqa: E402
 
 MiB = 2**20
 
@@ -57,28 +62,36 @@ def row(bench: _Bench, budget: int) -> dict:
                             progress=False)
     plan_s = time.perf_counter() - t0
     args, kwargs = peers.split(bench.ex)
-    step = peers.make_step(om, args, kwargs)
-    step()
-    step()
-    _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, bench.ex))
+
+    def held() -> None:  # the outputs (GPT-2's logits) live through the backward, as the memory model assumes
+        out = om(*args, **kwargs)
+        loss_of(out).backward()
+    dropped = peers.make_step(om, args, kwargs)  # only the loss outlives the forward
+    measured = {}
+    for step in (held, dropped):
+        step()
+        step()
+        measured[step] = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, bench.ex))[1].peak_bytes
     p = om.plan
     notes = [n for n in p.notes if "verified" in n or "re-planned" in n]
-    return dict(budget=budget, predicted=p.predicted_peak, measured=m.peak_bytes, plan_s=plan_s,
-                verify=(notes[0][:90] if notes else "-"))
+    return dict(budget=budget, predicted=p.predicted_peak, measured=measured[held], dropped=measured[dropped],
+                plan_s=plan_s, verify=(notes[0][:90] if notes else "-"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="stack,gpt2")
+    ap.add_argument("--models", default="stack,gpt2,conv")
     ap.add_argument("--dropout", default="0.1,0.0")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "inductor_prediction_cpu.md"))
     a = ap.parse_args()
     torch.set_num_threads(1)
     started = time.perf_counter()
     lines = ["| model | budget point | budget (MiB) | predicted (MiB) | measured (MiB) | prediction error | budget used "
-             "| plan s | verification |", "|---|---|---|---|---|---|---|---|---|"]
+             "| outputs dropped: measured (MiB) | error | budget used | plan s | verification |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for drop in (float(x) for x in a.dropout.split(",")):
-        for cfg in speed.configs(True, drop):
+        conv = dict(name="conv", factory=floor.resnet, kwargs={**floor.SIZES["resnet"][1], "dropout": drop})
+        for cfg in [*speed.configs(True, drop), conv]:
             if cfg["name"] not in a.models.split(","):
                 continue
             bench = _Bench(cfg)
@@ -94,7 +107,9 @@ def main() -> None:
                     r = row(bench, int(budget))
                 err = r["predicted"] / r["measured"] - 1
                 line = (f"| {cfg['name']} (dropout {drop}) | {point} | {budget / MiB:.3f} | {r['predicted'] / MiB:.3f} | "
-                        f"{r['measured'] / MiB:.3f} | {err:+.1%} | {r['measured'] / budget:.1%} | {r['plan_s']:.0f} | "
+                        f"{r['measured'] / MiB:.3f} | {err:+.1%} | {r['measured'] / budget:.1%} | "
+                        f"{r['dropped'] / MiB:.3f} | {r['predicted'] / r['dropped'] - 1:+.1%} | "
+                        f"{r['dropped'] / budget:.1%} | {r['plan_s']:.0f} | "
                         f"{r['verify']} |")
                 print(line, flush=True)
                 lines.append(line)
@@ -102,8 +117,12 @@ def main() -> None:
             f"Command: `python benchmarks/inductor_prediction.py --models {a.models} --dropout {a.dropout}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
             f"{peers.git_state()}, wall {time.perf_counter() - started:.0f} s.", "",
-            "Models: `speed.py --quick`'s. Budgets: the smallest feasible, the middle and the top (no-recompute "
-            "total) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`.", ""]
+            "Models: `speed.py --quick`'s (stack, gpt2) and `floor.py --quick`'s resnet (conv). Budgets: the smallest feasible, the middle and the top (no-recompute "
+            "total) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`, with "
+            "the model's outputs held through the backward (`out = model(...); loss_of(out).backward()`: what the memory "
+            "model assumes, as optimize's verification and a training loop that keeps `out` do), and with only the loss "
+            "kept (`loss_of(model(...)).backward()`: the logits die after the forward; `outputs=\"loss\"` tells the "
+            "planner so).", ""]
     Path(a.out).write_text("\n".join(head + lines) + "\n")
     print("wrote", a.out)
 

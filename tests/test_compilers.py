@@ -223,3 +223,27 @@ def test_auto_plans_with_eager_where_only_eagers_plan_fits_and_inductor_still_re
     assert str(neither.value).startswith("budget 1 B, 1 bytes fits under neither compiler compiler='auto' may use: "
                                          f"the smallest budget is {autoremat.format_bytes(inductor)}, {inductor} bytes "
                                          "under Inductor"), str(neither.value)
+
+
+def test_a_new_input_shape_that_fits_only_under_eager_is_planned_with_eager_as_the_first_would_be() -> None:
+    """RematModule plans a new input shape with the pipeline the first shape ran: under compiler="auto" it
+    tries Inductor, then eager where only eager fits (before: the first shape's compiler only, and a
+    BudgetError from the call)."""
+    if inductor_problem("cpu") is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
+    from tests.test_fusion import _PooledLoss
+
+    torch.manual_seed(0)
+    model = _PooledLoss(16).train()
+    small = (torch.randn(2, 3, 16, 16), torch.randint(0, 10, (2,)))
+    large = (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    eager, inductor = _floor(model, large, "eager"), _floor(model, large, "inductor")
+    assert eager < inductor, (eager, inductor)
+    om = autoremat.optimize(model, budget=eager, example_inputs=small, optimizer=None, outputs="loss",
+                            compiler="auto", progress=False)
+    assert om.plan.compiler["used"] == "inductor", om.plan.compiler  # the small batch fits under Inductor
+    om(*large).backward()
+    first, new = om.plans
+    assert first is om.plan and new.compiler["requested"] == "auto" and new.compiler["used"] == "eager", new.compiler
+    assert "no plan fits the budget under Inductor" in new.compiler["reason"]
+    assert new.predicted_peak <= eager
