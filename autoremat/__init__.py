@@ -21,7 +21,7 @@ _EXPORTS = {
     "BudgetError": "autoremat.plan",
     "Plan": "autoremat.plan",
     "CaptureError": "autoremat.planner",
-    "RematModule": "autoremat.api",
+    "RematModule": "autoremat.remat_module",
     "optimize": "autoremat.api",
     "PlanMismatch": "autoremat.planner",
     "backend": "autoremat.backend",

@@ -252,7 +252,7 @@ class CapturePlanner(Planner):
     (`strict = False`), a graph identical to one already planned (an identical block, or a recompile
     caused by a guard on Python state) reuses that plan, and a graph that no plan was made for (the
     same input shape traced to another graph by such a recompile: new shapes get a pipeline of their
-    own, see api.RematModule) is planned on its own rather than raising PlanMismatch.
+    own, see remat_module.RematModule) is planned on its own rather than raising PlanMismatch.
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
