@@ -1,0 +1,83 @@
+"""The package's layout, as README.md's stage table states it: every module sits in one stage, and a
+module imports only modules of its own stage or earlier ones (data flows one way). The passes are a
+library every stage may call; they import only precision's call helpers, the naming of values
+recomputed twice and the private-torch module. Imports under `TYPE_CHECKING` are type hints only.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "autoremat"
+USED_BY_EVERY_STAGE = {"measure", "units", "torch_internals"}  # README: "used by every stage"
+NOT_A_STAGE = {"__init__", "__main__"}  # the lazy public namespace and `python -m autoremat`
+PASSES_MAY_IMPORT = {"precision_measure", "cuts", "torch_internals", "passes"}
+
+
+def _stages() -> dict[str, int]:
+    """{module: position of its stage} from the table under README's "| stage | module | job |"."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("| stage | module | job |")
+    rank: dict[str, int] = {}
+    for position, line in enumerate(lines[start + 2:]):
+        if not line.startswith("|"):
+            break
+        modules_cell = line.split("|")[2]
+        for name in re.findall(r"`([\w/]+?)(?:\.py|/)?`", modules_cell):
+            assert name not in rank, f"{name} is listed in two stages"
+            rank[name] = position
+    return rank
+
+
+def _module(path: Path) -> str:
+    first = path.relative_to(PACKAGE).with_suffix("").parts[0]
+    return first
+
+
+def _imports(path: Path) -> list[tuple[str, int]]:
+    """The autoremat modules `path` imports at run time: (module, line)."""
+    tree = ast.parse(path.read_text())
+    hints = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+             for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in hints or not isinstance(node, ast.ImportFrom) or not node.module:
+            continue
+        parts = node.module.split(".")
+        if parts[0] != "autoremat":
+            continue
+        targets = [parts[1]] if len(parts) > 1 else [alias.name for alias in node.names]
+        found += [(t, node.lineno) for t in targets]
+    return found
+
+
+def test_every_module_is_in_one_stage_of_the_readme_table():
+    rank = _stages()
+    modules = {_module(p) for p in PACKAGE.rglob("*.py")} - NOT_A_STAGE - USED_BY_EVERY_STAGE
+    assert modules - rank.keys() == set(), "modules missing from README's stage table"
+    assert rank.keys() - modules == set(), "README's stage table names modules that do not exist"
+
+
+def test_no_module_imports_a_later_stage():
+    rank = _stages()
+    later = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = _module(path)
+        if me in NOT_A_STAGE or me in USED_BY_EVERY_STAGE:
+            continue
+        for target, line in _imports(path):
+            if me == "passes":
+                if target not in PASSES_MAY_IMPORT:
+                    later.append(f"{path.relative_to(ROOT)}:{line} imports {target} (passes may not)")
+            elif target not in USED_BY_EVERY_STAGE and target != "passes" and rank[target] > rank[me]:
+                later.append(f"{path.relative_to(ROOT)}:{line} imports {target}, a later stage")
+    assert later == []
+
+
+def test_the_check_sees_a_later_import(tmp_path):
+    """The import reader finds run-time imports of every form and skips type hints."""
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nfrom autoremat.plan import Plan\nfrom autoremat import api\n"
+                      "if TYPE_CHECKING:\n    from autoremat.cli import main\n")
+    assert _imports(source) == [("plan", 2), ("api", 3)]
