@@ -14,7 +14,8 @@ from tests.tolerances import assert_close_for, tol
 def test_the_fused_projection_and_loss_give_the_16_bit_steps_loss_and_gradients(monkeypatch, reduction, smoothing):
     torch.manual_seed(0)
     n, d, v = 40, 24, 150
-    monkeypatch.setattr(fll, "_BLOCK_ELEMENTS", n * 32)  # blocks of 32 vocabulary rows: five, the last partial
+    monkeypatch.setattr(fll, "_TOKENS", 16)  # chunks of 16 token rows: three, the last partial
+    monkeypatch.setattr(fll, "_WEIGHT_ELEMENTS", d * 32)  # blocks of 32 vocabulary rows: five, the last partial
     h = torch.randn(n, d).to(torch.bfloat16).requires_grad_()
     w = torch.randn(v, d, requires_grad=True)  # the fp32 master weight
     y = torch.randint(0, v, (n,))
