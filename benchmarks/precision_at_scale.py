@@ -21,7 +21,9 @@ and the predicted step time at three budgets derived from those floors. The loss
 fixed for every row (--chunks, default 16: what the planner picks at GPT-2 small's fp32 floor), so the rows
 differ only in precision and plan; one candidate instead of four also keeps the run short.
 
-Writes benchmarks/results/precision_at_scale.md and .json.
+--outputs loss plans every row with optimize(outputs="loss") (no logits returned; a 16-bit head is then
+one fused projection + cross-entropy). Writes benchmarks/results/precision_at_scale.md and .json (--out NAME:
+NAME.md and NAME.json).
 """
 
 from __future__ import annotations
