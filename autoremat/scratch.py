@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture import CapturedGraph
-from autoremat.passes.fused_attention import meta_scratch
+from autoremat.passes import fused_attention, fused_linear_loss
 from autoremat.profile import GraphProfile, _dense_bytes, _nbytes, _tensors  # the bytes of a traced value, as profiled
 from autoremat.torch_internals import (
     OpOverload,
@@ -47,12 +47,12 @@ def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.
     kernel lays out its output as the fake tensor did; a view of an output laid out otherwise would
     copy unseen or fail, so `gp.notes` names such ops too. Returns how many distinct ops were
     measured. Graphs traced on the meta device have no real memory: only the scratch a fused
-    attention's GPU kernel is known to allocate (`fused_attention.meta_scratch`) is booked there.
+    attention's or a fused linear + loss's GPU kernel is known to allocate (their `meta_scratch`) is booked there.
     """
     if cg.device == "meta":
         for n in cg.joint.graph.nodes:
             if n.name in gp.nodes:
-                gp.nodes[n.name].transient_bytes += meta_scratch(n)
+                gp.nodes[n.name].transient_bytes += fused_attention.meta_scratch(n) + fused_linear_loss.meta_scratch(n)
         return 0
     device = torch.device(cg.device)
     scratch: dict[str, int] = {}  # by (op, argument signature)

@@ -21,7 +21,9 @@ and the predicted step time at three budgets derived from those floors. The loss
 fixed for every row (--chunks, default 16: what the planner picks at GPT-2 small's fp32 floor), so the rows
 differ only in precision and plan; one candidate instead of four also keeps the run short.
 
-Writes benchmarks/results/precision_at_scale.md and .json.
+--outputs loss plans every row with optimize(outputs="loss") (no logits returned; a 16-bit head is then
+one fused projection + cross-entropy). Writes benchmarks/results/precision_at_scale.md and .json (--out NAME:
+NAME.md and NAME.json).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ TINY = 10**9  # 1 GB: below every floor here, so optimize reports the smallest b
 HUGE = 10**13  # nothing recomputed
 MODES = ("fp32", "bf16", "auto")
 DEVICE = "h100"
+OUTPUTS = "all"  # optimize's outputs= for every row (--outputs)
 
 
 def gpt2_small():
@@ -78,7 +81,7 @@ def optimize(model, inputs, budget: int, precision: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autoremat.optimize(model, budget=budget, example_inputs=inputs, device=DEVICE, optimizer="adamw",
-                                  precision=precision, progress=False, compiler="eager")
+                                  precision=precision, progress=False, compiler="eager", outputs=OUTPUTS)
 
 
 def floor(model, inputs, precision: str) -> dict:
@@ -165,8 +168,10 @@ def goals(res: dict) -> dict:
 
 def markdown(results: dict) -> str:
     lines = [f"# Mixed precision at scale, planned on the meta device ({DEVICE} roofline)", "",
-             f"torch {torch.__version__}; the loss region is planned whole and in {results['chunks']} chunks for "
-             "every row (a floor is the lower of the two; whole, 16-bit logits get one fused cross-entropy). "
+             f"torch {torch.__version__}; outputs={results.get('outputs', 'all')!r} for every row; the loss region "
+             f"is planned whole and in {results['chunks']} chunks for every row (a floor is the lower of the two; "
+             "whole, 16-bit logits get one fused cross-entropy; with outputs='loss' a 16-bit head is one fused "
+             "projection + cross-entropy, no logits). "
              "How each row is made: see the docstring of benchmarks/precision_at_scale.py. The autocast + "
              "checkpoint row is the graph precision='bf16' captures (matmul-class calls in bf16, autocast's fp32 "
              "calls in fp32, attention as one fused op that keeps its output and logsumexp and recomputes the "
@@ -212,25 +217,31 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     ap.add_argument("--floors-only", action="store_true", help="the smallest budgets and autocast + ckpt only")
     ap.add_argument("--chunks", type=int, default=16, help="the loss region's chunk count, the same for every row")
+    ap.add_argument("--outputs", choices=loss_chunks.OUTPUTS, default="all",
+                    help="optimize's outputs= for every row: 'loss' returns no logits (a 16-bit head is then one "
+                         "fused projection + loss, passes/fused_linear_loss.py)")
+    ap.add_argument("--out", default="precision_at_scale", help="file name under benchmarks/results (no suffix)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     loss_chunks.CANDIDATES = (a.chunks,)
+    global OUTPUTS
+    OUTPUTS = a.outputs
 
     def log(s: str) -> None:
         print(s, flush=True)
 
-    results = {"device": DEVICE, "chunks": a.chunks, "torch": torch.__version__, "models": {}}
+    results = {"device": DEVICE, "chunks": a.chunks, "outputs": a.outputs, "torch": torch.__version__, "models": {}}
     for name in a.models:
         res = run_model(name, log, a.floors_only)
         res["goals"] = goals(res)
         results["models"][name] = res
-    out = REPO / "benchmarks" / "results" / "precision_at_scale"
+    out = REPO / "benchmarks" / "results" / a.out
     argv = ("python benchmarks/precision_at_scale.py " + " ".join(sys.argv[1:])).strip()
     for res in results["models"].values():
         res["command"] = argv
     if out.with_suffix(".json").exists():  # one model at a time: keep the other models' latest results
         before = json.loads(out.with_suffix(".json").read_text())
-        if before.get("chunks") == a.chunks:
+        if before.get("chunks") == a.chunks and before.get("outputs", "all") == a.outputs:
             results["models"] = {**before.get("models", {}), **results["models"]}
     out.with_suffix(".json").write_text(json.dumps(results, indent=1))
     out.with_suffix(".md").write_text(markdown(results) + "\n")

@@ -44,7 +44,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="Llama depth (default: the model's own)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--chunks", type=int, default=16)
+    ap.add_argument("--outputs", choices=loss_chunks.OUTPUTS, default="all")
     a = ap.parse_args()
+    scale.OUTPUTS = a.outputs
     torch.set_num_threads(1)
     loss_chunks.CANDIDATES = (a.chunks,)
     model, inputs, label = model_of(a.model, a.layers)

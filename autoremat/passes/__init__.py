@@ -14,7 +14,8 @@
   logsumexp kept, scores recomputed in its backward); `attention`: the plain-op form used with dropout.
 - `loss_chunks`: a vocabulary projection + cross-entropy of a dynamo graph rewritten into chunks of
   token rows, before tracing; the planner chooses the chunk count (`outputs="loss"` drops the logits);
-  `fused_loss`: a 16-bit site left whole computes its cross-entropy as one fused op.
+  `fused_loss`: a 16-bit site left whole computes its cross-entropy as one fused op;
+  `fused_linear_loss`: under outputs="loss", a 16-bit head and its loss as one op over the fp32 weight.
 - `remat`: the save/recompute split of a joint graph into forward and backward modules, in the
   simulated order (`split`, `reorder`), once the plan is solved; a recomputed batch norm runs without
   its running-stat update, and the forward draws each random value once.

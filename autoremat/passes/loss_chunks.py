@@ -21,7 +21,9 @@ the token dimensions (HF's `ForCausalLM` loss, the plain `logits.view(-1, V)` fo
 shape is left exactly as it was: a pattern not recognised is never rewritten.
 
 One chunk with outputs="all" leaves the loss as the model wrote it, except over 16-bit logits: there
-it becomes one fused op (passes/fused_loss.py, no tokens x vocabulary fp32 value stored).
+it becomes one fused op (passes/fused_loss.py, no tokens x vocabulary fp32 value stored). With
+outputs="loss", a 16-bit bias-free linear site becomes one fused projection + loss over the fp32
+master weight whatever the chunk count (passes/fused_linear_loss.py: no logits, no 16-bit weight copy).
 
 `outputs`: "all" keeps the model's logits output (the projection is computed whole once more for it,
 and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
@@ -42,6 +44,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from autoremat.passes.fused_linear_loss import fused_linear_cross_entropy
 from autoremat.passes.fused_loss import fused_cross_entropy
 from autoremat.torch_internals import C_NN_LINEAR
 
@@ -257,9 +260,16 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
                 weight, bias = s.proj.args[1], None
             casts = [_cast_dtype(n) for n in s.chain if _cast_dtype(n) is not None]
             cast = casts[-1] if casts else None  # the logits' dtype as the loss saw them
-            new = graph.call_function(chunked_cross_entropy, (h, weight, bias, s.target), {
-                "proj": s.kind, "chunks": min(chunks, s.rows), "ignore_index": s.ignore_index,
-                "reduction": s.reduction, "label_smoothing": s.label_smoothing, "dtype": cast})
+            kw = {"ignore_index": s.ignore_index, "reduction": s.reduction, "label_smoothing": s.label_smoothing}
+            others = [u for u in s.proj.users if u.op != "output" and u not in s.chain]
+            if outputs == "loss" and s.kind == "linear" and bias is None and _low_logits(s) and not others:
+                # one fused op over the master weight (passes/fused_linear_loss.py)
+                master = weight.args[0] if isinstance(weight, fx.Node) and _cast_dtype(weight) is not None else weight
+                new = graph.call_function(fused_linear_cross_entropy, (h, master, s.target), kw)
+                report.fused += 1
+            else:
+                new = graph.call_function(chunked_cross_entropy, (h, weight, bias, s.target), {
+                    **kw, "proj": s.kind, "chunks": min(chunks, s.rows), "dtype": cast})
         _replace_loss(graph, s, new)
         if outputs == "loss":
             out = graph.find_nodes(op="output")[0]
@@ -267,7 +277,10 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
         if s.proj.users:
             report.logits_kept += 1
         else:
+            weight = _linear_args(s.proj)[0] if s.kind == "linear" else None
             graph.erase_node(s.proj)
+            if isinstance(weight, fx.Node) and _cast_dtype(weight) is not None and not weight.users:
+                graph.erase_node(weight)  # the weight's 16-bit copy, read by no one now
         report.rewritten += 1
     graph.lint()
     gm.recompile()
@@ -361,6 +374,9 @@ def candidates(rows: int) -> list[int]:
 def describe(chunks: int, outputs: str, rows: int, fused: int = 0) -> str:
     """The plan summary's line about the loss region."""
     kept = "logits not returned (outputs='loss')" if outputs == "loss" else "logits output kept whole"
+    if outputs == "loss" and fused:
+        return (f"loss over {rows} token rows as one fused projection + cross-entropy in 16 bits "
+                f"(autoremat::linear_cross_entropy, no logits stored); {kept}")
     if chunks <= 1:
         how = "; one fused cross-entropy over its 16-bit logits (autoremat::cross_entropy)" if fused else ""
         return f"loss not chunked (1 piece over {rows} token rows){how}; {kept}"
