@@ -58,42 +58,52 @@ def tighten(nodes: dict[str, NodeProfile], backward: list[str], reads: dict[str,
 
 def _run_order(nodes, run: list[str], end: int, last: dict[str, int], inputs_of, root, held: set[str]) -> list[str]:
     """One run (entries `run`, ending before position `end`) in its memory-first order."""
-    in_run = set(run)
-    deps = {e: {a for a in inputs_of(e) if a in in_run} for e in run}
+    where = {e: i for i, e in enumerate(run)}
+    ins = {e: inputs_of(e) for e in run}
+    roots = {e: root(e) for e in run}
+    profile = {e: nodes[base(e)] for e in run}
     # a buffer the run allocates dies in it when no value living in it is read after the run or held
     aliases: dict[str, list[str]] = {}
     for e in run:
-        if root(e) in in_run:
-            aliases.setdefault(root(e), []).append(e)
+        if roots[e] in where:
+            aliases.setdefault(roots[e], []).append(e)
     dies = {s for s, vs in aliases.items() if all(last.get(v, -1) < end and v not in held for v in vs)}
     readers: dict[str, set[str]] = {s: set() for s in dies}  # buffer -> the run's entries still to read it
+    waiting: dict[str, int] = {}  # entry -> its inputs in the run not yet run
+    users: dict[str, list[str]] = {}
     for e in run:
-        for a in inputs_of(e):
-            if a in in_run and root(a) in readers:
-                readers[root(a)].add(e)
-
-    def cost(e: str) -> int:  # what the entry adds while it runs
-        p = nodes[base(e)]
-        return (p.nbytes if root(e) == e else 0) + p.transient_bytes + p.tuple_out_bytes
+        deps = {a for a in ins[e] if a in where}
+        waiting[e] = len(deps)
+        for a in deps:
+            users.setdefault(a, []).append(e)
+            if roots[a] in readers:
+                readers[roots[a]].add(e)
+    cost = {e: (p.nbytes if roots[e] == e else 0) + p.transient_bytes + p.tuple_out_bytes for e, p in profile.items()}
 
     def freed(e: str) -> int:
-        gone = {root(a) for a in inputs_of(e) if root(a) in readers and readers[root(a)] == {e}}
-        return sum(nodes[base(s)].nbytes for s in gone)
+        gone = {roots[a] for a in ins[e] if a in where and roots[a] in readers and readers[roots[a]] == {e}}
+        return sum(profile[s].nbytes for s in gone)
 
-    done: set[str] = set()
+    ready = {e for e in run if not waiting[e]}
     order: list[str] = []
-    pending = list(run)
-    while pending:
-        head = pending[0]
-        pick = head
-        for e in pending[1:]:
-            if deps[e] <= done and (nodes[base(e)].tuple_parent or cost(e) <= min(cost(head), freed(e))):
+    head = 0
+    while len(order) < len(run):
+        while run[head] not in waiting:  # the run's next entry in its own order (always ready)
+            head += 1
+        first = run[head]
+        pick = first
+        for e in sorted(ready, key=where.__getitem__):
+            if e != first and (profile[e].tuple_parent or cost[e] <= min(cost[first], freed(e))):
                 pick = e
                 break
-        pending.remove(pick)
-        done.add(pick)
+        ready.discard(pick)
+        del waiting[pick]
         order.append(pick)
-        for a in inputs_of(pick):
-            if root(a) in readers:
-                readers[root(a)].discard(pick)
+        for u in users.get(pick, ()):
+            waiting[u] -= 1
+            if not waiting[u]:
+                ready.add(u)
+        for a in ins[pick]:
+            if a in where and roots[a] in readers:
+                readers[roots[a]].discard(pick)
     return order

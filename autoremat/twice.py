@@ -16,6 +16,7 @@ import dataclasses
 
 from autoremat.cuts import MARK, base
 from autoremat.decision import Decision, evaluate
+from autoremat.heuristics import lower_peak
 from autoremat.profile import GraphProfile
 
 
@@ -81,6 +82,20 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
     return dataclasses.replace(best, path=plan.path + "+recomputed-twice", notes=[*plan.notes, (
         f"recomputed values twice at {cuts} cut(s) (GraphPlan.again): simulated peak {plan.peak:,} -> {best.peak:,} B, "
         f"predicted recompute {plan.recompute_time_s * 1e3:.2f} -> {best.recompute_time_s * 1e3:.2f} ms")])
+
+
+def refine_further(graphs: list[GraphProfile], plan: Decision, granularity: int, rounds: int = 3) -> Decision:
+    """`plan` searched again for cuts and values saved back, while a round lowers its peak.
+
+    Each search is bounded by a count of simulations, and one that ran out may have stopped far from
+    where a fresh one ends (the 12-block stack of benchmarks/floor.py: 12,880,836 B of activations after
+    the first search, 11,313,028 after a second from its result)."""
+    for _ in range(rounds):
+        again = lower_peak(graphs, recompute_twice(graphs, plan, granularity), granularity)
+        if (again.peak, again.recompute_time_s) >= (plan.peak, plan.recompute_time_s):
+            break
+        plan = again
+    return plan
 
 
 def _other_kind(cut: str) -> str:
