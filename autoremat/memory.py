@@ -23,7 +23,6 @@ from autoremat.cuts import MARK, base, cut_backward
 from autoremat.handoffs import handed_over, region_handoffs
 from autoremat.inplace import donor, kernel_last_use, least_peak_first
 from autoremat.profile import GraphProfile
-from autoremat.recompute_order import tighten
 from autoremat.recomputed_writes import write_recomputed
 from autoremat.torch_internals import TANGENTS_BOXED
 
@@ -221,9 +220,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     cuts &= set(backward)
     narrow &= set(backward)
     backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order, frozenset(narrow))
-    outputs = {*g.fw_outputs, *g.grad_outputs}
-    backward = tighten(nodes, backward, reads, copy_storage, recomputed, outputs)
-    written = write_recomputed(nodes, backward, reads, copy_storage, recomputed, outputs)
+    written = write_recomputed(nodes, backward, reads, copy_storage, recomputed, {*g.fw_outputs, *g.grad_outputs})
     return Schedule(
         forward=forward,
         backward=backward,
