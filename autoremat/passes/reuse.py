@@ -29,13 +29,14 @@ from autoremat.torch_internals import is_tangent
 
 def out_variant(op: OpOverload) -> tuple[OpOverload, str] | None:
     """The out= overload of `op` taking the same arguments plus one written output, and that output's name."""
-    names = [a.name for a in op._schema.arguments]
+    names = [(a.name, str(a.type)) for a in op._schema.arguments]  # pow.Tensor_Scalar is not pow.Tensor_Tensor_out
     packet = op.overloadpacket
     for overload in packet.overloads():
         candidate = getattr(packet, overload)
         args = candidate._schema.arguments
         written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
-        if len(written) == 1 and written[0].kwarg_only and [a.name for a in args if a is not written[0]] == names:
+        if len(written) == 1 and written[0].kwarg_only and [
+                (a.name, str(a.type)) for a in args if a is not written[0]] == names:
             return candidate, written[0].name
     return None
 
