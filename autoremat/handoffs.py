@@ -52,3 +52,28 @@ def handed_over(graphs: list[tuple[GraphProfile, Schedule]],
             last = max(last, 2 * n - 1 - j if primal in read_back[j] else j)
         moments.setdefault(last, []).append((k, name))
     return moments
+
+
+def tied_waits(profiles: list[GraphProfile]) -> dict[int, list[tuple[int, str]]]:
+    """Gradients that wait in autograd for another region's: {position whose backward they wait for:
+    [(position of the region that computed them, the gradient)]}.
+
+    A tied weight (GPT-2's embedding, also its LM head) is read by two regions; autograd sums their
+    gradients in the weight's input buffer and runs its AccumulateGrad once both have arrived. The
+    later region's backward runs first: its gradient waits there until the earlier region's backward
+    returns the other one (measured: GPT-2's 4 MiB 4096 x 256 embedding gradient, alive through every
+    block's backward). Any gradient arriving in between is added to it in place and dies at once.
+    The same holds for a region's output that two later regions read (a residual stream whose add
+    falls in the next region: `x + block(x)` written outside the block): the later reader's gradient
+    of it waits for the earlier reader's.
+    """
+    by_key: dict[str, list[tuple[int, str]]] = {}
+    for k, g in enumerate(profiles):
+        for name, key in g.tied.items():
+            if g.nodes[name].storage:
+                by_key.setdefault(key, []).append((k, name))
+    waits: dict[int, list[tuple[int, str]]] = {}
+    for grads in by_key.values():
+        if len(grads) > 1:
+            waits.setdefault(min(grads)[0], []).append(max(grads))
+    return waits
