@@ -20,6 +20,7 @@ A copy is named `<value>__again<k>`; `base` gives the value's own name back.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage
@@ -28,9 +29,10 @@ if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage
 MARK = "__again"
 
 
+@functools.lru_cache(maxsize=1 << 16)  # called for every entry of every simulated schedule
 def base(name: str) -> str:
     """The node a (possibly re-emitted) schedule entry computes."""
-    return name.split(MARK, 1)[0]
+    return name.partition(MARK)[0]
 
 
 def cut_backward(nodes: dict[str, NodeProfile], backward: list[str], recomputed: set[str], cuts: set[str],

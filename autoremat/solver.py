@@ -31,7 +31,7 @@ from autoremat.ilp import IlpModel, IlpResult
 from autoremat.ilp_choice import Choice, ChoiceModel
 from autoremat.precision_choices import DtypeChoices
 from autoremat.profile import GraphProfile
-from autoremat.twice import recompute_twice
+from autoremat.twice import recompute_twice, refine_further
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
            "choose_dtypes", "choose_trace", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
@@ -303,6 +303,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if blocks is not None and not best.path.startswith("checkpoint-blocks"):
             refined.append(lower_peak(graphs, recompute_twice(graphs, blocks, granularity), granularity))
         best = min(refined, key=lambda d: (d.peak, d.recompute_time_s))
+        best = refine_further(graphs, best, granularity)
     _remember_floor(key, best)
     return best
 

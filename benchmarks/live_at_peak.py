@@ -53,11 +53,12 @@ def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
     def step(graph, phase, node, during):
         if during > best["during"] and heaps:
             h = heaps[-1]
-            owner = profiles[graph_position[graph]].nodes[base(node)].storage
-            store = node if owner == base(node) else owner  # a copy recomputed again owns a storage of its name
-            ran = h.snap is not None and h.snap[:2] == (h.scope, store)
+            # the op allocated (or wrote into a dying input's buffer: recomputed_writes.py) since the last step
+            ran = h.snap is not None and h.snap[0] == h.scope
             best.update(during=during, graph=graph_position[graph], phase=phase, node=node,
                         live=h.snap[2] if ran else dict(h.size))
+        if heaps:
+            heaps[-1].snap = None
         return plain_step(graph, phase, node, during)
 
     memory._Heap, memory.Step = Observed, step

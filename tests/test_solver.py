@@ -115,7 +115,8 @@ def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch):
     assert d.path == "greedy" and d.status == "greedy", (d.status, d.path)
     assert d.peak <= budget and any("used the greedy plan" in n for n in d.notes), d.notes
     smallest = solver.smallest_peak([gp])  # the lowest of greedy's and checkpointing's plans, each lowered
-    assert smallest.peak <= budget and smallest.path.endswith("+peak-lowered"), (smallest.path, smallest.peak, budget)
+    # lowered, then searched again (twice.refine_further) where that lowers it further
+    assert smallest.peak <= budget and "+peak-lowered" in smallest.path, (smallest.path, smallest.peak, budget)
     with pytest.raises(solver.Infeasible) as err:  # below that: nothing fits
         solver.solve([gp], smallest.peak - 1)
     assert err.value.smallest.path == smallest.path and err.value.smallest.peak == smallest.peak

@@ -29,13 +29,14 @@ from autoremat.torch_internals import is_tangent
 
 def out_variant(op: OpOverload) -> tuple[OpOverload, str] | None:
     """The out= overload of `op` taking the same arguments plus one written output, and that output's name."""
-    names = [a.name for a in op._schema.arguments]
+    names = [(a.name, str(a.type)) for a in op._schema.arguments]  # pow.Tensor_Scalar is not pow.Tensor_Tensor_out
     packet = op.overloadpacket
     for overload in packet.overloads():
         candidate = getattr(packet, overload)
         args = candidate._schema.arguments
         written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
-        if len(written) == 1 and written[0].kwarg_only and [a.name for a in args if a is not written[0]] == names:
+        if len(written) == 1 and written[0].kwarg_only and [
+                (a.name, str(a.type)) for a in args if a is not written[0]] == names:
             return candidate, written[0].name
     return None
 
@@ -95,6 +96,31 @@ def dying_inputs(joint: fx.GraphModule) -> dict[str, str]:
                 found[n.name] = u.name
                 taken.add(key)
                 break
+    return found
+
+
+def forward_writable(joint: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """{forward pointwise node: the inputs it could write its result into, were they to die at it}.
+
+    Whether a forward value dies at a reader depends on the plan (what is saved, what recomputed, where
+    recomputation is cut), so this lists only what the structure allows (an out= variant, an input of
+    the result's shape, dtype and strides, computed by an op and not a tuple's part); the schedule
+    decides which recomputed copies do write (`autoremat.recomputed_writes`).
+    """
+    backward: set[fx.Node] = set()
+    found: dict[str, tuple[str, ...]] = {}
+    for n in joint.graph.nodes:
+        if is_tangent(n) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+            continue
+        if not _rewritable(n):
+            continue
+        into = tuple(dict.fromkeys(
+            u.name for u in n.args if isinstance(u, fx.Node) and u.op == "call_function"
+            and u.target is not operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)
+            and _same_layout(u.meta["val"], n.meta["val"])))
+        if into:
+            found[n.name] = into
     return found
 
 
