@@ -272,6 +272,9 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
         if inductor:  # the default compiler where Inductor runs (compiler="auto"): what a user gets
             rows.append(run_row(bench, "autoremat", "Inductor @ checkpoint",
                                 peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS, compiler="auto")))
+    else:
+        rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
+                         status="not run: the checkpoint row failed"))
     if inductor:  # Inductor itself at its own floor (the row above may have planned with eager: compilers.py)
         try:
             floor = smallest_budget(bench, "inductor")
@@ -279,9 +282,6 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
                                 peers.ar_build(floor, bench.ex, OUTPUTS, compiler="inductor")))
         except Exception as e:  # noqa: BLE001 - reported in the row
             rows.append(dict(model=cfg["name"], method="autoremat", setting="Inductor @ its floor", **error_fields(e)))
-    else:
-        rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
-                         status="not run: the checkpoint row failed"))
     return rows
 
 
