@@ -23,6 +23,7 @@ from autoremat.cuts import MARK, base, cut_backward
 from autoremat.handoffs import handed_over, region_handoffs, tied_waits
 from autoremat.inplace import donor, kernel_last_use, least_peak_first
 from autoremat.profile import GraphProfile
+from autoremat.recomputed_writes import write_recomputed
 from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf
@@ -45,7 +46,8 @@ class Schedule:
     recomputed: list[str]  # forward-side nodes that run again in the backward
     again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
     reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (again.py)
-    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (again.py)
+    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (again.py), a writer's (below)
+    written: dict[str, str] = field(default_factory=dict)  # recomputed entries written into a dying input (recomputed_writes.py)
 
 
 @dataclass
@@ -218,6 +220,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     cuts &= set(backward)
     narrow &= set(backward)
     backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order, frozenset(narrow))
+    written = write_recomputed(nodes, backward, reads, copy_storage, recomputed, {*g.fw_outputs, *g.grad_outputs})
     return Schedule(
         forward=forward,
         backward=backward,
@@ -226,6 +229,7 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
         again=sorted(cuts, key=order.__getitem__) + [n + MARK for n in sorted(narrow, key=order.__getitem__)],
         reads=reads,
         storage=copy_storage,
+        written=written,
     )
 
 

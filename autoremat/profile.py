@@ -27,7 +27,7 @@ from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.fusion import fused_nodes, own_kernel
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
-from autoremat.passes.reuse import dying_inputs
+from autoremat.passes.reuse import dying_inputs, forward_writable
 from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
 from autoremat.regions import accumulate_grad
 from autoremat.torch_internals import (
@@ -68,6 +68,7 @@ class NodeProfile:
     tuple_parent: str = ""  # for getitem nodes: the multi-output node
     fused: bool = False  # Inductor inlines it into its readers: owns no bytes, never saved (fusion.py)
     inplace: bool = False  # Inductor's own kernel computes it: it may write into an input that dies there (inplace.py)
+    writable: tuple[str, ...] = ()  # inputs a recomputed copy may write into if they die at it (recomputed_writes.py)
 
 
 @dataclass
@@ -298,6 +299,8 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             nodes[name].nbytes = 0
         for prof in nodes.values():  # views of a moved result view the buffer it wrote into
             prof.storage = moved.get(prof.storage, prof.storage)
+        for name, into in forward_writable(gm).items():
+            nodes[name].writable = into
     for prof in nodes.values():
         if prof.tuple_parent and prof.storage == prof.name:
             nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes

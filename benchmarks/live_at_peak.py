@@ -53,7 +53,7 @@ def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
     def step(graph, phase, node, during):
         if during > best["during"] and heaps:
             h = heaps[-1]
-            # the op allocated since the last step
+            # the op allocated (or wrote into a dying input's buffer: recomputed_writes.py) since the last step
             ran = h.snap is not None and h.snap[0] == h.scope
             best.update(during=during, graph=graph_position[graph], phase=phase, node=node,
                         live=h.snap[2] if ran else dict(h.size))

@@ -40,7 +40,9 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
     forward_draws_once(fw)
     if cg.compiler != "inductor":  # as the profile assumed (profile.py): Inductor reuses buffers itself
-        write_into_dying(bw, dying_inputs(joint))
+        # recomputed forward values written into a dying recomputed input (autoremat/recomputed_writes.py),
+        # backward values into a dying backward input (reuse.py)
+        write_into_dying(bw, {**schedule.written, **dying_inputs(joint)})
     return fw, bw
 
 

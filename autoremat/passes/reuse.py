@@ -99,6 +99,31 @@ def dying_inputs(joint: fx.GraphModule) -> dict[str, str]:
     return found
 
 
+def forward_writable(joint: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """{forward pointwise node: the inputs it could write its result into, were they to die at it}.
+
+    Whether a forward value dies at a reader depends on the plan (what is saved, what recomputed, where
+    recomputation is cut), so this lists only what the structure allows (an out= variant, an input of
+    the result's shape, dtype and strides, computed by an op and not a tuple's part); the schedule
+    decides which recomputed copies do write (`autoremat.recomputed_writes`).
+    """
+    backward: set[fx.Node] = set()
+    found: dict[str, tuple[str, ...]] = {}
+    for n in joint.graph.nodes:
+        if is_tangent(n) or any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+            continue
+        if not _rewritable(n):
+            continue
+        into = tuple(dict.fromkeys(
+            u.name for u in n.args if isinstance(u, fx.Node) and u.op == "call_function"
+            and u.target is not operator.getitem and isinstance(u.meta.get("val"), torch.Tensor)
+            and _same_layout(u.meta["val"], n.meta["val"])))
+        if into:
+            found[n.name] = into
+    return found
+
+
 def write_into_dying(gm: fx.GraphModule, pairs: dict[str, str]) -> int:
     """Rewrite the nodes of `pairs` found in backward module `gm` to their out= variants; the count rewritten."""
     by_name = {n.name: n for n in gm.graph.nodes}

@@ -1,0 +1,77 @@
+"""Recomputed forward pointwise ops write their result into a recomputed input that dies at them.
+
+A value recomputed in the backward lives only from its recomputation to its last reader there. In a
+checkpointed attention the dropout's recomputed `mul` (the probabilities scaled by 1/(1-p)) is read
+only by the `where` that applies the mask: when the `where` runs, the `mul` dies, yet as functional ops
+both [batch, heads, seq, seq] tensors are alive at once (1 MiB each on the 12-block stack of
+benchmarks/floor.py, at its floor's peak). Written with its out= variant into the dying input, the
+`where` computes the same values element by element and allocates nothing (as `passes/reuse.py` does
+for backward ops, where the joint order alone decides who dies where).
+
+For a recomputed value, which reader is the last depends on the plan, so it is decided here, per
+schedule, on the backward order the memory model runs (`memory.make_schedule`): entry e may write
+into entry u when the profile allows it (`NodeProfile.writable`: an out= variant, the same layout),
+both are recomputed in this backward, and every value sharing u's storage (u, its views, earlier
+writers into it) is read last at e and is not a graph output. The schedule's `storage` then names the
+shared buffer for e and for every view of e (the simulator books no new bytes for it), and
+`Schedule.written` tells the graph pass (`passes/remat.split`) which entries to rewrite. Only the
+eager path: the profile lists no candidates for a graph Inductor compiles (it reuses buffers itself).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoremat.cuts import base
+
+if TYPE_CHECKING:  # annotations only
+    from autoremat.profile import NodeProfile
+
+
+def write_recomputed(nodes: dict[str, NodeProfile], backward: list[str], reads: dict[str, tuple[str, ...]],
+                     storage: dict[str, str], recomputed: set[str], held: set[str]) -> dict[str, str]:
+    """{entry: the recomputed entry it writes into} for the backward order `backward` (module docstring).
+
+    `reads` and `storage` are the schedule's (cuts.py: what copies read and where they live); `storage`
+    is updated in place so that each writer, and each view of one, lives in the buffer written into.
+    `held` are values alive past this graph (its outputs), never written into."""
+    if not any(nodes[base(e)].writable for e in backward):
+        return {}
+
+    def inputs_of(e: str) -> tuple[str, ...]:
+        return reads.get(e, nodes[base(e)].inputs)
+
+    moved: dict[str, str] = {}  # an entry that wrote into another's buffer -> that buffer
+
+    def root(e: str) -> str:
+        s = storage.get(e, nodes[base(e)].storage)
+        return moved.get(s, s)
+
+    last: dict[str, int] = {}
+    for i, e in enumerate(backward):
+        for a in inputs_of(e):
+            last[a] = i
+    members: dict[str, list[str]] = {}  # buffer -> the entries so far that live in it
+    written: dict[str, str] = {}
+    for i, e in enumerate(backward):
+        p = nodes[base(e)]
+        if p.writable and base(e) in recomputed and p.storage == base(e) and p.nbytes and e not in held:
+            ins = inputs_of(e)
+            for u, own in zip(ins, p.inputs, strict=True):
+                if own not in p.writable or base(u) not in recomputed:
+                    continue
+                r = root(u)
+                group = members.get(r, [])
+                if (r not in members or base(r) not in recomputed
+                        or any(last.get(w, -1) > i or w in held for w in group)
+                        or any(a != u and root(a) == r for a in ins)):  # e reads no other view of the buffer
+                    continue
+                written[e], moved[e] = u, r
+                break
+        r = root(e)
+        if r:
+            members.setdefault(r, []).append(e)
+    for e in backward:
+        if root(e) != storage.get(e, nodes[base(e)].storage):
+            storage[e] = root(e)
+    return written
