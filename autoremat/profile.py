@@ -68,6 +68,7 @@ class NodeProfile:
     tuple_parent: str = ""  # for getitem nodes: the multi-output node
     fused: bool = False  # Inductor inlines it into its readers: owns no bytes, never saved (fusion.py)
     inplace: bool = False  # Inductor's own kernel computes it: it may write into an input that dies there (inplace.py)
+    writes_into: str = ""  # eager: the dying input whose buffer its out= variant writes (passes/reuse.py)
     writable: tuple[str, ...] = ()  # inputs a recomputed copy may write into if they die at it (recomputed_writes.py)
 
 
@@ -297,6 +298,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         for name, into in dying_inputs(gm).items():  # in graph order: a chain ends at the first buffer
             moved[name] = nodes[name].storage = nodes[into].storage
             nodes[name].nbytes = 0
+            nodes[name].writes_into = into
         for prof in nodes.values():  # views of a moved result view the buffer it wrote into
             prof.storage = moved.get(prof.storage, prof.storage)
         for name, into in forward_writable(gm).items():

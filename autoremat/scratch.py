@@ -65,7 +65,7 @@ def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile, budget_s: float = 30.
             prof = gp.nodes.get(n.name)
             if n.op != "call_function" or prof is None or not isinstance(n.target, OpOverload):
                 continue
-            if prof.storage and prof.storage != n.name:  # views and in-place results allocate nothing
+            if prof.storage and prof.storage != n.name and not prof.writes_into:  # views allocate nothing
                 continue
             key = repr((str(n.target), fx.node.map_arg((n.args, n.kwargs), lambda a: _sig(a.meta.get("val")))))
             if key not in scratch:
