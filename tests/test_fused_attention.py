@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import autoremat
 from autoremat.passes import fused_attention as fa
+from tests.models import tiny_llama
 from tests.tolerances import assert_close_for
 
 B, H, S, D = 2, 3, 300, 16  # S over one block of the blockwise kernels (256 rows)
@@ -117,22 +118,10 @@ def test_mm_upcast_is_the_16_bit_product_cast_to_fp32():
     assert_close_for(out, (a @ b).float(), depth=2, dtype=torch.bfloat16)  # one bf16 rounding each
 
 
-def _tiny_llama(vocab=128, d=64, seq=64, layers=2, device=None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=176, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq, use_cache=False)
-    with torch.device(device or "cpu"):
-        model = LlamaForCausalLM(cfg)
-        ids = torch.randint(0, vocab, (1, seq))
-    return model, {"input_ids": ids, "labels": ids}
-
-
 def test_a_bf16_llama_step_runs_the_fused_ops_and_is_as_accurate_as_autocast():
     from tests.tolerances import as_accurate, tol
 
-    model, ex = _tiny_llama()
+    model, ex = tiny_llama()
 
     def grads(fn, autocast=False):
         model.zero_grad(set_to_none=True)
@@ -168,7 +157,7 @@ def test_the_fused_loss_and_gradient_upcasts_lower_the_bf16_floor(monkeypatch):
     from autoremat import capture
     from autoremat.passes import loss_chunks
 
-    model, ex = _tiny_llama(vocab=4096, seq=256, layers=1, device="meta")
+    model, ex = tiny_llama(vocab=4096, seq=256, layers=1, device="meta")
     monkeypatch.setattr(loss_chunks, "CANDIDATES", (1,))  # the loss left whole (chunked, it is plain ops)
 
     def floor():

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import autoremat
 from autoremat.passes import fused_linear_loss as fll
 from autoremat.passes import loss_chunks
+from tests.models import tiny_llama
 from tests.tolerances import assert_close_for, tol
 
 
@@ -36,20 +37,8 @@ def test_the_fused_projection_and_loss_give_the_16_bit_steps_loss_and_gradients(
     assert not got_w.isnan().any()
 
 
-def _tiny_llama(vocab, d, seq, device=None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=seq, use_cache=False)
-    with torch.device(device or "cpu"):
-        model = LlamaForCausalLM(cfg)
-        ids = torch.randint(0, vocab, (1, seq))
-    return model, {"input_ids": ids, "labels": ids}
-
-
 def test_a_bf16_llama_under_outputs_loss_runs_the_fused_head_and_keeps_the_gradients():
-    model, ex = _tiny_llama(vocab=96, d=32, seq=32)
+    model, ex = tiny_llama(vocab=96, d=32, seq=32, layers=1, intermediate=64, heads=2)
 
     def grads(om):
         model.zero_grad(set_to_none=True)
@@ -83,7 +72,7 @@ def test_a_bf16_llama_under_outputs_loss_runs_the_fused_head_and_keeps_the_gradi
 
 def test_the_fused_head_lowers_a_bf16_llamas_floor_under_outputs_loss(monkeypatch):
     # A large vocabulary on meta, so that the LM head holds the floor's peak (as a 7B Llama's does).
-    model, ex = _tiny_llama(vocab=8192, d=64, seq=512, device="meta")
+    model, ex = tiny_llama(vocab=8192, d=64, seq=512, layers=1, intermediate=128, heads=2, device="meta")
     monkeypatch.setattr(loss_chunks, "CANDIDATES", (1,))
 
     def floor():

@@ -359,16 +359,10 @@ def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floo
     # its backward use (a 7B Llama layer's 300 MiB of copies at the floor's peak). passes/weight_casts.py
     # gives the backward its own cast: a floor not above the one without it, gradients bit-identical to
     # the plan that recomputes nothing, and the measured peak within the budget.
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from autoremat import capture
+    from tests.models import tiny_llama
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_cache=False)
-    model = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 128, (1, 64))
-    ex = {"input_ids": ids, "labels": ids}
+    model, ex = tiny_llama()
     with monkeypatch.context() as m:
         m.setattr(capture, "split_weight_casts", lambda joint: 0)
         held = _smallest(model, ex, precision="bf16")
