@@ -506,6 +506,11 @@ def main() -> None:
 
     def write() -> str:
         meta.update(wall_s=time.perf_counter() - t0, load_end=load_average())
+        # the models in SIZES's order, merged or not
+        rows.sort(key=lambda r: list(SIZES).index(r["model"]))
+        ordered = {name: all_goals[name] for name in SIZES if name in all_goals}
+        all_goals.clear()
+        all_goals.update(ordered)
         ran = [c for c in configs(a.quick) if c["name"] in all_goals]
         text = report(meta, ran, rows, all_goals) + lm_meta_section(lm_meta)
         stem.with_suffix(".md").write_text(text)
