@@ -27,6 +27,9 @@ Dispatcher and ops:
   OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
   is_mutable_op                OpOverload._schema.is_mutable
   meta_python_kernels_hidden   OpOverload.py_kernels[DispatchKey.Meta] and _dispatch_cache, with
+  out_kernel_copies            torch._C._dispatch_has_kernel_for_dispatch_key: an out= overload whose only
+                               kernel is the generated CompositeExplicitAutograd wrapper (mul.Scalar_out)
+                               runs the functional op and copies its result into `out` (passes/reuse.py)
   composite_with_meta_kernel   torch._C._dispatch_has_kernel_for_dispatch_key and torch._meta_registrations:
                                hide the Python meta kernels of composite ops so meta traces decompose
                                like real devices (capture.meta_traces_like_real)
@@ -105,7 +108,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "BackendCompilerFailed", "C_NN_LINEAR", "arg_tree_leaves", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "StorageWeakRef", "TANGENTS_BOXED", "TorchRuntimeError", "aot_autograd", "allocation_events",
-    "composite_with_meta_kernel", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
+    "composite_with_meta_kernel", "out_kernel_copies", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
     "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "extract_fwd_bwd_modules", "graph_break_reasons",
     "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_kernel_probe", "inductor_realize_reads_threshold", "is_dynamo_error", "is_inductor_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
@@ -175,6 +178,12 @@ tree_map = torch.utils._pytree.tree_map
 
 def is_mutable_op(op: OpOverload) -> bool:
     return bool(op._schema.is_mutable)
+
+
+def out_kernel_copies(op: OpOverload) -> bool:
+    """`op`, an out= overload, has a CompositeExplicitAutograd kernel: the wrapper PyTorch generates for an op
+    with only a functional kernel, which allocates the whole result and then copies it into `out`."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd")
 
 
 def composite_with_meta_kernel(op: OpOverload) -> bool:

@@ -137,6 +137,20 @@ def test_op_overloads_and_mutability():
     assert ti.is_mutable_op(torch.ops.aten.add_.Tensor) and not ti.is_mutable_op(torch.ops.aten.add.Tensor)
 
 
+def test_out_kernel_copies_names_the_out_overloads_that_allocate_their_result():
+    from autoremat.measure import measure_peak
+
+    x = torch.randn(256, 1024)  # 1 MiB
+
+    def allocated(op, *args) -> int:
+        return measure_peak(lambda: op(x, *args, out=x), device=torch.device("cpu"), baseline_bytes=0)[1].delta_peak_bytes
+
+    assert ti.out_kernel_copies(torch.ops.aten.mul.Scalar_out)
+    assert allocated(torch.ops.aten.mul.Scalar_out, 3.0) >= x.nbytes  # the functional result, then a copy
+    assert not ti.out_kernel_copies(torch.ops.aten.mul.out)
+    assert allocated(torch.ops.aten.mul.out, x) < x.nbytes
+
+
 def test_meta_python_kernels_can_be_hidden_and_restored():
     ops = _composite_ops_with_meta_kernels()
     assert ops, "no composite op with a Python meta kernel found (capture.meta_traces_like_real has nothing to do)"
