@@ -26,10 +26,10 @@ AOTAutograd (joint graphs, partitioning):
 Dispatcher and ops:
   OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
   is_mutable_op                OpOverload._schema.is_mutable
-  meta_python_kernels_hidden   OpOverload.py_kernels[DispatchKey.Meta] and _dispatch_cache, with
   out_kernel_copies            torch._C._dispatch_has_kernel_for_dispatch_key: an out= overload whose only
                                kernel is the generated CompositeExplicitAutograd wrapper (mul.Scalar_out)
                                runs the functional op and copies its result into `out` (passes/reuse.py)
+  meta_python_kernels_hidden   OpOverload.py_kernels[DispatchKey.Meta] and _dispatch_cache, with
   composite_with_meta_kernel   torch._C._dispatch_has_kernel_for_dispatch_key and torch._meta_registrations:
                                hide the Python meta kernels of composite ops so meta traces decompose
                                like real devices (capture.meta_traces_like_real)
