@@ -53,8 +53,7 @@ class CallLog:
     def sequence(self) -> list[GraphProfile]:
         """The profiles of the traced step's calls in order, where a compiled graph ran more than once;
         else the profiles as compiled (a step whose every graph ran once, or one not traced through this log)."""
-        if len(self.calls) > len({id(g) for g in self.calls}) and {id(g) for g in self.calls} == {
-                id(g) for g in self.profiles}:
+        if repeats(self.calls) and {id(g) for g in self.calls} == {id(g) for g in self.profiles}:
             return list(self.calls)
         return list(self.profiles)
 

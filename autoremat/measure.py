@@ -167,7 +167,7 @@ def _profiler_active() -> bool:
     return profiler_enabled()
 
 
-def _allocation_deltas(prof: profile, device: torch.device) -> list[tuple[int, int]]:
+def allocation_deltas(prof: profile, device: torch.device) -> list[tuple[int, int]]:
     """(start_time_ns, signed bytes) for each allocation (+) / free (-) the profiler saw on device."""
     out: list[tuple[int, int]] = []
     for start_ns, nbytes, d in allocation_events(prof):
@@ -178,7 +178,7 @@ def _allocation_deltas(prof: profile, device: torch.device) -> list[tuple[int, i
     return out
 
 
-def _max_running_sum(deltas: list[tuple[int, int]]) -> int:
+def max_running_sum(deltas: list[tuple[int, int]]) -> int:
     # an alloc and a free can share a timestamp; putting frees first keeps the peak honest
     # rather than inflated by one block. The region starts at delta 0, so the max is >= 0.
     running = peak = 0
@@ -297,7 +297,7 @@ class PeakMeter:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 prof.stop()
-            delta = _max_running_sum(_allocation_deltas(prof, self.device))
+            delta = max_running_sum(allocation_deltas(prof, self.device))
             peak = self._baseline + delta
         self.result = PeakMeasurement(
             peak_bytes=int(peak),

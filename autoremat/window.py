@@ -32,7 +32,7 @@ from types import FrameType
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from autoremat.measure import PeakMeter, _allocation_deltas, _max_running_sum
+from autoremat.measure import PeakMeter, allocation_deltas, max_running_sum
 from autoremat.torch_internals import backward_entry_code, in_backward, profiler_enabled, queue_callback
 
 MARK = "autoremat::backward_done"
@@ -91,8 +91,8 @@ class StepWindow:
         end = _mark_time(prof)
         if end is None:  # the mark was not recorded: nothing to say about the step
             return
-        deltas = [(t, b) for t, b in _allocation_deltas(prof, self.device) if t <= end]
-        self._report(_max_running_sum(deltas))
+        deltas = [(t, b) for t, b in allocation_deltas(prof, self.device) if t <= end]
+        self._report(max_running_sum(deltas))
 
     def _stop(self) -> profile:
         prof, self.prof = self.prof, None

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import autoremat
 from autoremat.capture import aot_backend, compile_fresh, default_split
-from autoremat.measure import _allocation_deltas, measure_peak
+from autoremat.measure import allocation_deltas, measure_peak
 from autoremat.passes import loss_chunks as LC
 from autoremat.plan import Plan
 from examples.models import gpt2
@@ -166,7 +166,7 @@ def logits_bytes() -> int:
 def largest_allocation(step) -> int:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    return max(n for _, n in _allocation_deltas(prof, torch.device("cpu")))
+    return max(n for _, n in allocation_deltas(prof, torch.device("cpu")))
 
 
 def floor_of(model: nn.Module, ex: dict, outputs: str) -> int:
