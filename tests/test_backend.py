@@ -214,6 +214,7 @@ def test_internal_error_fallback_in_optimize(monkeypatch, caplog):
     assert any("internal error" in r.getMessage() for r in caplog.records if r.levelno == logging.ERROR)
 
 
+@pytest.mark.slow
 def test_real_model_near_its_floor():
     """HF T5 from a small config: today its SDPA backward takes the internal-error fallback; either way the
     step stays within a budget 3% above the floor and its gradients are eager's."""
@@ -365,6 +366,7 @@ def test_auto_tries_eager_when_a_call_does_not_fit_under_inductor_and_names_both
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_auto_compiles_with_eager_where_only_eagers_step_fits() -> None:
     """A 4-block transformer stack with dropout: its first step at frugal plans needs 13,149,768 B under
     Inductor and 12,500,484 B under eager (measured). Between the two, compiler="auto" recompiles with eager,

@@ -68,6 +68,7 @@ def _check_budget(model: torch.nn.Module, inputs: dict, state: dict, ref_loss, r
     return om.plan, m.delta_peak_bytes
 
 
+@pytest.mark.slow
 def test_t5_middle_budget():
     """The fast case: a budget halfway between the unverified floor and the unoptimized peak."""
     model, inputs = _t5()

@@ -29,6 +29,7 @@ def run() -> dict:
                             "--lr", "3e-3", "--compiler", "eager"])
 
 
+@pytest.mark.slow  # the Trainer run behind these takes about 2.5 minutes on 2 cores
 def test_trainer_trains_the_planned_step_under_the_budget(run: dict) -> None:
     plan, module = run["plan"], run["module"]
     assert any(g.recomputed for g in plan.graphs) and plan.overhead > 0  # the plan does recompute
@@ -41,6 +42,7 @@ def test_trainer_trains_the_planned_step_under_the_budget(run: dict) -> None:
     assert {"config.json", "model.safetensors"} <= set(run["saved"]) and run["reloaded_same"]
 
 
+@pytest.mark.slow  # the Trainer run behind these takes about 2.5 minutes on 2 cores
 def test_the_module_stands_in_for_the_hf_model(run: dict) -> None:
     module = run["module"]
     model = module.model
@@ -66,6 +68,7 @@ def test_the_module_stands_in_for_the_hf_model(run: dict) -> None:
         module.no_such_thing  # noqa: B018
 
 
+@pytest.mark.slow  # the Trainer run behind these takes about 2.5 minutes on 2 cores
 def test_hf_checkpointing_is_refused(run: dict, tmp_path: Path) -> None:
     module = run["module"]
     for enable in (module.gradient_checkpointing_enable, module.activation_checkpointing_enable):

@@ -83,6 +83,7 @@ def test_an_excluded_trace_is_not_chosen(alternatives) -> None:
     assert second is not None and second != first
 
 
+@pytest.mark.slow
 def test_the_planner_lets_the_ilp_choose_the_chunk_count() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -273,6 +273,7 @@ def test_chunked_after_the_bf16_rewrite() -> None:
     assert_close_for(got, ref, depth=2, dtype=torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_cli_outputs_loss_prints_the_chunks(tmp_path) -> None:
     """`autoremat plan ... --outputs loss` at the smallest budget that fits says how the loss was chunked."""
     import contextlib

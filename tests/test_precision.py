@@ -354,6 +354,7 @@ def test_bf16_attention_and_casts_are_stored_and_recomputed_in_16_bits():
     assert "float32" not in square["bf16"] and "bfloat16" in square["bf16"]
 
 
+@pytest.mark.slow
 def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floor(monkeypatch):
     # Issue 14: a recomputed block recomputed each weight's bf16 copy for the forward matmul and held it to
     # its backward use (a 7B Llama layer's 300 MiB of copies at the floor's peak). passes/weight_casts.py

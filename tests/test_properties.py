@@ -3,7 +3,7 @@ that fits and the unoptimized peak. For every draw the gradients equal eager's, 
 stays under the budget and the prediction is within 10% of the measurement.
 
 The default profile is small and derandomized (CI-deterministic, about a minute or two);
-AUTOREMAT_HYPOTHESIS_PROFILE=nightly draws many more (run with -m slow).
+`-m nightly` runs 60 random (not derandomized) draws: left out of CI, whose runs must repeat.
 """
 
 import os
@@ -192,7 +192,7 @@ def test_random_models_fit_and_match_eager(d):
     check(*d)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 @settings(settings.get_profile(PROFILE if PROFILE != "ci" else "nightly"))
 @given(draws())
 def test_random_models_fit_and_match_eager_nightly(d):

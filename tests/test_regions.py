@@ -161,6 +161,7 @@ def _gpt2_floor(outputs: str = "loss"):
                                          optimizer=None, outputs=outputs, verify=False, compiler="eager")
 
 
+@pytest.mark.slow
 def test_a_tied_weights_gradient_waits_for_the_other_regions_and_the_plan_predicts_it():
     """GPT-2 ties its LM head to its embedding: the loss region computes one gradient of the weight, the
     embedding region (whose backward runs last) the other, and autograd holds the first in the weight's

@@ -54,6 +54,7 @@ def test_masks_are_replayed_and_match_eagers_draws(mask_path):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.slow
 def test_replay_lowers_the_floor(monkeypatch):
     """Replay adds a choice: a mask may still be saved (a byte per element), or its generator state
     (5,056 B on CPU) saved and the draw replayed. So the floor can only drop; at this size, where each
