@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoremat.handoffs import region_handoffs, tied_waits
+from autoremat.inplace import kernel_last_use
 from autoremat.memory import INF, _round
 from autoremat.profile import GraphProfile
 from autoremat.regions import block_of
@@ -48,12 +49,19 @@ def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
         if root and root != w and root in fw_pos:
             last = max([bw_pos[u] for u in users[w] if u in bw_pos] + [bw_pos[w]])
             alias_last[root] = max(alias_last.get(root, -1), last)
+    # Under Inductor a fused reader has no kernel of its own: it is computed inside each kernel that
+    # reads it, so its inputs are read there, up to the last such kernel (inplace.kernel_last_use, as
+    # memory.simulate frees them). On graphs without fused values this adds nothing.
+    kernel_last: dict[str, float] = {}
+    if any(p.fused for p in nodes.values()):
+        order = list(nodes)
+        kernel_last = {v: bw_pos[order[i]] for v, i in kernel_last_use(g, order).items() if order[i] in bw_pos}
     for v in fw:
         bpos = [bw_pos[u] for u in users[v] if u in bw_pos] + ([alias_last[v]] if v in alias_last else [])
         if v in grad_set:
             bpos.append(len(bw))
         direct_first[v] = min(bpos, default=INF)
-        direct_last[v] = max(bpos, default=-INF)
+        direct_last[v] = max(bpos + ([kernel_last[v]] if v in kernel_last else []), default=-INF)
         if bpos:
             needed.add(v)
 

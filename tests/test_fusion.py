@@ -101,6 +101,30 @@ def test_fused_values_own_no_bytes_and_are_never_handed_to_the_backward():
     assert simulate([(ind, sched)]).peak < simulate([(eager, make_schedule(eager, everything))]).peak
 
 
+def test_the_ilps_lifetimes_hold_a_fused_readers_inputs_until_the_kernels_it_is_inlined_into():
+    """A backward pointwise node Inductor fuses (QuickGELU's backward products) has no kernel of its own:
+    the forward value it reads (the sigmoid) is read by each kernel it is inlined into, later in the
+    backward. The ILP's bound on that value's last read (lifetimes.last_read) must reach those kernels,
+    as memory.simulate does; it stopped at the fused node, two backward steps early here."""
+    from autoremat.lifetimes import lifetimes
+
+    (cg,) = capture(_mlp(), (torch.randn(128, 64),))
+    g = profile_graph(dataclasses.replace(cg, compiler="inductor"))
+    life = lifetimes(g)
+    readers: dict[str, list[str]] = {n: [] for n in g.nodes}
+    for n, p in g.nodes.items():
+        for i in p.inputs:
+            readers[i].append(n)
+    checked = 0
+    for v, p in g.nodes.items():
+        fused_in_backward = [b for b in readers[v] if b in life.bw_pos and g.nodes[b].fused] if p.kind == "forward" else []
+        for b in fused_in_backward:
+            for kernel in (c for c in readers[b] if c in life.bw_pos and not g.nodes[c].fused):
+                assert life.last_read[v] >= life.bw_pos[kernel], (v, b, kernel)
+                checked += 1
+    assert checked  # the model has such reads: the sigmoids, read by their fused gradient products
+
+
 def test_inductor_peak_is_predicted_within_five_percent():
     problem = inductor_problem("cpu")
     if problem is not None:
