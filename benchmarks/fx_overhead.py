@@ -10,6 +10,9 @@ paired with the eager step run just before it:
     autoremat, no recompute    a budget nothing has to be recomputed under, compiler="eager": what
                                running the captured aten graphs as Python costs against eager's modules
     same, Inductor             compiler="inductor" (where this machine's C++ compiler runs it)
+    same, release_grads=False  gradients returned at each region's end instead of handed to .grad one by one
+                               (one re-entrant autograd call per parameter): what that hand-off costs
+    same, regions=False        one graph for the whole step (and no hand-off): what cutting it costs
 
     python benchmarks/fx_overhead.py [--models stack,gpt2] [--steps 9]
 
@@ -41,11 +44,11 @@ def checkpointed(model):
     return floor.checkpoint_every_block(model), {}
 
 
-def planned(example_inputs, budget: int, compiler: str):
+def planned(example_inputs, budget: int, compiler: str, **options):
     def build(model):
         torch._dynamo.reset()
         om = autoremat.optimize(model, budget=budget, example_inputs=example_inputs, optimizer=None, outputs="loss",
-                                compiler=compiler)
+                                compiler=compiler, **options)
         return om, dict(predicted_recompute=om.plan.overhead, compiler=om.plan.compiler.get("used"))
     return build
 
@@ -60,7 +63,38 @@ def timed(bench: peers.Bench, build, n: int) -> dict:
     rt, et = paired_times(bench.eager_step, step, n, lambda: None)
     ratios = [r / e for r, e in zip(rt, et)]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return dict(info, peak=m.peak_bytes, ratio=statistics.median(ratios), noise=(q3 - q1) / 2)
+    return dict(info, peak=m.peak_bytes, ratio=statistics.median(ratios), noise=(q3 - q1) / 2,
+                seconds=statistics.median(rt))
+
+
+def hand_off_cost(model: torch.nn.Module, repeats: int = 7) -> tuple[float, float]:
+    """Microseconds per parameter, inside a running backward, of what `regions.accumulate_grad` does
+    (a re-entrant `torch.autograd.backward(param, grad)`) and of the in-place add into `.grad` that
+    eager's AccumulateGrad does: the difference is the hand-off's own cost. Medians over `repeats`."""
+    params = [p for p in model.parameters()]
+    grads = [torch.randn_like(p) for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    times: dict[str, list[float]] = {"backward": [], "add": []}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            for how, run in (("backward", torch.autograd.backward), ("add", lambda p, gr: p.grad.add_(gr))):
+                t0 = time.perf_counter()
+                for p, gr in zip(params, grads):
+                    run(p, gr)
+                times[how].append((time.perf_counter() - t0) / len(params) * 1e6)
+            return g
+
+    x = torch.randn(4, requires_grad=True)
+    for _ in range(repeats):
+        Probe.apply(x).sum().backward()
+    return statistics.median(times["backward"]), statistics.median(times["add"])
 
 
 def one(cfg: dict, n: int) -> list[str]:
@@ -70,6 +104,10 @@ def one(cfg: dict, n: int) -> list[str]:
     rows["autoremat @ checkpoint"] = timed(bench, planned(bench.ex, budget, "eager"), n)
     rows["autoremat, no recompute"] = timed(bench, planned(bench.ex, NO_RECOMPUTE, "eager"), n)
     rows["autoremat, no recompute, Inductor"] = timed(bench, planned(bench.ex, NO_RECOMPUTE, "inductor"), n)
+    rows["autoremat, no recompute, release_grads=False"] = timed(
+        bench, planned(bench.ex, NO_RECOMPUTE, "eager", release_grads=False), n)
+    rows["autoremat, no recompute, regions=False"] = timed(
+        bench, planned(bench.ex, NO_RECOMPUTE, "eager", regions=False), n)
     lines = [f"## {cfg['name']}: {cfg['kwargs']}", "",
              "| row | steady peak (MiB) | predicted recompute (`plan.overhead`) | compiler | time vs eager ± noise |",
              "|---|---|---|---|---|"]
@@ -78,9 +116,18 @@ def one(cfg: dict, n: int) -> list[str]:
         lines.append(f"| {name} | {r['peak'] / MiB:.2f} | {share} | {r.get('compiler', '')} | "
                      f"{r['ratio']:.3f} ± {r['noise']:.3f} |")
     at, ck, fx = rows["autoremat @ checkpoint"], rows["checkpoint"], rows["autoremat, no recompute"]
+    kept = rows["autoremat, no recompute, release_grads=False"]
     lines += ["", f"autoremat @ checkpoint / checkpoint: {at['ratio'] / ck['ratio']:.3f}; the eager-FX path with "
-              f"nothing recomputed / eager: {fx['ratio']:.3f}. The eager row is eager against eager: the machine's noise. Noise: half the interquartile range of the {n} paired "
-              "ratios of each row.", ""]
+              f"nothing recomputed / eager: {fx['ratio']:.3f}; gradients handed to .grad one by one / returned at "
+              f"each region's end: {fx['ratio'] / kept['ratio']:.3f}. The eager row is eager against eager: the "
+              f"machine's noise. Noise: half the interquartile range of the {n} paired ratios of each row.", ""]
+    nested, added = hand_off_cost(bench.fresh())
+    eager_step = rows["eager"]["seconds"]
+    params = sum(1 for _ in bench.fresh().parameters())
+    lines += [f"The hand-off measured alone (`hand_off_cost`): a re-entrant `torch.autograd.backward(param, grad)` "
+              f"inside a backward takes {nested:.1f} us per parameter, the in-place add into `.grad` it runs "
+              f"{added:.1f} us: {nested - added:.1f} us of its own, {params} parameters, "
+              f"{params * (nested - added) / 1e6 / eager_step:.2%} of the eager step ({eager_step * 1e3:.0f} ms).", ""]
     print("\n".join(lines), flush=True)
     return lines
 
