@@ -61,6 +61,7 @@ def test_a_backward_pointwise_op_writes_into_its_dying_input(monkeypatch):
     assert _floor(model, ex) - floor > 512 * 64 * 4 // 2
 
 
+@pytest.mark.slow
 def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(monkeypatch):
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=4, d=128, n_head=4, seq=64, batch=2, dropout=0.1)

@@ -155,6 +155,7 @@ def test_plan_in_bf16_on_meta(runs, work):
     assert not plan.needs_grad_scaler
 
 
+@pytest.mark.slow
 def test_precision_auto_between_the_floors_says_what_it_chose(tmp_path, capsys):
     """Between bf16's floor and fp32's (found by the CLI itself), fp32 does not fit: auto picks a 16-bit
     candidate and prints it, each candidate's predicted time and why fp32 was not taken, as in the plan."""

@@ -73,6 +73,7 @@ def test_a_slow_block_parses() -> None:
                 pytest.fail(f"{block.name}: no cheap check for {command!r}")
 
 
+@pytest.mark.slow
 def test_the_main_job_runs_small() -> None:
     """README's first command (`python examples/train_gpt.py`), at a small size: it plans a step that
     recomputes, trains, and prints the predicted and measured peaks against the budget. (At this size

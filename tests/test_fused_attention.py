@@ -118,6 +118,7 @@ def test_mm_upcast_is_the_16_bit_product_cast_to_fp32():
     assert_close_for(out, (a @ b).float(), depth=2, dtype=torch.bfloat16)  # one bf16 rounding each
 
 
+@pytest.mark.slow
 def test_a_bf16_llama_step_runs_the_fused_ops_and_is_as_accurate_as_autocast():
     from tests.tolerances import as_accurate, tol
 

@@ -279,6 +279,7 @@ def test_a_new_input_shape_keeps_the_dtypes(stack):
     assert any(p.dtype == "bfloat16" for g in new for p in g.nodes.values()), "the new shape lost its bf16 casts"
 
 
+@pytest.mark.slow
 def test_bf16_lowers_the_floor_of_an_hf_gpt2_and_auto_says_what_it_chose(monkeypatch):
     # Issue 14: a 2-layer HF GPT-2 (scaled-dot-product attention, the path passes/attention.py runs in 16
     # bits) at a budget between the bf16 and the fp32 floors: fp32 does not fit, bf16 does and holds the
@@ -326,6 +327,7 @@ def test_bf16_lowers_the_floor_of_an_hf_gpt2_and_auto_says_what_it_chose(monkeyp
     assert warned == (not accurate)  # never a silent fallback to a plan less accurate than autocast
 
 
+@pytest.mark.slow
 def test_bf16_attention_and_casts_are_stored_and_recomputed_in_16_bits():
     # Issue 14: the bf16 rewrite raised the floor. The math attention traced on CPU/meta kept its seq x seq
     # scores and probabilities in fp32, and the casts it inserted had no module path, so checkpointing saved
