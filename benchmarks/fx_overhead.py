@@ -71,7 +71,7 @@ def hand_off_cost(model: torch.nn.Module, repeats: int = 7) -> tuple[float, floa
     """Microseconds per parameter, inside a running backward, of what `regions.accumulate_grad` does
     (a re-entrant `torch.autograd.backward(param, grad)`) and of the in-place add into `.grad` that
     eager's AccumulateGrad does: the difference is the hand-off's own cost. Medians over `repeats`."""
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     grads = [torch.randn_like(p) for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -121,9 +121,10 @@ def one(cfg: dict, n: int) -> list[str]:
               f"nothing recomputed / eager: {fx['ratio']:.3f}; gradients handed to .grad one by one / returned at "
               f"each region's end: {fx['ratio'] / kept['ratio']:.3f}. The eager row is eager against eager: the "
               f"machine's noise. Noise: half the interquartile range of the {n} paired ratios of each row.", ""]
-    nested, added = hand_off_cost(bench.fresh())
+    model = bench.fresh()
+    nested, added = hand_off_cost(model)
     eager_step = rows["eager"]["seconds"]
-    params = sum(1 for _ in bench.fresh().parameters())
+    params = len(list(model.parameters()))
     lines += [f"The hand-off measured alone (`hand_off_cost`): a re-entrant `torch.autograd.backward(param, grad)` "
               f"inside a backward takes {nested:.1f} us per parameter, the in-place add into `.grad` it runs "
               f"{added:.1f} us: {nested - added:.1f} us of its own, {params} parameters, "

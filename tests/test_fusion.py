@@ -117,8 +117,9 @@ def test_the_ilps_lifetimes_hold_a_fused_readers_inputs_until_the_kernels_it_is_
             readers[i].append(n)
     checked = 0
     for v, p in g.nodes.items():
-        fused_in_backward = [b for b in readers[v] if b in life.bw_pos and g.nodes[b].fused] if p.kind == "forward" else []
-        for b in fused_in_backward:
+        if p.kind != "forward":
+            continue
+        for b in (b for b in readers[v] if b in life.bw_pos and g.nodes[b].fused):
             for kernel in (c for c in readers[b] if c in life.bw_pos and not g.nodes[c].fused):
                 assert life.last_read[v] >= life.bw_pos[kernel], (v, b, kernel)
                 checked += 1
