@@ -31,11 +31,13 @@ from torch.fx.passes.split_module import split_module
 
 from autoremat.torch_internals import (
     WeakIdKeyDictionary,
+    accumulate_into_grad,
     compile_submodules,
     copy_split_metadata,
     ddp_optimizer_active,
     engine_will_run,
     gradient_node,
+    graph_task_id,
     is_primal,
 )
 
@@ -156,17 +158,21 @@ def _link(cut: fx.GraphModule) -> None:
 
 # A parameter's detached stand-in, passed to a region's compiled step -> the parameter itself.
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The backward running now, and for each region's anchor (by id) whether it accumulates into .grad:
+# every accumulate_grad of a region asks about the same anchor, and the answer holds for a whole
+# backward, so it is asked once per backward (the map is dropped when the next backward asks).
+_accumulating_in: tuple[int, dict[int, bool]] = (-1, {})
 
 
 @torch.fx.node.has_side_effect
 def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor, anchor: torch.Tensor) -> None:
     """Give one parameter's gradient to autograd now, in the middle of a region's backward.
 
-    `torch.autograd.backward` on the parameter itself runs autograd's own AccumulateGrad node for
-    it, through the engine (re-entrantly, as reentrant checkpointing does): `.grad` is added to in
-    place, and tensor hooks, post-accumulate-grad hooks and node hooks (DDP's reducer) fire as in
-    eager mode. The region then returns no gradient for the parameter: it was given its stand-in,
-    which has no autograd edge, so AccumulateGrad runs once per backward.
+    The autograd engine runs the parameter's own AccumulateGrad node (re-entrantly, as reentrant
+    checkpointing does; `torch_internals.accumulate_into_grad`): `.grad` is added to in place, and
+    tensor hooks, post-accumulate-grad hooks and node hooks (DDP's reducer) fire as in eager mode.
+    The region then returns no gradient for the parameter: it was given its stand-in, which has no
+    autograd edge, so AccumulateGrad runs once per backward.
 
     Only when this backward accumulates into `.grad` at all: `anchor`, a parameter of the region
     that kept its edge, says so (its AccumulateGrad runs in this backward). Under
@@ -175,15 +181,26 @@ def accumulate_grad(stand_in: torch.Tensor, grad: torch.Tensor, anchor: torch.Te
     `torch.autograd.grad` with respect to the parameters this region's gradients would never reach
     it (they have no edge): a clear error, not a silently missing gradient.
     """
-    try:
-        accumulating = engine_will_run(gradient_node(anchor))
-    except RuntimeError as e:  # torch refuses the question while autograd.grad captures this parameter
-        raise RuntimeError(
-            "autoremat hands parameter gradients to .grad as soon as they are computed, so torch.autograd.grad "
-            "cannot return them; optimize(..., release_grads=False) returns them as autograd does (each "
-            "block's gradients are then alive together at the end of its backward)") from e
-    if accumulating:
-        torch.autograd.backward(_OWNER[stand_in], grad)
+    if _accumulating(anchor):
+        accumulate_into_grad(_OWNER[stand_in], grad)
+
+
+def _accumulating(anchor: torch.Tensor) -> bool:
+    """Whether the running backward accumulates into `anchor`'s `.grad`, asked once per backward."""
+    global _accumulating_in
+    task = graph_task_id()
+    if _accumulating_in[0] != task:
+        _accumulating_in = (task, {})
+    known = _accumulating_in[1]
+    if id(anchor) not in known:
+        try:
+            known[id(anchor)] = engine_will_run(gradient_node(anchor))
+        except RuntimeError as e:  # torch refuses the question while autograd.grad captures this parameter
+            raise RuntimeError(
+                "autoremat hands parameter gradients to .grad as soon as they are computed, so torch.autograd.grad "
+                "cannot return them; optimize(..., release_grads=False) returns them as autograd does (each "
+                "block's gradients are then alive together at the end of its backward)") from e
+    return known[id(anchor)]
 
 
 def release_gradients(joint: fx.GraphModule, num_fwd_outputs: int, static: set[int], shared: Container[int]) -> list[int]:

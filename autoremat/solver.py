@@ -83,7 +83,9 @@ def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_
 
     If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
     were pessimistic: ask for the slack back and keep the cheapest plan that fits. If the ILP finds
-    nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once.
+    nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once; that
+    plan is kept if it fits (rows above the budget, the simulator under it: the 12-block stack at
+    checkpointing's peak, whose retry can then run out of time on a busy machine).
     """
     target, best, learned, overshoots = budget, None, False, 0
     model.last_status = "infeasible"
@@ -106,7 +108,14 @@ def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_
                 low = model.solve(None, backend, min_peak=True)
                 if low.saved is None:
                     break
-                offset = low.predicted_peak - evaluate(graphs, low.saved, granularity)[1].peak
+                low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
+                if low_tl.peak <= budget:  # the rows' smallest peak may fit in the simulator: a plan in hand
+                    best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
+                                    "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
+                                    solver=type(backend).__name__,
+                                    notes=["the ILP found no plan under this budget, but its smallest-peak plan "
+                                           "fits the simulator and is used"])
+                offset = low.predicted_peak - low_tl.peak
                 if offset <= 0:
                     break
                 target = budget + offset

@@ -81,6 +81,11 @@ Profiler and autograd engine:
   engine_will_run, gradient_node   torch._C._will_engine_execute_node and
                                torch.autograd.graph.get_gradient_edge: whether the running backward
                                executes a parameter's AccumulateGrad (it accumulates into .grad)
+  graph_task_id                torch._C._current_graph_task_id: which backward is running (a counter,
+                               -1 outside one), so a fact about it is looked up once per backward
+  accumulate_into_grad         Variable._execution_engine.run_backward on a leaf and its gradient: what
+                               torch.autograd.backward(leaf, grad) runs, without its Python argument
+                               checks (regions.accumulate_grad, once per parameter per backward)
 
 Not listed, and used in place: the FX node meta keys torch.fx documents and every FX pass reads
 ("val", "example_value", "nn_module_stack", "fwd_nn_module_stack", "from_node").
@@ -113,7 +118,7 @@ __all__ = [
     "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_kernel_probe", "inductor_realize_reads_threshold", "is_dynamo_error", "is_inductor_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
     "queue_callback", "recompile_limit", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map", "unset_fake_temporarily",
-    "WeakIdKeyDictionary", "engine_will_run", "gradient_node",
+    "WeakIdKeyDictionary", "engine_will_run", "gradient_node", "graph_task_id", "accumulate_into_grad",
 ]
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -403,3 +408,18 @@ def gradient_node(t: torch.Tensor) -> Any:
 def engine_will_run(node: Any) -> bool:
     """Whether the backward now running will execute `node` (only valid inside a backward)."""
     return torch._C._will_engine_execute_node(node)
+
+
+def graph_task_id() -> int:
+    """The id of the backward running now (ids only grow), or -1 outside a backward."""
+    return torch._C._current_graph_task_id()
+
+
+def accumulate_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """Run `leaf`'s AccumulateGrad node with `grad` through the autograd engine, re-entrantly when called
+    inside a backward: `.grad` is added to and every hook on the node or the tensor fires, as
+    `torch.autograd.backward(leaf, grad)` does. That wrapper first checks its arguments in Python
+    (shapes, dtypes, symbolic sizes): 40-60 us of a 55-80 us call here, paid once per parameter per
+    backward; `grad` is a gradient the graph computed for `leaf`, of its shape and dtype already."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (leaf,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)

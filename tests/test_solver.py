@@ -156,6 +156,29 @@ def test_smallest_peak_path_when_greedy_does_not_fit_either(stack, monkeypatch):
         solver.solve([gp], lo - 1)
 
 
+def test_the_min_peak_plan_found_while_calibrating_is_kept_when_it_fits(stack, monkeypatch):
+    """The budgeted ILP finds nothing, so the calibration solves for the rows' smallest peak to learn how
+    pessimistic they are. That plan fits the simulator here: it is a plan in hand, used even when the
+    retry at the learned budget finds nothing (a busy machine's time limit), without the smallest-peak
+    search that would otherwise follow (made to fail here)."""
+    gp, hi, lo = stack
+    real = solver.IlpModel.solve
+    low = real(solver.IlpModel([gp], 1, block_drag=False), None, solver._pick_solver("auto", 10, 1e-3), min_peak=True)
+    budget = solver.evaluate([gp], low.saved)[1].peak  # the raw min-peak plan's simulated peak: it just fits
+
+    def only_min_peak(self, budget, backend, min_peak=False):
+        return real(self, budget, backend, min_peak=True) if min_peak else solver.IlpResult("infeasible")
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("the smallest-peak search ran: the calibration's plan was dropped")
+
+    monkeypatch.setattr(solver.IlpModel, "solve", only_min_peak)
+    monkeypatch.setattr(solver, "smallest_peak", no_search)
+    d = solver.solve([gp], budget)
+    assert d.path.startswith("ilp-min-peak") and d.peak <= budget, (d.path, d.peak, budget)
+    assert any("smallest-peak plan" in n for n in d.notes), d.notes
+
+
 def test_gap_and_time_limit_reach_the_solver(monkeypatch):
     seen = {}
     real = planner_module.solve

@@ -379,3 +379,57 @@ def test_inductor_realize_reads_threshold_is_a_small_positive_count():
     import torch._inductor.config as inductor_config
 
     assert ti.inductor_realize_reads_threshold() == inductor_config.realize_reads_threshold >= 1
+
+
+def test_graph_task_id_names_the_running_backward_and_grows():
+    ids = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            ids.append(ti.graph_task_id())
+            return g
+
+    x = torch.ones(3, requires_grad=True)
+    for _ in range(2):
+        Probe.apply(x).sum().backward()
+    assert ti.graph_task_id() == -1 and ids[0] >= 0 and ids[1] > ids[0], ids
+
+
+def _hand_over_inside_a_backward(run) -> tuple[torch.Tensor, bool, list[str]]:
+    """`run(w, 2s)` from inside a running backward, as regions.accumulate_grad calls it, on a leaf whose
+    .grad holds ones: the .grad after it, whether it is the same buffer, and which hooks fired."""
+    w = nn.Parameter(torch.zeros(4))
+    w.grad = torch.ones(4)
+    buffer = w.grad
+    fired = []
+    w.register_hook(lambda g: fired.append("tensor") or g)
+    w.register_post_accumulate_grad_hook(lambda p: fired.append("post-accumulate"))
+    node = ti.gradient_node(w)  # held, as DDP's reducer holds it: a leaf keeps only a weak reference
+    node.register_hook(lambda gi, go: fired.append("node"))
+
+    class Hand(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            run(w, torch.full((4,), 2.0))
+            return g
+
+    Hand.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    return w.grad, w.grad is buffer, sorted(fired)
+
+
+def test_accumulate_into_grad_adds_to_grad_and_fires_every_hook_as_backward_does():
+    """In place into .grad, and the tensor hook, the AccumulateGrad node's post hook (DDP's reducer) and
+    the post-accumulate-grad hook each fire once, as under torch.autograd.backward(leaf, grad)."""
+    ours, autograd = _hand_over_inside_a_backward(ti.accumulate_into_grad), _hand_over_inside_a_backward(
+        torch.autograd.backward)
+    assert torch.equal(ours[0], torch.full((4,), 3.0)) and ours[1], ours
+    assert ours[2] == autograd[2] == ["node", "post-accumulate", "tensor"], (ours, autograd)
