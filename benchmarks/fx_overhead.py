@@ -13,10 +13,14 @@ paired with the eager step run just before it:
     same, release_grads=False  gradients returned at each region's end instead of handed to .grad one by one
                                (one re-entrant autograd call per parameter): what that hand-off costs
     same, regions=False        one graph for the whole step (and no hand-off): what cutting it costs
+  with --inductor-rows:
+    torch.compile (Inductor)   torch.compile's own whole-graph Inductor, no autoremat
+    Inductor, release_grads=False / regions=False   the same two splits under Inductor
 
-    python benchmarks/fx_overhead.py [--models stack,gpt2] [--steps 9]
+    python benchmarks/fx_overhead.py [--models stack,gpt2,gpt2-launch] [--steps 9] [--inductor-rows]
 
-Writes benchmarks/results/fx_overhead_cpu.md. Sizes are floor.py's default ones.
+Writes benchmarks/results/fx_overhead_cpu.md. Sizes are floor.py's default ones; `gpt2-launch` is
+speed.py's launch-bound GPT-2 (4 layers, 32 wide, 8 tokens).
 """
 
 from __future__ import annotations
@@ -35,9 +39,13 @@ from paired import paired_times
 
 import autoremat
 from autoremat.measure import measure_peak
+from autoremat.torch_internals import accumulate_into_grad
 
 MiB = 2**20
 NO_RECOMPUTE = 64 * 2**30  # far above any of these models' no-recompute totals
+# speed.py's launch-bound GPT-2 (issue #17: 4 layers, 32 wide, 8 tokens), besides floor.py's sizes
+LAUNCH_BOUND = [dict(name="gpt2-launch", factory=floor.gpt2,
+                     kwargs=dict(n_layer=4, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=0.0))]
 
 
 def checkpointed(model):
@@ -67,15 +75,18 @@ def timed(bench: peers.Bench, build, n: int) -> dict:
                 seconds=statistics.median(rt))
 
 
-def hand_off_cost(model: torch.nn.Module, repeats: int = 7) -> tuple[float, float]:
-    """Microseconds per parameter, inside a running backward, of what `regions.accumulate_grad` does
-    (a re-entrant `torch.autograd.backward(param, grad)`) and of the in-place add into `.grad` that
-    eager's AccumulateGrad does: the difference is the hand-off's own cost. Medians over `repeats`."""
+def hand_off_cost(model: torch.nn.Module, repeats: int = 7) -> dict[str, float]:
+    """Microseconds per parameter, inside a running backward, of the hand-off `regions.accumulate_grad`
+    runs (`torch_internals.accumulate_into_grad`: the engine called directly), of the public
+    `torch.autograd.backward(param, grad)` it replaced, and of the in-place add into `.grad` that both
+    end in (eager's AccumulateGrad does only that). Medians over `repeats`."""
     params = list(model.parameters())
     grads = [torch.randn_like(p) for p in params]
     for p in params:
         p.grad = torch.zeros_like(p)
-    times: dict[str, list[float]] = {"backward": [], "add": []}
+    ways = {"engine": accumulate_into_grad, "backward": torch.autograd.backward,
+            "add": lambda p, gr: p.grad.add_(gr)}
+    times: dict[str, list[float]] = {how: [] for how in ways}
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -84,7 +95,7 @@ def hand_off_cost(model: torch.nn.Module, repeats: int = 7) -> tuple[float, floa
 
         @staticmethod
         def backward(ctx, g):
-            for how, run in (("backward", torch.autograd.backward), ("add", lambda p, gr: p.grad.add_(gr))):
+            for how, run in ways.items():
                 t0 = time.perf_counter()
                 for p, gr in zip(params, grads):
                     run(p, gr)
@@ -94,10 +105,15 @@ def hand_off_cost(model: torch.nn.Module, repeats: int = 7) -> tuple[float, floa
     x = torch.randn(4, requires_grad=True)
     for _ in range(repeats):
         Probe.apply(x).sum().backward()
-    return statistics.median(times["backward"]), statistics.median(times["add"])
+    return {how: statistics.median(t) for how, t in times.items()}
 
 
-def one(cfg: dict, n: int) -> list[str]:
+def compiled_whole(model):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="inductor"), dict(compiler="inductor (torch.compile)")
+
+
+def one(cfg: dict, n: int, inductor_rows: bool = False) -> list[str]:
     bench = peers.Bench(cfg, torch.device("cpu"), n, print)
     rows = {"eager": timed(bench, lambda m: (m, {}), n), "checkpoint": timed(bench, checkpointed, n)}
     budget = rows["checkpoint"]["peak"]
@@ -108,6 +124,12 @@ def one(cfg: dict, n: int) -> list[str]:
         bench, planned(bench.ex, NO_RECOMPUTE, "eager", release_grads=False), n)
     rows["autoremat, no recompute, regions=False"] = timed(
         bench, planned(bench.ex, NO_RECOMPUTE, "eager", regions=False), n)
+    if inductor_rows:  # the same split under Inductor, against torch.compile's own whole-graph Inductor
+        rows["torch.compile (Inductor)"] = timed(bench, compiled_whole, n)
+        rows["autoremat, no recompute, Inductor, release_grads=False"] = timed(
+            bench, planned(bench.ex, NO_RECOMPUTE, "inductor", release_grads=False), n)
+        rows["autoremat, no recompute, Inductor, regions=False"] = timed(
+            bench, planned(bench.ex, NO_RECOMPUTE, "inductor", regions=False), n)
     lines = [f"## {cfg['name']}: {cfg['kwargs']}", "",
              "| row | steady peak (MiB) | predicted recompute (`plan.overhead`) | compiler | time vs eager ± noise |",
              "|---|---|---|---|---|"]
@@ -122,13 +144,15 @@ def one(cfg: dict, n: int) -> list[str]:
               f"each region's end: {fx['ratio'] / kept['ratio']:.3f}. The eager row is eager against eager: the "
               f"machine's noise. Noise: half the interquartile range of the {n} paired ratios of each row.", ""]
     model = bench.fresh()
-    nested, added = hand_off_cost(model)
+    cost = hand_off_cost(model)
     eager_step = rows["eager"]["seconds"]
     params = len(list(model.parameters()))
-    lines += [f"The hand-off measured alone (`hand_off_cost`): a re-entrant `torch.autograd.backward(param, grad)` "
-              f"inside a backward takes {nested:.1f} us per parameter, the in-place add into `.grad` it runs "
-              f"{added:.1f} us: {nested - added:.1f} us of its own, {params} parameters, "
-              f"{params * (nested - added) / 1e6 / eager_step:.2%} of the eager step ({eager_step * 1e3:.0f} ms).", ""]
+    lines += [f"The hand-off measured alone (`hand_off_cost`), per parameter inside a running backward: the engine "
+              f"called directly (what `regions.accumulate_grad` runs) {cost['engine']:.1f} us, the public "
+              f"`torch.autograd.backward(param, grad)` {cost['backward']:.1f} us, the in-place add into `.grad` "
+              f"both run {cost['add']:.1f} us. The hand-off's own cost: {cost['engine'] - cost['add']:.1f} us x "
+              f"{params} parameters = {params * (cost['engine'] - cost['add']) / 1e6 / eager_step:.2%} of the eager "
+              f"step ({eager_step * 1e3:.0f} ms).", ""]
     print("\n".join(lines), flush=True)
     return lines
 
@@ -137,11 +161,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="stack")
     ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--inductor-rows", action="store_true",
+                    help="also: torch.compile's Inductor, and autoremat under Inductor with release_grads=False and "
+                         "with regions=False (what the regions and the hand-off cost a launch-bound step)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    cfgs = [c for c in floor.configs(False) if c["name"] in a.models.split(",")]
-    body = [line for cfg in cfgs for line in one(cfg, a.steps)]
+    cfgs = [c for c in floor.configs(False) + LAUNCH_BOUND if c["name"] in a.models.split(",")]
+    body = [line for cfg in cfgs for line in one(cfg, a.steps, a.inductor_rows)]
     head = ["# The eager-FX path's own cost (issue #11) on cpu", "",
             f"Command: `python benchmarks/fx_overhead.py {' '.join(sys.argv[1:])}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "

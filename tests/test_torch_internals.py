@@ -381,8 +381,8 @@ def test_inductor_realize_reads_threshold_is_a_small_positive_count():
     assert ti.inductor_realize_reads_threshold() == inductor_config.realize_reads_threshold >= 1
 
 
-def test_graph_task_id_names_the_running_backward_and_grows():
-    ids = []
+def _inside_a_backward(callback) -> None:
+    """Run `callback()` inside the backward of a one-op graph, as a compiled region's backward runs it."""
 
     class Probe(torch.autograd.Function):
         @staticmethod
@@ -391,12 +391,16 @@ def test_graph_task_id_names_the_running_backward_and_grows():
 
         @staticmethod
         def backward(ctx, g):
-            ids.append(ti.graph_task_id())
+            callback()
             return g
 
-    x = torch.ones(3, requires_grad=True)
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+
+
+def test_graph_task_id_names_the_running_backward_and_grows():
+    ids = []
     for _ in range(2):
-        Probe.apply(x).sum().backward()
+        _inside_a_backward(lambda: ids.append(ti.graph_task_id()))
     assert ti.graph_task_id() == -1 and ids[0] >= 0 and ids[1] > ids[0], ids
 
 
@@ -411,18 +415,7 @@ def _hand_over_inside_a_backward(run) -> tuple[torch.Tensor, bool, list[str]]:
     w.register_post_accumulate_grad_hook(lambda p: fired.append("post-accumulate"))
     node = ti.gradient_node(w)  # held, as DDP's reducer holds it: a leaf keeps only a weak reference
     node.register_hook(lambda gi, go: fired.append("node"))
-
-    class Hand(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x * 1
-
-        @staticmethod
-        def backward(ctx, g):
-            run(w, torch.full((4,), 2.0))
-            return g
-
-    Hand.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    _inside_a_backward(lambda: run(w, torch.full((4,), 2.0)))
     return w.grad, w.grad is buffer, sorted(fired)
 
 
