@@ -58,8 +58,9 @@ def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile) -> int:
     `scratch_estimate`, and `gp.notes` says which ops and why. The run also checks that each
     kernel lays out its output as the fake tensor did; a view of an output laid out otherwise would
     copy unseen or fail, so `gp.notes` names such ops too. Returns how many distinct ops have
-    measured scratch, run now or earlier in this process. Graphs traced on the meta device have no real memory: only the scratch a fused
-    attention's or a fused linear + loss's GPU kernel is known to allocate (their `meta_scratch`) is booked there.
+    measured scratch, run now or earlier in this process. Graphs traced on the meta device have no
+    real memory: only the scratch a fused attention's or a fused linear + loss's GPU kernel is known
+    to allocate (their `meta_scratch`) is booked there.
     """
     if cg.device == "meta":
         for n in cg.joint.graph.nodes:
@@ -124,9 +125,9 @@ def scratch_estimate(n: fx.Node) -> int:
     """Scratch assumed for an op that could not be measured: room for a contiguous copy of each of
     its tensor inputs and outputs. An estimate, said to be one in the plan's notes, never a silent
     0, and not a bound: measured CPU kernels exceed it (16-bit convolutions up to 4.2x, a sum to
-    one number 2 KiB against 264 B, the fused linear + loss's blocks of rows
-    up to 6.4x). The verification step measures the real peak and plans again when it is over
-    (figures: benchmarks/results/scratch_survey_cpu.md)."""
+    one number 2 KiB against 264 B, the fused linear + loss's blocks of rows up to 6.4x). The
+    verification step measures the real peak and plans again when it is over (figures:
+    benchmarks/results/scratch_survey_cpu.md)."""
     tensors = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + _tensors(n.meta.get("val"))
     return sum(_dense_bytes(t) for t in tensors)
 
