@@ -111,13 +111,12 @@ def _measured(n: fx.Node, device: torch.device, key: str) -> tuple[int, bool] | 
     measurement or by running it now; or why it could not be measured."""
     cache_key = (str(device), torch.get_num_threads(), key)
     if cache_key not in _MEASURED:
-        relaid: set[str] = set()
-        measured = _measure_op(n, device, relaid)
+        measured = _measure_op(n, device)
         if isinstance(measured, str):
             return measured
         if len(_MEASURED) >= _MEASURED_MAX:
             _MEASURED.clear()
-        _MEASURED[cache_key] = (measured, bool(relaid))
+        _MEASURED[cache_key] = measured
     return _MEASURED[cache_key]
 
 
@@ -142,12 +141,12 @@ def _layout(tensors: list[torch.Tensor]) -> list[tuple]:
     return [tuple((size, stride) for size, stride in zip(t.shape, t.stride()) if size > 1) for t in tensors]
 
 
-def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str:
-    """The op's scratch in bytes, or why it could not be measured; adds the op to `relaid` if its
-    real output strides differ from the traced ones."""
+def _measure_op(n: fx.Node, device: torch.device) -> tuple[int, bool] | str:
+    """(the op's scratch in bytes, whether its real output strides differ from the traced ones), or
+    why it could not be measured."""
     from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
 
-    out_bytes = [0]
+    out_bytes, relaid = [0], [False]
     try:
         args, kwargs = tree_map(
             lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a, (n.args, n.kwargs)
@@ -155,8 +154,7 @@ def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str
 
         def run() -> None:
             out = n.target(*args, **kwargs)
-            if _layout(_tensors(out)) != _layout(_tensors(n.meta.get("val"))):
-                relaid.add(str(n.target))
+            relaid[0] = _layout(_tensors(out)) != _layout(_tensors(n.meta.get("val")))
             storages = {t.untyped_storage().data_ptr(): _nbytes(t) for t in _tensors(out)}
             out_bytes[0] = sum(storages.values())
             del out
@@ -164,4 +162,4 @@ def _measure_op(n: fx.Node, device: torch.device, relaid: set[str]) -> int | str
         _, m = measure_peak(run, device=device, baseline_bytes=0)
     except Exception as e:  # e.g. an op that rejects made-up data (bernoulli of p outside [0, 1])
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else 'no message'}"
-    return max(0, m.delta_peak_bytes - out_bytes[0])
+    return max(0, m.delta_peak_bytes - out_bytes[0]), relaid[0]

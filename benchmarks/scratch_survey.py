@@ -15,7 +15,6 @@ Writes benchmarks/results/scratch_survey_cpu.md.
 from __future__ import annotations
 
 import datetime
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from autoremat import scratch
 SIXTEEN_BIT = ("stack", "gpt2", "llama", "resnet")  # the models whose 16-bit step runs in seconds on this CPU
 
 
-def survey(name: str, factory, kwargs: dict, precision: str) -> tuple[list[tuple], float, float]:
+def survey(factory, kwargs: dict, precision: str) -> tuple[list[tuple], float, float]:
     """(op rows, calibration seconds, planning seconds) for one model and precision. Every calibration
     starts with nothing kept from earlier ones, so its time is that of measuring every op."""
     rows: list[tuple] = []
@@ -71,7 +70,7 @@ def main() -> None:
         for precision in ("fp32", "bf16", "fp16"):
             if precision != "fp32" and name not in SIXTEEN_BIT:
                 continue
-            rows, calibration_s, planning_s = survey(name, factory, small, precision)
+            rows, calibration_s, planning_s = survey(factory, small, precision)
             exceeding = [(op, m, e) for op, m, e in rows if m > e]
             for op, m, e in exceeding:
                 key = (op, precision)
@@ -91,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
