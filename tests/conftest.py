@@ -1,11 +1,26 @@
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
-import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Inductor keeps compiled kernels on disk, by default in /tmp/torchinductor_<user>, and that outlives
+# the run: a kernel built by another torch (.ci/run's torch 2.11 pass shares /tmp) or under another CPU
+# capability is then loaded by this one. Seen: after a run with the machine's own capability,
+# ATEN_CPU_CAPABILITY=default failed to build against the cached headers ("'at::vec' has not been
+# declared"), and a CI run aborted inside a cached kernel in test_measure.py. So each test session
+# compiles into a directory of its own (pytest-xdist's workers inherit the controller's, which the
+# controller removes at the end); a directory the caller names is used as it is.
+_OWN_INDUCTOR_CACHE = None
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    _OWN_INDUCTOR_CACHE = tempfile.mkdtemp(prefix="autoremat-tests-inductor-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _OWN_INDUCTOR_CACHE
+
+import torch  # noqa: E402  (after the cache directory is set)
+
 torch.set_num_threads(1)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/ importable
 
@@ -38,3 +53,9 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         report.sections = _trimmed(report.sections)
+
+
+def pytest_unconfigure(config) -> None:
+    # Only the process that made the directory removes it; xdist's workers end before the controller.
+    if _OWN_INDUCTOR_CACHE is not None and not hasattr(config, "workerinput"):
+        shutil.rmtree(_OWN_INDUCTOR_CACHE, ignore_errors=True)
