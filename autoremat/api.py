@@ -107,7 +107,7 @@ def optimize(
     time_limit: float = 10.0,
     gap: float = DEFAULT_GAP,
     compiler: str = "auto",
-    regions: bool = True,
+    regions: bool | str = "auto",
     release_grads: bool = True,
     verify: bool = True,
     world_size: int = 1,
@@ -143,10 +143,12 @@ def optimize(
         compiler, probed once per process), else "eager" with one warning saying why; "inductor";
         or "eager" (the FX graphs run as Python, op by op: no compile time, no C compiler).
         `plan.compiler` records the choice, the reason, and planning time with Inductor's share.
-    regions: compile each repeated block (a transformer layer, a residual stage: module paths such as
-        `h.3`) as a graph of its own, so that its parameter gradients reach `.grad` as soon as its
-        backward finishes instead of all at the end of one graph (a second set of gradients alive at
-        once). False: one graph per dynamo graph.
+    regions: True: compile each repeated block (a transformer layer, a residual stage: module paths
+        such as `h.3`) as a graph of its own, so that its parameter gradients reach `.grad` as soon as
+        its backward finishes instead of all at the end of one graph (a second set of gradients alive
+        at once). False: one graph per dynamo graph (each region costs one more call per step). "auto"
+        (default): per block, unless the step recomputes nothing either way, then one graph
+        (`plan.regions` and a note say which, and why); per block under torch.distributed.
     release_grads: with regions, hand each weight gradient to `.grad` (through autograd's own
         AccumulateGrad: hooks fire as in eager mode) as soon as it is computed, not when its block's
         backward ends. `loss.backward()` and `backward(inputs=...)` work as usual; the exception is
@@ -171,6 +173,14 @@ def optimize(
     """
     budget_bytes = parse_budget(budget)
     _check_options(time_limit, gap, solver)
+    if not (isinstance(regions, bool) or (isinstance(regions, str) and regions == "auto")):
+        raise ValueError(f"regions must be True (one graph per repeated block), False (one graph) or 'auto' (per "
+                         f"block unless nothing is recomputed either way), got {regions!r}")
+    if plan is not None and regions == "auto":
+        regions = plan.regions  # captured as it was planned
+    elif regions == "auto" and (world_size > 1 or sharding != "none" or torch.distributed.is_available()
+                                and torch.distributed.is_initialized()):
+        regions = True  # DDP's and FSDP2's gradient hand-over and overlap are built on the per-block graphs
     check_compiler(compiler)
     started, compiling = time.perf_counter(), COMPILE_CLOCK.seconds
     if outputs not in OUTPUTS:

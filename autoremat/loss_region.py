@@ -87,7 +87,8 @@ def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, 
 def _trace(model, loss: LossOption, k: int, budget: int, dtypes, kw) -> CapturePlanner:
     pre = compose(precision_plan.pre_pass(dtypes, kw["fp32_ops"]) if any(dtypes) else None,
                   LossOption(loss.outputs, k).pre_pass())
-    planner = CapturePlanner(budget, device=kw["dev"], ledger=kw["ledger"], regions=kw["regions"],
+    # regions="auto" traces the candidates per block; build decides on one graph for the count chosen
+    planner = CapturePlanner(budget, device=kw["dev"], ledger=kw["ledger"], regions=kw["regions"] is not False,
                              release_grads=kw["release_grads"], pre_pass=pre, **kw["opts"])
     compile_and_trace(model, planner, kw["compiler"], kw["args"], kw["kwargs"])
     return planner

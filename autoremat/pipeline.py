@@ -17,7 +17,9 @@ import torch
 
 from autoremat import precision_plan
 from autoremat.cache import PlanCache
+from autoremat.decision import evaluate
 from autoremat.devices import get_device
+from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger
 from autoremat.loss_region import choose_chunks, loss_region_matters
 from autoremat.passes.loss_chunks import LossOption, compose
@@ -26,6 +28,7 @@ from autoremat.planner import (
     CapturePlanner,
     Restore,
     StaleCache,
+    activation_budget,
     check_cached,
     compile_and_trace,
     log,
@@ -60,41 +63,66 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
             key.append(store.key(fp, fields))
             return store.load(key[-1])
 
-    def make(lookup: Callable | None = None) -> CapturePlanner:
-        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=regions,
+    split = regions if isinstance(regions, bool) else True  # "auto" captures per block first
+
+    def make(lookup: Callable | None = None, split: bool = split) -> CapturePlanner:
+        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=split,
                               release_grads=release_grads, **opts)
 
-    planner = make(lookup)
+    def trace(split: bool) -> tuple[CapturePlanner, Any, str | None]:
+        """Capture the step (a cached plan, if any, is looked up by its first graph); the cache key used."""
+        looked = len(key)
+        planner = make(lookup, split)
+        try:
+            compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+        except StaleCache as e:
+            log.warning("autoremat: ignoring cached plan %s (%s)", store.path(key[-1]), e)
+            store.discard(key[-1])
+            planner = make(None, split)
+            compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+        require_graphs(model, planner)
+        return planner, compiled, key[-1] if len(key) > looked else None
+
     progress.info("capturing the training step")
-    try:
-        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
-    except StaleCache as e:
-        log.warning("autoremat: ignoring cached plan %s (%s)", store.path(key[-1]), e)
-        store.discard(key[-1])
-        planner = make()
-        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
-    require_graphs(model, planner)
+    planner, compiled, store_key = trace(split)
     if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
         return choose_chunks(model, planner, loss, budget, dtypes, store, fields, build=build, ledger=ledger, dev=dev,
                              opts=opts,
                              compiler=compiler, args=args, kwargs=kwargs, verify=verify, where=where,
                              fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
+    regions_note, cut_step = None, None
+    checked = verify and where.type != "meta"
+    if regions == "auto" and planner.cached is None and planner.cut:
+        (planner, compiled, store_key), regions_note, cut_step = one_graph_if_free(
+            planner, compiled, store_key, trace, budget, ledger, dev, compiler, checked)
     if planner.cached is not None:
         hit = check_cached(planner, budget, ledger, dev)
         if hit is not None:
-            hit.notes.append(f"plan loaded from the cache ({store.path(key[-1])}); re-simulated, not solved")
+            hit.notes.append(f"plan loaded from the cache ({store.path(store_key)}); re-simulated, not solved")
             return hit, compiled, planner
-        log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(key[-1]))
-        store.discard(key[-1])
-        planner = make()
+        log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(store_key))
+        store.discard(store_key)
+        planner = make(None, planner.regions)
         compiled = compile_and_trace(model, planner, compiler, args, kwargs)
     plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
-    if verify and where.type != "meta":
+    if cut_step is not None and checked:
+        measured = measure_step(model, compiled, planner, args, kwargs, where)
+        # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
+        # planned and verified as usual.
+        if measured is not None and (ledger.fixed + measured > budget or measured > WHOLE_HELD * plan.activation_peak):
+            *_, store_key, regions_note = cut_step
+            regions_note += f" ({measured} B of activations measured, {plan.activation_peak} B predicted)"
+            plan, compiled, planner = plan_jointly(model, cut_step[0], budget, ledger, dev, compiler, args, kwargs,
+                                                   opts)
+    if checked:
         plan, compiled, planner = verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler,
                                                  args, kwargs, opts, where)
     elif where.type == "meta":
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
+    plan.regions = planner.regions
+    if regions_note:
+        plan.notes.append(regions_note)
     if loss is not None and loss.found:
         kept = max(r.logits_kept for r in loss.reports)
         plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
@@ -106,9 +134,66 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     if dtypes:
         plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
         plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
-    if store is not None and key:
-        store.store(key[0], plan, fields)
+    if store is not None and store_key:
+        store.store(store_key, plan, fields)
     return plan, compiled, planner
+
+
+# regions="auto" keeps one graph only if a real step of it measured at most this much over its prediction.
+WHOLE_HELD = 1.05
+
+
+def one_graph_if_free(planner: CapturePlanner, compiled: Any, store_key: str | None, trace: Callable, budget: int,
+                      ledger: Ledger, dev, compiler: str, checked: bool) -> tuple[tuple, str, tuple | None]:
+    """regions="auto": the step as one graph when it recomputes nothing either way, else per block.
+
+    Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
+    soon as its backward ends, which is what lowers the floor; but each region is one more
+    AOTAutograd call per step, which a step of small kernels pays for (benchmarks/speed.py --with-cut
+    compares both forms at equal budgets). So when the cut step's save-everything peak fits the
+    budget, the step is traced once more uncut; if that one's save-everything peak fits too, nothing
+    is recomputed either way and one graph (no region calls; gradients at the end of the backward, as
+    the memory model sees) is used.
+
+    Under Inductor the one-graph prediction can be low (tests/test_fusion.py's MLP: 2,102,276 B
+    predicted, 2,624,520 B measured, where the cut step's is exact), so there one graph is taken only
+    when a real step will be measured (`checked`: verify on a real device), and `build` goes back to
+    the cut step if that step is over the budget or over its prediction by more than WHOLE_HELD.
+
+    Returns (planner, compiled step, cache key) to plan with, a note for the plan, and the cut step's
+    (planner, compiled step, cache key, note) to fall back on when one graph was taken, else None.
+    """
+    cut_step = (planner, compiled, store_key)
+    room = activation_budget(budget, ledger, dev)
+
+    def everything_saved(p: CapturePlanner) -> int:
+        graphs = p.sequence()
+        return evaluate(graphs, save_all(graphs), dev.alloc_granularity)[1].peak
+
+    cut = everything_saved(planner)
+    n_cut = len(planner.sequence())
+    per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
+    if cut > room:
+        return cut_step, (f"{per_block}, so that gradients leave the backward as blocks finish: with everything "
+                          f"saved the step would need {format_bytes(cut)} of activations, over the "
+                          f"{format_bytes(room)} the budget leaves"), None
+    if compiler == "inductor" and not checked:
+        return cut_step, (f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not "
+                          "predicted exactly and no real step will measure it (verify=False, or the meta device)"), None
+    progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
+    whole, whole_compiled, whole_key = trace(False)
+    uncut = everything_saved(whole)
+    if uncut > room:
+        return cut_step, (f"{per_block}: nothing is recomputed with them ({format_bytes(cut)} of activations with "
+                          f"everything saved), but one graph would need {format_bytes(uncut)}, over the "
+                          f"{format_bytes(room)} the budget leaves"), None
+    back = (f"{per_block}: one graph, which recomputes nothing either, measured over the budget or more than "
+            f"{100 * (WHOLE_HELD - 1):.0f}% over its prediction on a real step")
+    return (whole, whole_compiled, whole_key), (
+        f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is recomputed "
+        f"either way ({format_bytes(uncut)} of activations with everything saved, within the {format_bytes(room)} "
+        f"the budget leaves), and one graph saves {n_cut - len(whole.sequence())} AOTAutograd calls per step"), \
+        (*cut_step, back)
 
 
 def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where):

@@ -66,6 +66,9 @@ class Plan:
     # compiler: requested, used ("eager"/"inductor"), reason, planning_s (wall time of optimize's planning,
     # compiles included) and inductor_compile_s (the part spent in Inductor's compilers)
     compiler: dict = field(default_factory=dict)
+    # whether the step ran as one graph per repeated block (autoremat.regions); regions="auto" decides
+    # (pipeline.one_graph_if_free), and re-applying the plan with "auto" captures it the same way
+    regions: bool = True
     schema: int = SCHEMA_VERSION
 
     @property

@@ -262,6 +262,7 @@ class CapturePlanner(Planner):
         self.regions = regions  # one graph per repeated block (autoremat.regions)
         self.release_grads = release_grads  # each weight gradient to .grad as soon as it exists (regions)
         self.lookup = lookup
+        self.cut = False  # whether a dynamo graph was cut into regions (regions found repeated blocks)
         self.cached: Plan | None = None
         self.strict = True
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
@@ -301,6 +302,7 @@ class CapturePlanner(Planner):
         whole step has been seen, then compiles again with that plan.
         """
         self._profile(cg)
+        self.cut = self.cut or cg.links is not None
         return default_split(cg)
 
     def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -7,6 +7,11 @@ Rows, per model (a transformer stack and a small HF GPT-2), with dropout on and 
   autoremat-inductor @ peer    autoremat.optimize(compiler="inductor") with budget = that row's measured peak
   autoremat-inductor grid i    autoremat.optimize(compiler="inductor") on evenly spaced budgets from the
                                smallest feasible one to the no-recompute total
+  ablation: ... regions=True   (--with-cut) each at-peer row planned again with regions=True: one graph
+                               per repeated block always, where the default (regions="auto") runs one
+                               graph when nothing is recomputed either way; not part of the goal check
+  autoremat-inductor, no limit (--with-cut) at 4x the no-recompute total, where "auto" may take one
+                               graph, and its regions=True ablation
 
 Each row: measured peak of one training step (forward + backward, no optimizer, gradients already
 allocated by a warm-up step), step time relative to eager (median of N steps, each paired with an
@@ -87,14 +92,15 @@ def inductor_build(b: float, args: tuple, kwargs: dict):
     return build
 
 
-def ar_build(budget: int, ex):
+def ar_build(budget: int, ex, regions: bool | str = "auto"):
     def build(model):
         torch._dynamo.reset()
         om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, compiler="inductor",
-                                progress=False)
+                                progress=False, regions=regions)
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
-                    predicted_overhead=p.overhead, num_graphs=om.num_graphs, solver_status=p.solver.get("status"),
+                    predicted_overhead=p.overhead, num_graphs=om.num_graphs, regions=p.regions,
+                    solver_status=p.solver.get("status"),
                     planning_s=p.compiler.get("planning_s"), compile_s=p.compiler.get("inductor_compile_s"),
                     verify_notes=[n for n in p.notes if "verified" in n or "re-planned" in n])
         return om, info
@@ -120,7 +126,12 @@ def limits(bench: Bench) -> tuple[int, int, int]:
     return lo, hi, fixed
 
 
-def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log) -> tuple[list[dict], dict]:
+CUT = "ablation: autoremat-inductor @ peer, regions=True"  # always one graph per block; not in the goal
+CUT_ROOMY = "ablation: autoremat-inductor, no limit, regions=True"
+
+
+def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log, with_cut: bool = False
+                ) -> tuple[list[dict], dict]:
     log(f"== {cfg['name']} ({tag}): {cfg['kwargs']}")
     bench = Bench(cfg, torch.device("cpu"), n_steps, log)
     extra = {"dropout": tag}
@@ -134,6 +145,15 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log) -> tuple[li
             budget = p["measured_peak"]
             rows.append(bench.run_row("autoremat-inductor @ peer", f"{p['setting']}: {budget / MiB:.2f} MiB",
                                       ar_build(budget, bench.ex), extra))
+            if with_cut:
+                rows.append(bench.run_row(CUT, f"{p['setting']}: {budget / MiB:.2f} MiB",
+                                          ar_build(budget, bench.ex, regions=True), extra))
+    if with_cut:  # where nothing is recomputed either way: regions="auto" runs one graph
+        roomy = 4 * hi
+        rows.append(bench.run_row("autoremat-inductor, no limit", f"{roomy / MiB:.2f} MiB (4x the no-recompute total)",
+                                  ar_build(roomy, bench.ex), extra))
+        rows.append(bench.run_row(CUT_ROOMY, f"{roomy / MiB:.2f} MiB (4x the no-recompute total)",
+                                  ar_build(roomy, bench.ex, regions=True), extra))
     for i in range(n_grid):
         budget = int(lo + (hi - lo) * i / (n_grid - 1)) if n_grid > 1 else hi
         rows.append(bench.run_row("autoremat-inductor grid", f"{i}: {budget / MiB:.2f} MiB", ar_build(budget, bench.ex),
@@ -158,22 +178,23 @@ def ratio_spread(a: dict, b: dict) -> tuple[float, float]:
 
 def equal_memory_lines(rows: list[dict]) -> str:
     """Each autoremat row planned at an Inductor row's measured peak, against that row."""
-    out = ["| model | Inductor row | its peak (MiB) | its time vs eager | autoremat peak (MiB) | autoremat time vs "
-           "eager | autoremat / Inductor time (paired) | noise |", "|---" * 8 + "|"]
+    out = ["| model | Inductor row | its peak (MiB) | its time vs eager | autoremat row | graphs | autoremat peak (MiB) | "
+           "autoremat time vs eager | autoremat / Inductor time (paired) | noise |", "|---" * 10 + "|"]
     ok = {(r["model"], r["setting"]): r for r in rows if r["method"] == "inductor" and r["status"] == "ok"}
     for r in rows:
-        if r["method"] != "autoremat-inductor @ peer":
+        if r["method"] not in ("autoremat-inductor @ peer", CUT):
             continue
+        form = "regions=True" if r["method"] == CUT else "default"
         peer = ok.get((r["model"], r["setting"].split(":")[0]))
         if peer is None:
             continue
         if r["status"] != "ok":
             out.append(f"| {r['model']} | {peer['setting']} | {peer['measured_peak'] / MiB:.2f} | "
-                       f"{peer['step_vs_eager']:.3f} | {r['status']} | | | |")
+                       f"{peer['step_vs_eager']:.3f} | {form} | | {r['status']} | | | |")
             continue
         ratio, noise = ratio_spread(r, peer)
         out.append(f"| {r['model']} | {peer['setting']} | {peer['measured_peak'] / MiB:.2f} | {peer['step_vs_eager']:.3f}"
-                   f" | {r['measured_peak'] / MiB:.2f} | {r['step_vs_eager']:.3f} | {ratio:.3f} | +-{100 * noise:.0f}% |")
+                   f" | {form} | {r.get('num_graphs')} | {r['measured_peak'] / MiB:.2f} | {r['step_vs_eager']:.3f} | {ratio:.3f} | +-{100 * noise:.0f}% |")
     return "\n".join(out)
 
 
@@ -200,6 +221,9 @@ def main() -> None:
     ap.add_argument("--models", default="stack,gpt2")
     ap.add_argument("--dropout", default="0.1,0.0", help="dropout settings, comma list")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--stem", default=None, help="file name of the results (default speed_cpu[_quick])")
+    ap.add_argument("--with-cut", action="store_true",
+                    help="also plan each at-peer row with regions=True (one graph per block always): an ablation")
     a = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -215,11 +239,13 @@ def main() -> None:
     for d in (float(x) for x in a.dropout.split(",")):
         tag = f"dropout {d}"
         for cfg in (c for c in configs(a.quick, d) if c["name"] in a.models.split(",")):
-            r, lim = bench_model(cfg, tag, max(5, a.steps), a.grid, log)
+            r, lim = bench_model(cfg, tag, max(5, a.steps), a.grid, log, with_cut=a.with_cut)
             rows += r
             lims[f"{cfg['name']} ({tag})"] = lim
     noise = timing_noise(rows)
-    goal, counts = goal_check([r for r in rows if r["method"] != "eager"], noise)  # Inductor rows are the peers
+    # Inductor rows are the peers; the ablation rows are neither peers nor the default autoremat
+    goal, counts = goal_check([r for r in rows if r["method"] != "eager" and not r["method"].startswith("ablation")],
+                              noise)
     wall = time.perf_counter() - t0
     text = (f"# autoremat with Inductor vs torch.compile with Inductor, CPU{' (--quick)' if a.quick else ''}\n\n"
             f"Command: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`, {meta['date']}, torch {torch.__version__}, "
@@ -234,7 +260,7 @@ def main() -> None:
     log("\n" + text)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"speed_cpu{'_quick' if a.quick else ''}"
+    stem = a.stem or f"speed_cpu{'_quick' if a.quick else ''}"
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, wall_s=wall, limits=lims, goal=counts, rows=rows,
                                                       noise={k[0]: v for k, v in noise.items()}), indent=1,

@@ -11,6 +11,7 @@ import autoremat
 from autoremat import handoffs, regions, solver
 from autoremat.ledger import Ledger
 from autoremat.measure import measure_peak
+from autoremat.plan import SLACK, Plan
 from examples import models
 from tests.budgets import seeded_grads
 from tests.tolerances import assert_close_for
@@ -40,7 +41,7 @@ def test_block_of_reads_the_repeated_block_from_a_module_path():
 
 def test_one_graph_per_block_and_one_for_the_tail():
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, regions=True, compiler="eager")
     assert om.num_graphs == 4 + 1  # four blocks; ln_f and the loss after the last block
     whole = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, regions=False, compiler="eager")
     assert whole.num_graphs == 1
@@ -48,7 +49,7 @@ def test_one_graph_per_block_and_one_for_the_tail():
 
 def test_post_accumulate_grad_hooks_fire_once_per_parameter_per_backward():
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     fired: dict[str, int] = {}
     handles = [p.register_post_accumulate_grad_hook(lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
                for name, p in model.named_parameters()]
@@ -65,7 +66,7 @@ def test_post_accumulate_grad_hooks_fire_once_per_parameter_per_backward():
 
 def test_gradients_equal_eagers_with_dropout():
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     grads = seeded_grads(model, (model, om), ex)
     for g, r in zip(*grads, strict=True):
         # the same ops and random draws; the residual stream's gradient, fed by two graphs, is summed
@@ -99,7 +100,7 @@ def test_each_gradient_leaves_as_soon_as_it_is_computed():
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=4, d=64, n_head=4, seq=4, batch=1, dropout=0.1)
     per_block = min(sum(p.numel() * p.element_size() for p in b.parameters()) for b in model.blocks)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     peak = _steady(om, model, ex)
     assert peak < per_block, (peak, per_block)
     assert abs(peak - om.plan.activation_peak) <= 0.05 * peak, (peak, om.plan.activation_peak)
@@ -109,7 +110,7 @@ def test_autograd_grad_with_respect_to_inputs_leaves_dot_grad_alone():
     """Gradients are released into `.grad` only by a backward that accumulates there: torch.autograd.grad
     with respect to the input (a gradient penalty) and backward(inputs=...) leave every `.grad` as it was."""
     model, ex = _stack()
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     x = ex[0].clone().requires_grad_(True)
     torch.manual_seed(1)
     (gx,) = torch.autograd.grad(models.loss_of(om(x)), [x])
@@ -127,13 +128,13 @@ def test_autograd_grad_with_respect_to_parameters_needs_release_grads_off():
     params = list(model.parameters())
     torch.manual_seed(1)
     ref = torch.autograd.grad(models.loss_of(model(*ex)), params)
-    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, release_grads=False, compiler="eager")
+    om = autoremat.optimize(model, budget=10**9, example_inputs=ex, release_grads=False, regions=True, compiler="eager")
     torch.manual_seed(1)
     got = torch.autograd.grad(models.loss_of(om(*ex)), params)
     assert all(p.grad is None for p in params)
     for g, r in zip(got, ref, strict=True):
         assert_close_for(g, r, depth=ex[0][..., 0].numel())
-    released = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
+    released = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     with pytest.raises(RuntimeError, match=r"release_grads=False"):
         torch.autograd.grad(models.loss_of(released(*ex)), params)
     model.zero_grad(set_to_none=True)
@@ -143,11 +144,11 @@ def test_autograd_grad_with_respect_to_parameters_needs_release_grads_off():
 def test_budgets_near_the_floor_hold_with_regions(frac):
     model, ex = _stack()
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget="1KB", example_inputs=ex, verify=False, compiler="eager")
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, verify=False, regions=True, compiler="eager")
     lo = err.value.smallest_budget
-    roomy = autoremat.optimize(model, budget=10**12, example_inputs=ex, verify=False, compiler="eager").plan
+    roomy = autoremat.optimize(model, budget=10**12, example_inputs=ex, verify=False, regions=True, compiler="eager").plan
     budget = int(lo + frac * (roomy.predicted_peak - lo))
-    om = autoremat.optimize(model, budget=budget, example_inputs=ex, compiler="eager")
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, regions=True, compiler="eager")
     assert Ledger.from_dict(om.plan.ledger).fixed + _steady(om, model, ex) <= budget
 
 
@@ -156,9 +157,9 @@ def _gpt2_floor(outputs: str = "loss"):
     model, ex = models.gpt2(batch=2, seq=32, n_layer=2, n_embd=64, n_head=4, vocab=1024, dropout=0.1)
     with pytest.raises(autoremat.BudgetError) as err:
         autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs=outputs, verify=False,
-                           compiler="eager")
+                           regions=True, compiler="eager")
     return model, ex, autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex,
-                                         optimizer=None, outputs=outputs, verify=False, compiler="eager")
+                                         optimizer=None, outputs=outputs, verify=False, regions=True, compiler="eager")
 
 
 @pytest.mark.slow
@@ -203,9 +204,9 @@ def test_a_gradient_two_regions_send_the_same_output_waits_and_the_plan_predicts
     torch.manual_seed(0)
     model, x = _Residual(), torch.randn(32, 16, 64)
     with pytest.raises(autoremat.BudgetError) as err:
-        autoremat.optimize(model, budget=1, example_inputs=(x,), optimizer=None, verify=False, compiler="eager")
+        autoremat.optimize(model, budget=1, example_inputs=(x,), optimizer=None, verify=False, regions=True, compiler="eager")
     om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=(x,), optimizer=None,
-                            verify=False, compiler="eager")
+                            verify=False, regions=True, compiler="eager")
     profiles = om._planners[0].profiles
     assert len(profiles) == 5
     (until, [(computed_by, name)]), = handoffs.tied_waits(profiles).items()
@@ -242,9 +243,9 @@ def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch):
         torch.manual_seed(0)
         model, ex = models.transformer_stack(n_layer=3, d=128, n_head=4, seq=32, batch=4, dropout=0.1)
         with pytest.raises(autoremat.BudgetError) as err:
-            autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, verify=False, compiler="eager")
+            autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, verify=False, regions=True, compiler="eager")
         om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex, optimizer=None,
-                                verify=False, compiler="eager")
+                                verify=False, regions=True, compiler="eager")
         peak = _steady(om, model, ex)
         assert abs(peak - om.plan.activation_peak) <= 0.05 * peak, (peak, om.plan.activation_peak)
         return peak
@@ -253,3 +254,50 @@ def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch):
     monkeypatch.setattr(regions, "_weight_gradients_first", lambda joint: None)
     monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())  # a new search, not the plan found above
     assert reordered < floor(), reordered
+
+
+def test_auto_is_one_graph_only_when_nothing_is_recomputed_either_way():
+    """regions="auto" (the default) keeps one graph per block wherever memory is short, and runs the
+    step as one graph (no region calls) when neither form would recompute anything."""
+    model, ex = _stack()
+    roomy = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
+    assert roomy.plan.regions is False and roomy.num_graphs == 1, roomy.plan.notes
+    assert any("one graph for the step, not 5" in n for n in roomy.plan.notes), roomy.plan.notes
+    for g, r in zip(*seeded_grads(model, (model, roomy), ex), strict=True):
+        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    model.zero_grad(set_to_none=True)
+
+    # A budget where the cut step saves everything and one graph could not: one graph holds every
+    # gradient at the end of its backward, the cut step one block's at a time.
+    cut = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, verify=False,
+                             compiler="eager").plan
+    assert roomy.plan.baseline_peak > cut.baseline_peak, (roomy.plan.baseline_peak, cut.baseline_peak)
+    budget = Ledger.from_dict(cut.ledger).fixed + cut.baseline_peak + SLACK
+    mid = autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, compiler="eager")
+    assert mid.plan.regions is True and mid.num_graphs == 5
+    assert any("but one graph would need" in n for n in mid.plan.notes), mid.plan.notes
+
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, verify=False, compiler="eager")
+    floor = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=ex, verify=False,
+                               compiler="eager")
+    assert floor.plan.regions is True and floor.num_graphs == 5
+    assert any("so that gradients leave the backward as blocks finish" in n for n in floor.plan.notes)
+
+
+def test_a_plan_is_applied_again_in_the_form_it_was_planned_in():
+    model, ex = _stack()
+    made = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager")
+    plan = Plan.from_json(made.plan.to_json())
+    assert plan.regions is False
+    again = autoremat.optimize(model, budget=10**9, example_inputs=ex, plan=plan, compiler="eager")
+    assert again.num_graphs == 1
+    with pytest.raises(autoremat.PlanMismatch):  # the same plan forced per block traces other graphs
+        autoremat.optimize(model, budget=10**9, example_inputs=ex, plan=plan, regions=True, compiler="eager")
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_regions_must_be_true_false_or_auto(bad):
+    model, ex = _stack()
+    with pytest.raises(ValueError, match=r"regions must be True .* False .* or 'auto'"):
+        autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=bad, compiler="eager")
