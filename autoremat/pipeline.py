@@ -105,6 +105,7 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         planner = make(None, planner.regions)
         compiled = compile_and_trace(model, planner, compiler, args, kwargs)
     plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
+    measured: Any = UNMEASURED
     if cut_step is not None and checked:
         measured = measure_step(model, compiled, planner, args, kwargs, where)
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
@@ -114,9 +115,10 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
             regions_note += f" ({measured} B of activations measured, {plan.activation_peak} B predicted)"
             plan, compiled, planner = plan_jointly(model, cut_step[0], budget, ledger, dev, compiler, args, kwargs,
                                                    opts)
-    if checked:
+            measured = UNMEASURED
+    if checked:  # one graph kept: the step just measured is its verification
         plan, compiled, planner = verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler,
-                                                 args, kwargs, opts, where)
+                                                 args, kwargs, opts, where, measured=measured)
     elif where.type == "meta":
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
@@ -196,16 +198,22 @@ def one_graph_if_free(planner: CapturePlanner, compiled: Any, store_key: str | N
         (*cut_step, back)
 
 
-def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where):
+UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
+
+
+def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where,
+                   measured: Any = UNMEASURED):
     """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
 
     The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
     the real peak pass the budget. The measured gap is reserved, the graphs (all of them: they share
     the step) are planned again, and the new plan is measured too. A plan that still does not fit
-    is never returned: BudgetError says what was measured.
+    is never returned: BudgetError says what was measured. `measured`: what measure_step already
+    returned for this plan, if it ran.
     """
-    progress.info("verifying the plan on a real step")
-    measured = measure_step(model, compiled, planner, args, kwargs, where)
+    if measured is UNMEASURED:
+        progress.info("verifying the plan on a real step")
+        measured = measure_step(model, compiled, planner, args, kwargs, where)
     if measured is None:
         # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
         # counter): the measurement includes tracing and says nothing about the plan.
