@@ -22,6 +22,11 @@ def save_all(graphs: list[GraphProfile]) -> list[set[str]]:
     return [set(lifetimes(g).needed) - {v for v in g.nodes if g.nodes[v].is_tuple} for g in graphs]
 
 
+def save_all_peak(graphs: list[GraphProfile], granularity: int = 1) -> int:
+    """The activation peak of `graphs` (a step's graph calls) with nothing recomputed."""
+    return evaluate(graphs, save_all(graphs), granularity)[1].peak
+
+
 def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300,
            deadline: float | None = None) -> list[set[str]]:
     """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.

@@ -17,8 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from autoremat import precision_plan
-from autoremat.decision import evaluate
-from autoremat.heuristics import save_all
+from autoremat.heuristics import save_all_peak
 from autoremat.ilp_choice import ChoiceModel, ops_once_time
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
@@ -37,8 +36,7 @@ def loss_region_matters(planner: CapturePlanner, loss: LossOption, granularity: 
     """Whether the loss region is large enough for its chunk count to be worth planning."""
     vocab = max(r.vocab for r in loss.reports)
     region = 4 * loss.rows() * vocab * 4
-    _, timeline, _ = evaluate(planner.profiles, save_all(planner.profiles), granularity)
-    return region >= LOSS_REGION_SHARE * timeline.peak
+    return region >= LOSS_REGION_SHARE * save_all_peak(planner.profiles, granularity)
 
 
 def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, dtypes, store, fields, *,

@@ -11,15 +11,15 @@ first (precision="bf16" / "fp16" / "auto") and checks the result against fp32 an
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from autoremat import precision_plan
 from autoremat.cache import PlanCache
-from autoremat.decision import evaluate
 from autoremat.devices import get_device
-from autoremat.heuristics import save_all
+from autoremat.heuristics import save_all_peak
 from autoremat.ledger import Ledger
 from autoremat.loss_region import choose_chunks, loss_region_matters
 from autoremat.passes.loss_chunks import LossOption, compose
@@ -69,8 +69,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=split,
                               release_grads=release_grads, **opts)
 
-    def trace(split: bool) -> tuple[CapturePlanner, Any, str | None]:
-        """Capture the step (a cached plan, if any, is looked up by its first graph); the cache key used."""
+    def trace(split: bool) -> Traced:
+        """Capture the step (a cached plan, if any, is looked up by its first graph), with the cache key used."""
         looked = len(key)
         planner = make(lookup, split)
         try:
@@ -81,20 +81,29 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
             planner = make(None, split)
             compiled = compile_and_trace(model, planner, compiler, args, kwargs)
         require_graphs(model, planner)
-        return planner, compiled, key[-1] if len(key) > looked else None
+        return Traced(planner, compiled, key[-1] if len(key) > looked else None)
 
     progress.info("capturing the training step")
-    planner, compiled, store_key = trace(split)
+    traced = trace(split)
+    planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
+    chunks_note = None
     if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
-        return choose_chunks(model, planner, loss, budget, dtypes, store, fields, build=build, ledger=ledger, dev=dev,
-                             opts=opts,
-                             compiler=compiler, args=args, kwargs=kwargs, verify=verify, where=where,
-                             fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
+        whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), activation_budget(budget, ledger, dev)
+        if whole <= room:
+            # Nothing is recomputed unchunked, and under the roofline a chunked trace's ops cost at least
+            # the whole's (the same FLOPs and bytes in more kernels, each launched): no count beats 1, so
+            # the other candidates are not traced and this trace (the 1-chunk one) is planned.
+            chunks_note = (f"with everything saved the step needs {format_bytes(whole)} of activations, within the "
+                           f"{format_bytes(room)} the budget leaves: nothing to free, no other count traced")
+        else:
+            return choose_chunks(model, planner, loss, budget, dtypes, store, fields, build=build, ledger=ledger,
+                                 dev=dev, opts=opts, compiler=compiler, args=args, kwargs=kwargs, verify=verify,
+                                 where=where, fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
     regions_note, cut_step = None, None
     checked = verify and where.type != "meta"
     if regions == "auto" and planner.cached is None and planner.cut:
-        (planner, compiled, store_key), regions_note, cut_step = one_graph_if_free(
-            planner, compiled, store_key, trace, budget, ledger, dev, compiler, checked)
+        traced, cut_step = one_graph_if_free(traced, trace, budget, ledger, dev, compiler, checked)
+        planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
     if planner.cached is not None:
         hit = check_cached(planner, budget, ledger, dev)
         if hit is not None:
@@ -107,14 +116,15 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
     measured: Any = UNMEASURED
     if cut_step is not None and checked:
+        progress.info("verifying the plan on a real step")  # and whether one graph is kept
         measured = measure_step(model, compiled, planner, args, kwargs, where)
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
         if measured is not None and (ledger.fixed + measured > budget or measured > WHOLE_HELD * plan.activation_peak):
-            *_, store_key, regions_note = cut_step
-            regions_note += f" ({measured} B of activations measured, {plan.activation_peak} B predicted)"
-            plan, compiled, planner = plan_jointly(model, cut_step[0], budget, ledger, dev, compiler, args, kwargs,
-                                                   opts)
+            store_key = cut_step.store_key
+            regions_note = f"{cut_step.note} ({measured} B of activations measured, {plan.activation_peak} B predicted)"
+            plan, compiled, planner = plan_jointly(model, cut_step.planner, budget, ledger, dev, compiler, args,
+                                                   kwargs, opts)
             measured = UNMEASURED
     if checked:  # one graph kept: the step just measured is its verification
         plan, compiled, planner = verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler,
@@ -130,6 +140,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
                      "fused": max(r.fused for r in loss.reports),
                      "skipped": list(dict.fromkeys(w for r in loss.reports for w in r.skipped))}
+        if chunks_note:
+            plan.loss.update(candidates={"1": chunks_note}, chosen_by="everything saved fits unchunked")
         if outputs == "loss" and kept:
             plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "
                               "the model, or an output derived from them): they are still computed whole")
@@ -145,8 +157,18 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
 WHOLE_HELD = 1.05
 
 
-def one_graph_if_free(planner: CapturePlanner, compiled: Any, store_key: str | None, trace: Callable, budget: int,
-                      ledger: Ledger, dev, compiler: str, checked: bool) -> tuple[tuple, str, tuple | None]:
+@dataclass
+class Traced:
+    """The step as traced in one form (one graph per block, or one graph): what planning starts from."""
+
+    planner: CapturePlanner
+    compiled: Any
+    store_key: str | None  # the plan cache's key for it, if the cache was looked up
+    note: str = ""  # why this form (regions="auto")
+
+
+def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int, ledger: Ledger, dev, compiler: str,
+                      checked: bool) -> tuple[Traced, Traced | None]:
     """regions="auto": the step as one graph when it recomputes nothing either way, else per block.
 
     Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
@@ -162,40 +184,37 @@ def one_graph_if_free(planner: CapturePlanner, compiled: Any, store_key: str | N
     when a real step will be measured (`checked`: verify on a real device), and `build` goes back to
     the cut step if that step is over the budget or over its prediction by more than WHOLE_HELD.
 
-    Returns (planner, compiled step, cache key) to plan with, a note for the plan, and the cut step's
-    (planner, compiled step, cache key, note) to fall back on when one graph was taken, else None.
+    Returns the form to plan, its `note` saying why, and the cut step to fall back on (its `note`
+    saying why) when one graph was taken, else None.
     """
-    cut_step = (planner, compiled, store_key)
     room = activation_budget(budget, ledger, dev)
-
-    def everything_saved(p: CapturePlanner) -> int:
-        graphs = p.sequence()
-        return evaluate(graphs, save_all(graphs), dev.alloc_granularity)[1].peak
-
-    cut = everything_saved(planner)
-    n_cut = len(planner.sequence())
+    saved_cut = save_all_peak(cut.planner.sequence(), dev.alloc_granularity)
+    n_cut = len(cut.planner.sequence())
     per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
-    if cut > room:
-        return cut_step, (f"{per_block}, so that gradients leave the backward as blocks finish: with everything "
-                          f"saved the step would need {format_bytes(cut)} of activations, over the "
-                          f"{format_bytes(room)} the budget leaves"), None
+    if saved_cut > room:
+        cut.note = (f"{per_block}, so that gradients leave the backward as blocks finish: with everything saved the "
+                    f"step would need {format_bytes(saved_cut)} of activations, over the {format_bytes(room)} the "
+                    "budget leaves")
+        return cut, None
     if compiler == "inductor" and not checked:
-        return cut_step, (f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not "
-                          "predicted exactly and no real step will measure it (verify=False, or the meta device)"), None
+        cut.note = (f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not "
+                    "predicted exactly and no real step will measure it (verify=False, or the meta device)")
+        return cut, None
     progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
-    whole, whole_compiled, whole_key = trace(False)
-    uncut = everything_saved(whole)
-    if uncut > room:
-        return cut_step, (f"{per_block}: nothing is recomputed with them ({format_bytes(cut)} of activations with "
-                          f"everything saved), but one graph would need {format_bytes(uncut)}, over the "
-                          f"{format_bytes(room)} the budget leaves"), None
-    back = (f"{per_block}: one graph, which recomputes nothing either, measured over the budget or more than "
-            f"{100 * (WHOLE_HELD - 1):.0f}% over its prediction on a real step")
-    return (whole, whole_compiled, whole_key), (
-        f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is recomputed "
-        f"either way ({format_bytes(uncut)} of activations with everything saved, within the {format_bytes(room)} "
-        f"the budget leaves), and one graph saves {n_cut - len(whole.sequence())} AOTAutograd calls per step"), \
-        (*cut_step, back)
+    whole = trace(False)
+    saved_whole = save_all_peak(whole.planner.sequence(), dev.alloc_granularity)
+    if saved_whole > room:
+        cut.note = (f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
+                    f"everything saved), but one graph would need {format_bytes(saved_whole)}, over the "
+                    f"{format_bytes(room)} the budget leaves")
+        return cut, None
+    cut.note = (f"{per_block}: one graph, which recomputes nothing either, measured over the budget or more than "
+                f"{100 * (WHOLE_HELD - 1):.0f}% over its prediction on a real step")
+    whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
+                  f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, within "
+                  f"the {format_bytes(room)} the budget leaves), and one graph saves "
+                  f"{n_cut - len(whole.planner.sequence())} AOTAutograd calls per step")
+    return whole, cut
 
 
 UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet

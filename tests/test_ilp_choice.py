@@ -15,6 +15,7 @@ import torch
 import autoremat
 from autoremat.ilp import IlpModel
 from autoremat.ilp_choice import ChoiceModel
+from autoremat.passes import loss_chunks as LC
 from autoremat.passes.loss_chunks import LossOption
 from autoremat.planner import CapturePlanner, compile_and_trace
 from examples.models import gpt2
@@ -95,6 +96,9 @@ def test_the_planner_lets_the_ilp_choose_the_chunk_count() -> None:
     # no room, and each count is then planned in full (a heuristic's plan is what reaches the floor).
     tight, roomy = (autoremat.optimize(copy.deepcopy(model), b, ex, optimizer=None, outputs="loss",
                                        compiler="eager").plan.loss for b in (int(1.3 * floor), "1GB"))
-    assert tight["chosen_by"] == roomy["chosen_by"] == "ilp", (tight, roomy)
-    assert tight["chunks"] > roomy["chunks"] == 1, (tight, roomy)
+    assert tight["chosen_by"] == "ilp", tight
+    assert tight["chunks"] > 1 and set(tight["candidates"]) == {str(k) for k in LC.candidates(BATCH * SEQ)}, tight
     assert "chosen by the ILP" in tight["candidates"][str(tight["chunks"])]
+    # With everything saved the 1-chunk step fits 1 GB: no other count is traced.
+    assert roomy["chosen_by"] == "everything saved fits unchunked" and roomy["chunks"] == 1, roomy
+    assert list(roomy["candidates"]) == ["1"], roomy
