@@ -147,8 +147,9 @@ def optimize(
         such as `h.3`) as a graph of its own, so that its parameter gradients reach `.grad` as soon as
         its backward finishes instead of all at the end of one graph (a second set of gradients alive
         at once). False: one graph per dynamo graph (each region costs one more call per step). "auto"
-        (default): per block, unless the step recomputes nothing either way, then one graph
-        (`plan.regions` and a note say which, and why); per block under torch.distributed.
+        (default): per block, unless the cut step recomputes nothing and one graph costs less time than
+        the graph calls it saves (`plan.regions` and a note say which, and why); per block under
+        torch.distributed.
     release_grads: with regions, hand each weight gradient to `.grad` (through autograd's own
         AccumulateGrad: hooks fire as in eager mode) as soon as it is computed, not when its block's
         backward ends. `loss.backward()` and `backward(inputs=...)` work as usual; the exception is
@@ -175,7 +176,7 @@ def optimize(
     _check_options(time_limit, gap, solver)
     if not (isinstance(regions, bool) or (isinstance(regions, str) and regions == "auto")):
         raise ValueError(f"regions must be True (one graph per repeated block), False (one graph) or 'auto' (per "
-                         f"block unless nothing is recomputed either way), got {regions!r}")
+                         f"block unless one graph costs less time), got {regions!r}")
     if plan is not None and regions == "auto":
         regions = plan.regions  # captured as it was planned
     elif regions == "auto" and (world_size > 1 or sharding != "none" or torch.distributed.is_available()

@@ -34,6 +34,9 @@ class DeviceSpec:
     # memory speed (0); a CPU steps a Mersenne Twister element by element, far slower than its
     # arithmetic, which matters when the plan weighs replaying a dropout mask against saving it.
     random_draw_s_per_element: float = 0.0
+    # Seconds one more compiled graph costs per step (its AOTAutograd call in the forward and in the
+    # backward: Python on the host, whatever the device). regions="auto" weighs it against recomputation.
+    region_call_s: float = 0.0
 
     def op_time(
         self,
@@ -79,6 +82,14 @@ def dtype_key(dtype: str | torch.dtype) -> str:
     return "fp32"
 
 
+# One more graph per step, measured (benchmarks/launch_overhead.py `region_call`, 1 thread, this 2-core machine,
+# torch 2.13, 2026-12-03): a 16-block stack of tiny blocks run as 17 graphs against one, both planned with
+# nothing recomputed: 39.7 us per extra graph under Inductor, 49.6 us under compiler="eager"; Inductor's figure,
+# the default compiler's. (The same run measured 0.98 us per Inductor kernel and 1.7 us per eager op, below the
+# 4.9 and 6.8 us behind launch_overhead_s: the machines these runs land on differ; the table keeps 5 us.)
+REGION_CALL_S = 40e-6
+
+
 def _gpu(
     name: str, fp32: float, tf32: float, bf16: float, fp16: float, bw: float, mem_gib: float
 ) -> DeviceSpec:
@@ -90,6 +101,9 @@ def _gpu(
         memory_bytes=int(mem_gib * _GiB),
         alloc_granularity=512,
         launch_overhead_s=5e-6,
+        # host-side Python: the CPU figure below (a GPU host was not measured); it shows where the GPU waits
+        # on the host, in launch-bound steps
+        region_call_s=REGION_CALL_S,
     )
 
 
@@ -114,6 +128,7 @@ _DEVICES: dict[str, DeviceSpec] = {
         # aten.bernoulli.p into a 262,144-element bool tensor, 1 thread, this 2-core AVX-512 machine: 1.23 ms
         # (a fp32 multiply of as many elements: 0.041 ms), ~4.7 ns per element.
         random_draw_s_per_element=4.7e-9,
+        region_call_s=REGION_CALL_S,
     ),
     # NVIDIA Tesla V100 datasheet (SXM2, 32 GB): 15.7 TFLOPS fp32, 125 TFLOPS fp16
     # tensor, 900 GB/s. Volta has no tf32 and no bf16 (bf16 is emulated through fp32),

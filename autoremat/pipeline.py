@@ -102,7 +102,7 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     regions_note, cut_step = None, None
     checked = verify and where.type != "meta"
     if regions == "auto" and planner.cached is None and planner.cut:
-        traced, cut_step = one_graph_if_free(traced, trace, budget, ledger, dev, compiler, checked)
+        traced, cut_step = one_graph_if_free(traced, trace, budget, ledger, dev, compiler, checked, opts)
         planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
     if planner.cached is not None:
         hit = check_cached(planner, budget, ledger, dev)
@@ -168,21 +168,26 @@ class Traced:
 
 
 def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int, ledger: Ledger, dev, compiler: str,
-                      checked: bool) -> tuple[Traced, Traced | None]:
-    """regions="auto": the step as one graph when it recomputes nothing either way, else per block.
+                      checked: bool, opts: dict) -> tuple[Traced, Traced | None]:
+    """regions="auto": the step as one graph when that costs less time than the graph calls it saves.
 
     Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
     soon as its backward ends, which is what lowers the floor; but each region is one more
-    AOTAutograd call per step, which a step of small kernels pays for (benchmarks/speed.py --with-cut
-    compares both forms at equal budgets). So when the cut step's save-everything peak fits the
-    budget, the step is traced once more uncut; if that one's save-everything peak fits too, nothing
-    is recomputed either way and one graph (no region calls; gradients at the end of the backward, as
-    the memory model sees) is used.
+    AOTAutograd call per step (`DeviceSpec.region_call_s`), which a step of small kernels pays for
+    (benchmarks/speed.py --with-cut compares both forms at equal budgets). So when the cut step's
+    save-everything peak fits the budget (it recomputes nothing), the step is traced once more
+    uncut. If that one's save-everything peak fits too, nothing is recomputed either way and one graph
+    (no region calls; gradients at the end of the backward, as the memory model sees) is used. If it
+    does not, one graph is planned at the budget, and used when its predicted recomputation costs
+    less than the graph calls it saves.
 
     Under Inductor the one-graph prediction can be low (tests/test_fusion.py's MLP: 2,102,276 B
-    predicted, 2,624,520 B measured, where the cut step's is exact), so there one graph is taken only
-    when a real step will be measured (`checked`: verify on a real device), and `build` goes back to
-    the cut step if that step is over the budget or over its prediction by more than WHOLE_HELD.
+    predicted, 2,624,520 B measured, where the cut step's is exact: the model runs the backward's
+    kernels in the least-peak-first order where that peaks lower, as Inductor's
+    reorder_for_peak_memory does by its own estimate, but that estimate tied both orders here at
+    3,146,756 B and Inductor kept the graph's), so there one graph is taken only when a real step will
+    be measured (`checked`: verify on a real device), and `build` goes back to the cut step if that
+    step is over the budget or over its prediction by more than WHOLE_HELD.
 
     Returns the form to plan, its `note` saying why, and the cut step to fall back on (its `note`
     saying why) when one graph was taken, else None.
@@ -203,17 +208,33 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
     whole = trace(False)
     saved_whole = save_all_peak(whole.planner.sequence(), dev.alloc_granularity)
+    calls = n_cut - len(whole.planner.sequence())
+    calls_s = calls * dev.region_call_s
+    over = (f"with everything saved one graph would need {format_bytes(saved_whole)}, over the {format_bytes(room)} "
+            "the budget leaves")
     if saved_whole > room:
-        cut.note = (f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
-                    f"everything saved), but one graph would need {format_bytes(saved_whole)}, over the "
-                    f"{format_bytes(room)} the budget leaves")
-        return cut, None
-    cut.note = (f"{per_block}: one graph, which recomputes nothing either, measured over the budget or more than "
-                f"{100 * (WHOLE_HELD - 1):.0f}% over its prediction on a real step")
-    whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
-                  f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, within "
-                  f"the {format_bytes(room)} the budget leaves), and one graph saves "
-                  f"{n_cut - len(whole.planner.sequence())} AOTAutograd calls per step")
+        try:
+            recompute_s = plan_graphs(whole.planner.sequence(), budget, ledger, dev, one_set=True,
+                                      **opts).recompute_time_s
+        except BudgetError:
+            recompute_s = None
+        if recompute_s is None or recompute_s >= calls_s:
+            why = ("planned at the budget it does not fit" if recompute_s is None else
+                   f"planned at the budget it would recompute {1e3 * recompute_s:.3f} ms a step, not less than the "
+                   f"{1e3 * calls_s:.3f} ms of the {calls} graph calls it saves")
+            cut.note = (f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
+                        f"everything saved), but {over}; {why}")
+            return cut, None
+        whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): {over}, and "
+                      f"its plan recomputes {1e3 * recompute_s:.3f} ms a step, less than the {1e3 * calls_s:.3f} ms of "
+                      f"the {calls} AOTAutograd calls per step it saves (the cut step recomputes nothing)")
+    else:
+        whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
+                      f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, "
+                      f"within the {format_bytes(room)} the budget leaves), and one graph saves {calls} AOTAutograd "
+                      "calls per step")
+    cut.note = (f"{per_block}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over "
+                "its prediction on a real step")
     return whole, cut
 
 

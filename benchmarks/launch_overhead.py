@@ -1,12 +1,17 @@
-"""The per-op launch overhead of the CPU device table (autoremat.devices, `launch_overhead_s`), measured.
+"""The per-op launch overhead of the CPU device table (autoremat.devices, `launch_overhead_s`), and the
+cost of one more graph call per step (`region_call_s`), measured.
 
 Two figures, each the slope of step time over op count, so that fixed per-call costs cancel:
   eager     an FX graph of N tiny aten ops (1-element tensors) run as Python, as compiler="eager" runs
             the planned graphs: seconds per op
   inductor  a function of N matmuls of 2x2 matrices compiled by Inductor (each one a library call
             Inductor cannot fuse), as compiler="inductor" runs: seconds per kernel
+And per compiler, the step time (forward + backward) of a stack of REGION_BLOCKS tiny blocks planned by
+autoremat.optimize with nothing recomputed, one graph per block (regions=True) against one graph
+(regions=False): the difference over the number of extra graphs is the cost of one AOTAutograd call
+(its forward and its backward), the same ops either way.
 
-    python benchmarks/launch_overhead.py      # ~1 min on a 2-core CPU
+    python benchmarks/launch_overhead.py      # ~2 min on a 2-core CPU
 
 Writes benchmarks/results/launch_overhead_cpu.json and prints the figures.
 """
@@ -24,6 +29,7 @@ import torch.fx as fx
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTS = (16, 256)
+REGION_BLOCKS = 16
 
 
 def _seconds(fn, *args, reps: int = 200) -> float:
@@ -56,6 +62,36 @@ def matmul_chain(n: int):
     return f
 
 
+class TinyStack(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def region_call_seconds(compiler: str) -> dict:
+    """Step time of TinyStack cut per block and as one graph; the cost of one more graph call."""
+    import autoremat
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    times, graphs = {}, {}
+    for regions in (True, False):
+        torch._dynamo.reset()
+        model = TinyStack(REGION_BLOCKS)
+        om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), optimizer=None, compiler=compiler,
+                                regions=regions, progress=False)
+        graphs[regions] = om.num_graphs
+        times[regions] = _seconds(lambda f=om: f(x).sum().backward(), reps=100)
+    return {"step_s_per_block": times[True], "step_s_one_graph": times[False], "graphs_per_block": graphs[True],
+            "graphs_one": graphs[False],
+            "s_per_graph_call": (times[True] - times[False]) / (graphs[True] - graphs[False])}
+
+
 def slope(times: dict[int, float]) -> float:
     lo, hi = COUNTS
     return (times[hi] - times[lo]) / (hi - lo)
@@ -72,7 +108,8 @@ def main() -> None:
         compiled[n] = _seconds(torch.compile(matmul_chain(n), backend="inductor"), a, b, reps=50)
     out = {"torch": torch.__version__, "threads": 1, "counts": list(COUNTS),
            "eager_fx_s_per_op": slope(eager), "inductor_s_per_kernel": slope(compiled),
-           "eager_fx_call_s": eager, "inductor_call_s": compiled}
+           "eager_fx_call_s": eager, "inductor_call_s": compiled,
+           "region_call": {c: region_call_seconds(c) for c in ("inductor", "eager")}}
     print(json.dumps(out, indent=1))
     dest = REPO / "benchmarks" / "results" / "launch_overhead_cpu.json"
     dest.write_text(json.dumps(out, indent=1) + "\n")

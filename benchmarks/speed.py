@@ -8,10 +8,14 @@ Rows, per model (a transformer stack and a small HF GPT-2), with dropout on and 
   autoremat-inductor grid i    autoremat.optimize(compiler="inductor") on evenly spaced budgets from the
                                smallest feasible one to the no-recompute total
   ablation: ... regions=True   (--with-cut) each at-peer row planned again with regions=True: one graph
-                               per repeated block always, where the default (regions="auto") runs one
-                               graph when nothing is recomputed either way; not part of the goal check
+                               per repeated block always, where the default (regions="auto") may run one
+                               graph (pipeline.one_graph_if_free); not part of the goal check
   autoremat-inductor, no limit (--with-cut) at 4x the no-recompute total, where "auto" may take one
                                graph, and its regions=True ablation
+
+GPT-2's autoremat rows pass outputs="loss": the step below reads only the loss and drops the logits
+(for Inductor's rows they die when the forward returns), which is what that option tells the planner
+(docs/python-api.md); with the default outputs="all" the plan would hold them through the backward.
 
 Each row: measured peak of one training step (forward + backward, no optimizer, gradients already
 allocated by a warm-up step), step time relative to eager (median of N steps, each paired with an
@@ -69,14 +73,14 @@ def configs(quick: bool, dropout: float) -> list[dict]:
         return [
             dict(name="stack", factory=transformer_stack,
                  kwargs=dict(n_layer=2, d=128, n_head=4, seq=64, batch=4, dropout=dropout)),
-            dict(name="gpt2", factory=gpt2,
+            dict(name="gpt2", factory=gpt2, outputs="loss",
                  kwargs=dict(n_layer=2, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=dropout)),
         ]
     return [
         # the issue's stack (6 layers, d=256, seq 128, batch 4) and its launch-bound GPT-2 (4 layers, d=32, 8 tokens)
         dict(name="stack", factory=transformer_stack,
              kwargs=dict(n_layer=6, d=256, n_head=4, seq=128, batch=4, dropout=dropout)),
-        dict(name="gpt2", factory=gpt2,
+        dict(name="gpt2", factory=gpt2, outputs="loss",
              kwargs=dict(n_layer=4, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=dropout)),
     ]
 
@@ -92,11 +96,11 @@ def inductor_build(b: float, args: tuple, kwargs: dict):
     return build
 
 
-def ar_build(budget: int, ex, regions: bool | str = "auto"):
+def ar_build(budget: int, ex, regions: bool | str = "auto", outputs: str = "all"):
     def build(model):
         torch._dynamo.reset()
         om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, compiler="inductor",
-                                progress=False, regions=regions)
+                                progress=False, regions=regions, outputs=outputs)
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     predicted_overhead=p.overhead, num_graphs=om.num_graphs, regions=p.regions,
@@ -108,17 +112,17 @@ def ar_build(budget: int, ex, regions: bool | str = "auto"):
     return build
 
 
-def limits(bench: Bench) -> tuple[int, int, int]:
+def limits(bench: Bench, outputs: str) -> tuple[int, int, int]:
     """(smallest feasible budget, no-recompute total, fixed bytes) under compiler="inductor"."""
     torch._dynamo.reset()
     big = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None,
-                             compiler="inductor", verify=False, progress=False)
+                             compiler="inductor", verify=False, progress=False, outputs=outputs)
     fixed = Ledger.from_dict(big.plan.ledger).fixed
     hi = fixed + big.plan.baseline_peak
     torch._dynamo.reset()
     try:
         autoremat.optimize(bench.fresh(), budget=fixed + 1, example_inputs=bench.ex, optimizer=None,
-                           compiler="inductor", verify=False, progress=False)
+                           compiler="inductor", verify=False, progress=False, outputs=outputs)
         lo = fixed + 1
     except autoremat.BudgetError as e:
         lo = e.smallest_budget
@@ -138,26 +142,27 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log, with_cut: b
     rows = [bench.run_row("eager", "-", eager_build, extra)]
     for b in AMB:
         rows.append(bench.run_row("inductor", f"amb={b}", inductor_build(b, bench.args, bench.kwargs), extra))
-    lo, hi, fixed = limits(bench)
+    out = cfg.get("outputs", "all")
+    lo, hi, fixed = limits(bench, out)
     log(f"  autoremat-inductor limits: smallest {lo / MiB:.2f} MiB, no-recompute {hi / MiB:.2f} MiB")
     for p in list(rows):
         if p["method"] == "inductor" and p["status"] == "ok":
             budget = p["measured_peak"]
             rows.append(bench.run_row("autoremat-inductor @ peer", f"{p['setting']}: {budget / MiB:.2f} MiB",
-                                      ar_build(budget, bench.ex), extra))
+                                      ar_build(budget, bench.ex, outputs=out), extra))
             if with_cut:
                 rows.append(bench.run_row(CUT, f"{p['setting']}: {budget / MiB:.2f} MiB",
-                                          ar_build(budget, bench.ex, regions=True), extra))
+                                          ar_build(budget, bench.ex, regions=True, outputs=out), extra))
     if with_cut:  # where nothing is recomputed either way: regions="auto" runs one graph
         roomy = 4 * hi
         rows.append(bench.run_row("autoremat-inductor, no limit", f"{roomy / MiB:.2f} MiB (4x the no-recompute total)",
-                                  ar_build(roomy, bench.ex), extra))
+                                  ar_build(roomy, bench.ex, outputs=out), extra))
         rows.append(bench.run_row(CUT_ROOMY, f"{roomy / MiB:.2f} MiB (4x the no-recompute total)",
-                                  ar_build(roomy, bench.ex, regions=True), extra))
+                                  ar_build(roomy, bench.ex, regions=True, outputs=out), extra))
     for i in range(n_grid):
         budget = int(lo + (hi - lo) * i / (n_grid - 1)) if n_grid > 1 else hi
-        rows.append(bench.run_row("autoremat-inductor grid", f"{i}: {budget / MiB:.2f} MiB", ar_build(budget, bench.ex),
-                                  extra, retry=(lambda b: ar_build(b, bench.ex)) if i == 0 else None))
+        rows.append(bench.run_row("autoremat-inductor grid", f"{i}: {budget / MiB:.2f} MiB",
+                                  ar_build(budget, bench.ex, outputs=out), extra, retry=(lambda b: ar_build(b, bench.ex, outputs=out)) if i == 0 else None))
     for r in rows:  # the goal compares within one model and dropout setting
         r["model"] = f"{cfg['name']} ({tag})"
     return rows, {"smallest": lo, "no_recompute": hi, "fixed": fixed}
@@ -250,7 +255,8 @@ def main() -> None:
     text = (f"# autoremat with Inductor vs torch.compile with Inductor, CPU{' (--quick)' if a.quick else ''}\n\n"
             f"Command: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`, {meta['date']}, torch {torch.__version__}, "
             f"1 thread, repo {meta['repo_git']}, wall {wall:.0f} s.\n\n"
-            + "Models: " + "; ".join(f"{c['name']}: {c['kwargs']}" for c in configs(a.quick, 0.0)) + ".\n\n"
+            + "Models: " + "; ".join(f"{c['name']}: {c['kwargs']}" + (f", autoremat outputs={c['outputs']!r}" if "outputs" in c
+                                                                      else "") for c in configs(a.quick, 0.0)) + ".\n\n"
             f"Step = forward + backward, no optimizer, gradients allocated by a warm-up step. Step time: median of "
             f"{max(5, a.steps)} steps, each paired with an eager step just before it. Timing noise (eager p10-p90 "
             f"half-spread): " + ", ".join(f"{k[0]} {100 * v:.1f}%" for k, v in sorted(noise.items())) + ".\n\n"

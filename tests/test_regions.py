@@ -4,11 +4,14 @@ Checked on real steps: autograd's own accumulation still runs (a post-accumulate
 once per parameter per backward), gradients are eager's, the duplicate gradient set is gone from
 the measured steady-state peak, and the plan predicts what is measured."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import autoremat
 from autoremat import handoffs, regions, solver
+from autoremat.devices import get_device
 from autoremat.ledger import Ledger
 from autoremat.measure import measure_peak
 from autoremat.plan import SLACK, Plan
@@ -256,9 +259,10 @@ def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch):
     assert reordered < floor(), reordered
 
 
-def test_auto_is_one_graph_only_when_nothing_is_recomputed_either_way():
-    """regions="auto" (the default) keeps one graph per block wherever memory is short, and runs the
-    step as one graph (no region calls) when neither form would recompute anything."""
+def test_auto_is_one_graph_only_where_it_costs_less_time():
+    """regions="auto" (the default) keeps one graph per block wherever the cut step recomputes, runs
+    the step as one graph (no region calls) when neither form would recompute anything, and in between
+    weighs one graph's recomputation against the graph calls it saves (DeviceSpec.region_call_s)."""
     model, ex = _stack()
     roomy = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     assert roomy.plan.regions is False and roomy.num_graphs == 1, roomy.plan.notes
@@ -272,10 +276,32 @@ def test_auto_is_one_graph_only_when_nothing_is_recomputed_either_way():
     cut = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, verify=False,
                              compiler="eager").plan
     assert roomy.plan.baseline_peak > cut.baseline_peak, (roomy.plan.baseline_peak, cut.baseline_peak)
-    budget = Ledger.from_dict(cut.ledger).fixed + cut.baseline_peak + SLACK
+    fixed = Ledger.from_dict(cut.ledger).fixed
+    budget = fixed + cut.baseline_peak + SLACK
     mid = autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, compiler="eager")
     assert mid.plan.regions is True and mid.num_graphs == 5
-    assert any("but one graph would need" in n for n in mid.plan.notes), mid.plan.notes
+    assert any("one graph would need" in n and "it does not fit" in n for n in mid.plan.notes), mid.plan.notes
+
+    # Where one graph fits by recomputing: it is taken when that recomputation costs less than its calls.
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, regions=False, verify=False, compiler="eager")
+    lowest, everything = max(budget, err.value.smallest_budget), fixed + roomy.plan.baseline_peak + SLACK
+    assert lowest < everything, (lowest, everything)
+    between = (lowest + everything) // 2
+    free_calls = dataclasses.replace(get_device("cpu"), region_call_s=0.0)  # one graph can only cost time
+    kept = autoremat.optimize(model, budget=between, example_inputs=ex, verify=False, compiler="eager",
+                              device=free_calls)
+    assert kept.plan.regions is True and kept.num_graphs == 5
+    assert any("not less than the 0.000 ms of the 4 graph calls" in n for n in kept.plan.notes), kept.plan.notes
+    dear_calls = dataclasses.replace(free_calls, region_call_s=1.0)  # a second per call: any recomputation is cheaper
+    one = autoremat.optimize(model, budget=between, example_inputs=ex, verify=False, compiler="eager",
+                             device=dear_calls)
+    assert one.plan.regions is False and one.num_graphs == 1, one.plan.notes
+    assert one.plan.recompute_time_s > 0 and one.plan.predicted_peak <= between
+    assert any("less than the 4000.000 ms of the 4 AOTAutograd calls" in n for n in one.plan.notes), one.plan.notes
+    for g, r in zip(*seeded_grads(model, (model, one), ex), strict=True):
+        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    model.zero_grad(set_to_none=True)
 
     with pytest.raises(autoremat.BudgetError) as err:
         autoremat.optimize(model, budget="1KB", example_inputs=ex, verify=False, compiler="eager")
