@@ -39,6 +39,20 @@ def loss_region_matters(planner: CapturePlanner, loss: LossOption, granularity: 
     return region >= LOSS_REGION_SHARE * save_all_peak(planner.profiles, granularity)
 
 
+def fits_unchunked(planner: CapturePlanner, budget: int, ledger, dev) -> str | None:
+    """Why no other chunk count is worth tracing, when the step as first traced (1 chunk) fits the budget
+    with nothing recomputed; else None.
+
+    Under the roofline a chunked trace's ops cost at least the whole's (the same FLOPs and bytes in
+    more kernels, each launched), so with nothing to free no count beats 1.
+    """
+    whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), activation_budget(budget, ledger, dev)
+    if whole > room:
+        return None
+    return (f"with everything saved the step needs {format_bytes(whole)} of activations, within the "
+            f"{format_bytes(room)} the budget leaves: nothing to free, no other count traced")
+
+
 def choose_chunks(model, traced: CapturePlanner, loss: LossOption, budget: int, dtypes, store, fields, *,
                   build: Callable, **kw):
     """Trace the step at each candidate chunk count, let the ILP choose one, and `build` the step with it.

@@ -18,10 +18,11 @@ import torch
 
 from autoremat import precision_plan
 from autoremat.cache import PlanCache
+from autoremat.decision import Decision
 from autoremat.devices import get_device
 from autoremat.heuristics import save_all_peak
 from autoremat.ledger import Ledger
-from autoremat.loss_region import choose_chunks, loss_region_matters
+from autoremat.loss_region import choose_chunks, fits_unchunked, loss_region_matters
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.plan import SLACK, BudgetError, Plan
 from autoremat.planner import (
@@ -88,14 +89,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
     chunks_note = None
     if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
-        whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), activation_budget(budget, ledger, dev)
-        if whole <= room:
-            # Nothing is recomputed unchunked, and under the roofline a chunked trace's ops cost at least
-            # the whole's (the same FLOPs and bytes in more kernels, each launched): no count beats 1, so
-            # the other candidates are not traced and this trace (the 1-chunk one) is planned.
-            chunks_note = (f"with everything saved the step needs {format_bytes(whole)} of activations, within the "
-                           f"{format_bytes(room)} the budget leaves: nothing to free, no other count traced")
-        else:
+        chunks_note = fits_unchunked(planner, budget, ledger, dev)
+        if chunks_note is None:
             return choose_chunks(model, planner, loss, budget, dtypes, store, fields, build=build, ledger=ledger,
                                  dev=dev, opts=opts, compiler=compiler, args=args, kwargs=kwargs, verify=verify,
                                  where=where, fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
@@ -113,7 +108,8 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         store.discard(store_key)
         planner = make(None, planner.regions)
         compiled = compile_and_trace(model, planner, compiler, args, kwargs)
-    plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts)
+    plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts,
+                                           decision=traced.decision)
     measured: Any = UNMEASURED
     if cut_step is not None and checked:
         progress.info("verifying the plan on a real step")  # and whether one graph is kept
@@ -165,6 +161,7 @@ class Traced:
     compiled: Any
     store_key: str | None  # the plan cache's key for it, if the cache was looked up
     note: str = ""  # why this form (regions="auto")
+    decision: Decision | None = None  # its plan at the budget, where one_graph_if_free already solved it
 
 
 def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int, ledger: Ledger, dev, compiler: str,
@@ -193,8 +190,8 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     saying why) when one graph was taken, else None.
     """
     room = activation_budget(budget, ledger, dev)
-    saved_cut = save_all_peak(cut.planner.sequence(), dev.alloc_granularity)
-    n_cut = len(cut.planner.sequence())
+    cut_graphs = cut.planner.sequence()
+    saved_cut, n_cut = save_all_peak(cut_graphs, dev.alloc_granularity), len(cut_graphs)
     per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
     if saved_cut > room:
         cut.note = (f"{per_block}, so that gradients leave the backward as blocks finish: with everything saved the "
@@ -207,15 +204,17 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
         return cut, None
     progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
     whole = trace(False)
-    saved_whole = save_all_peak(whole.planner.sequence(), dev.alloc_granularity)
-    calls = n_cut - len(whole.planner.sequence())
+    graphs = whole.planner.sequence()
+    saved_whole, calls = save_all_peak(graphs, dev.alloc_granularity), n_cut - len(graphs)
     calls_s = calls * dev.region_call_s
     over = (f"with everything saved one graph would need {format_bytes(saved_whole)}, over the {format_bytes(room)} "
             "the budget leaves")
     if saved_whole > room:
+        progress.info("solving for %d nodes in one graph (time limit %g s per solve)",
+                      sum(len(g.nodes) for g in graphs), opts["time_limit"])
         try:
-            recompute_s = plan_graphs(whole.planner.sequence(), budget, ledger, dev, one_set=True,
-                                      **opts).recompute_time_s
+            whole.decision = plan_graphs(graphs, budget, ledger, dev, one_set=True, **opts)
+            recompute_s = whole.decision.recompute_time_s
         except BudgetError:
             recompute_s = None
         if recompute_s is None or recompute_s >= calls_s:

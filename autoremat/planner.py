@@ -363,16 +363,18 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
 
 
 def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts,
-                 reserve: Ledger | None = None):
+                 reserve: Ledger | None = None, decision: Decision | None = None):
     """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan.
 
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
-    model does not predict); the plan still reports `ledger`.
+    model does not predict); the plan still reports `ledger`. `decision`: plan_graphs' answer for these
+    graphs at this budget and ledger, when the caller already has it (not solved again).
     """
     profiles = planner.sequence()
-    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
-                  sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
-    decision = plan_graphs(profiles, budget, reserve or ledger, dev, one_set=True, **opts)
+    if decision is None:
+        progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                      sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
+        decision = plan_graphs(profiles, budget, reserve or ledger, dev, one_set=True, **opts)
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
     progress.info("compiling the planned step")
     if repeats(profiles):

@@ -85,6 +85,11 @@ def configs(quick: bool, dropout: float) -> list[dict]:
     ]
 
 
+def model_line(cfg: dict) -> str:
+    extra = f", autoremat outputs={cfg['outputs']!r}" if "outputs" in cfg else ""
+    return f"{cfg['name']}: {cfg['kwargs']}{extra}"
+
+
 def inductor_build(b: float, args: tuple, kwargs: dict):
     def build(model):
         torch._dynamo.reset()
@@ -161,8 +166,9 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log, with_cut: b
                                   ar_build(roomy, bench.ex, regions=True, outputs=out), extra))
     for i in range(n_grid):
         budget = int(lo + (hi - lo) * i / (n_grid - 1)) if n_grid > 1 else hi
+        retry = (lambda b: ar_build(b, bench.ex, outputs=out)) if i == 0 else None
         rows.append(bench.run_row("autoremat-inductor grid", f"{i}: {budget / MiB:.2f} MiB",
-                                  ar_build(budget, bench.ex, outputs=out), extra, retry=(lambda b: ar_build(b, bench.ex, outputs=out)) if i == 0 else None))
+                                  ar_build(budget, bench.ex, outputs=out), extra, retry=retry))
     for r in rows:  # the goal compares within one model and dropout setting
         r["model"] = f"{cfg['name']} ({tag})"
     return rows, {"smallest": lo, "no_recompute": hi, "fixed": fixed}
@@ -255,8 +261,7 @@ def main() -> None:
     text = (f"# autoremat with Inductor vs torch.compile with Inductor, CPU{' (--quick)' if a.quick else ''}\n\n"
             f"Command: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`, {meta['date']}, torch {torch.__version__}, "
             f"1 thread, repo {meta['repo_git']}, wall {wall:.0f} s.\n\n"
-            + "Models: " + "; ".join(f"{c['name']}: {c['kwargs']}" + (f", autoremat outputs={c['outputs']!r}" if "outputs" in c
-                                                                      else "") for c in configs(a.quick, 0.0)) + ".\n\n"
+            + "Models: " + "; ".join(model_line(c) for c in configs(a.quick, 0.0)) + ".\n\n"
             f"Step = forward + backward, no optimizer, gradients allocated by a warm-up step. Step time: median of "
             f"{max(5, a.steps)} steps, each paired with an eager step just before it. Timing noise (eager p10-p90 "
             f"half-spread): " + ", ".join(f"{k[0]} {100 * v:.1f}%" for k, v in sorted(noise.items())) + ".\n\n"
