@@ -23,7 +23,7 @@ from autoremat.cuts import MARK, base, cut_backward
 from autoremat.handoffs import handed_over, region_handoffs, tied_waits
 from autoremat.inplace import donor, kernel_last_use, least_peak_first
 from autoremat.profile import GraphProfile
-from autoremat.recomputed_writes import write_recomputed
+from autoremat.recomputed_writes import write_over_dying_input, write_recomputed
 from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf
@@ -47,7 +47,7 @@ class Schedule:
     again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
     reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (again.py)
     storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (again.py), a writer's (below)
-    written: dict[str, str] = field(default_factory=dict)  # recomputed entries written into a dying input (recomputed_writes.py)
+    written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
 
 
 @dataclass
@@ -220,7 +220,9 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     cuts &= set(backward)
     narrow &= set(backward)
     backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order, frozenset(narrow))
-    written = write_recomputed(nodes, backward, reads, copy_storage, recomputed, {*g.fw_outputs, *g.grad_outputs})
+    held = {*g.fw_outputs, *g.grad_outputs}
+    written = write_recomputed(nodes, backward, reads, copy_storage, recomputed, held)
+    written.update(write_over_dying_input(nodes, backward, reads, copy_storage, held))
     return Schedule(
         forward=forward,
         backward=backward,
@@ -315,6 +317,14 @@ def _run(
         last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
     else:  # eager: each op reads its inputs (copies recomputed twice read copies: cuts.py)
         last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
+    # A multi-output op's outputs written over a dying input (recomputed_writes.write_over_dying_input)
+    # are not allocated while it runs; the input's buffer is kept for them from the op to their getitem.
+    overwritten: dict[str, list[str]] = {}
+    for out, r in storage.items():
+        p = nodes.get(out)
+        if p is not None and p.tuple_parent and p.storage == out and r != out:
+            overwritten.setdefault(p.tuple_parent, []).append(out)
+    pinned: dict[str, str] = {}  # such an output -> the buffer kept for it until it takes its own reference
     dies: dict[int, list[str]] = {}
     for a, i in last_use.items():
         dies.setdefault(i, []).append(a)
@@ -345,11 +355,18 @@ def _run(
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
-        during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(p.tuple_out_bytes, heap.granularity)
+        outs = p.tuple_out_bytes
+        for out in overwritten.get(name, ()):
+            outs -= nodes[out].nbytes
+            pinned[out] = storage[out]
+            heap.add(pinned[out], 0)
+        during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(outs, heap.granularity)
         for a in dies.get(i, ()):
             release(a)
         if name not in last_use:
             release(name)
+        if name in pinned:
+            heap.drop(pinned.pop(name))
         steps.append(Step(g.index, phase, name, during))
 
 

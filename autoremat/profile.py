@@ -26,6 +26,7 @@ from torch.utils.flop_counter import flop_registry
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
 from autoremat.fusion import fused_nodes, own_kernel
+from autoremat.passes import fused_linear_loss
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs, forward_writable
 from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
@@ -70,6 +71,9 @@ class NodeProfile:
     inplace: bool = False  # Inductor's own kernel computes it: it may write into an input that dies there (inplace.py)
     writes_into: str = ""  # eager: the dying input whose buffer its out= variant writes (passes/reuse.py)
     writable: tuple[str, ...] = ()  # inputs a recomputed copy may write into if they die at it (recomputed_writes.py)
+    # eager: (its output, an input) that a variant of this backward op writes the output over, where the
+    # input dies at it (recomputed_writes.write_over_dying_input; the fused LM head's dh over h)
+    overwrites: tuple[str, str] = ()
 
 
 @dataclass
@@ -303,6 +307,8 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
             prof.storage = moved.get(prof.storage, prof.storage)
         for name, into in forward_writable(gm).items():
             nodes[name].writable = into
+        for name, pair in fused_linear_loss.overwritable(gm).items():
+            nodes[name].overwrites = pair
     for prof in nodes.values():
         if prof.tuple_parent and prof.storage == prof.name:
             nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes

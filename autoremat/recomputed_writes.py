@@ -16,6 +16,9 @@ writers into it) is read last at e and is not a graph output. The schedule's `st
 shared buffer for e and for every view of e (the simulator books no new bytes for it), and
 `Schedule.written` tells the graph pass (`passes/remat.split`) which entries to rewrite. Only the
 eager path: the profile lists no candidates for a graph Inductor compiles (it reuses buffers itself).
+
+`write_over_dying_input` decides the same per schedule for a backward op whose profile names an
+overwriting variant (`NodeProfile.overwrites`): the fused LM head's backward writes h's gradient over h.
 """
 
 from __future__ import annotations
@@ -74,4 +77,41 @@ def write_recomputed(nodes: dict[str, NodeProfile], backward: list[str], reads: 
     for e in backward:
         if root(e) != storage.get(e, nodes[base(e)].storage):
             storage[e] = root(e)
+    return written
+
+
+def write_over_dying_input(nodes: dict[str, NodeProfile], backward: list[str], reads: dict[str, tuple[str, ...]],
+                           storage: dict[str, str], held: set[str]) -> dict[str, str]:
+    """{output entry: the input entry it is written over} for backward ops with an overwriting variant.
+
+    `NodeProfile.overwrites` names such an op's output and the input its variant writes it over (the
+    fused LM head's backward writes h's gradient over h: passes/fused_linear_loss.py). Whether h dies
+    there depends on the plan (saved or recomputed, which copy it reads), so it is decided here: the
+    input's storage must belong to a value computed in this step (saved or recomputed), not be `held`,
+    and every value in it be read last at the op. `storage` is updated in place: the output lives in
+    the input's buffer (the simulator books no new bytes for it, nor for it in the op's outputs)."""
+    writers = [(i, e) for i, e in enumerate(backward) if nodes[base(e)].overwrites]
+    if not writers:
+        return {}
+
+    def inputs_of(e: str) -> tuple[str, ...]:
+        return reads.get(e, nodes[base(e)].inputs)
+
+    def root(e: str) -> str:
+        return storage.get(e, nodes[base(e)].storage)
+
+    last: dict[str, int] = {}
+    for i, e in enumerate(backward):
+        for a in inputs_of(e):
+            last[a] = i
+    written: dict[str, str] = {}
+    for i, e in writers:
+        out, over = nodes[base(e)].overwrites
+        u = inputs_of(e)[nodes[base(e)].inputs.index(over)]
+        r = root(u)
+        group = [w for w in {*last, *backward} if root(w) == r]
+        if (out not in backward or not r or nodes[base(r)].kind != "forward" or r in held
+                or any(w in held or last.get(w, -1) > i for w in group)):
+            continue
+        written[out], storage[out] = u, r
     return written

@@ -11,7 +11,8 @@ Nothing runs on a GPU: each step is captured on the meta device and timed by aut
   auto              autoremat.optimize(precision="auto"): fastest of fp32 / the joint ILP's dtypes / all-bf16
                     (on meta each call's error is bf16's unit roundoff; the tolerance is autocast's)
   autocast + ckpt   the graph precision="bf16" captures (autocast's policy: matmul-class calls in bf16, the
-                    calls autocast keeps in fp32 in fp32, attention as a GPU flash kernel runs it in bf16), planned
+                    calls autocast keeps in fp32 in fp32, attention as a GPU flash kernel runs it in bf16), one
+                    graph per block (regions=True: each gradient leaves as autograd computes it), planned
                     as checkpoint-every-block: heuristics.checkpoint_blocks saves each block's inputs (and
                     what may not be recomputed), every value inside a block is recomputed in its backward;
                     peak from the same simulator (memory.simulate), time = every op once + the recomputation.
@@ -77,11 +78,12 @@ def llama_7b():
 MODELS = {"gpt2-small": gpt2_small, "llama-7b": llama_7b}
 
 
-def optimize(model, inputs, budget: int, precision: str):
+def optimize(model, inputs, budget: int, precision: str, regions: bool | str = "auto"):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return autoremat.optimize(model, budget=budget, example_inputs=inputs, device=DEVICE, optimizer="adamw",
-                                  precision=precision, progress=False, compiler="eager", outputs=OUTPUTS)
+                                  precision=precision, progress=False, compiler="eager", outputs=OUTPUTS,
+                                  regions=regions)
 
 
 def floor(model, inputs, precision: str) -> dict:
@@ -93,9 +95,9 @@ def floor(model, inputs, precision: str) -> dict:
     raise SystemExit(f"{precision}: 1 GB fits; pick a larger model")
 
 
-def step(model, inputs, budget: int, precision: str) -> dict:
+def step(model, inputs, budget: int, precision: str, regions: bool | str = "auto") -> dict:
     try:
-        om = optimize(model, inputs, budget, precision)
+        om = optimize(model, inputs, budget, precision, regions)
     except autoremat.BudgetError:
         return {"fits": False}
     p = om.plan
@@ -123,7 +125,10 @@ def run_model(name: str, log, floors_only: bool = False) -> dict:
     t0 = time.perf_counter()
     floors = {m: floor(model, inputs, m) for m in MODES}
     log(f"{name}: floors " + ", ".join(f"{m} {f['total'] / GiB:.2f} GiB" for m, f in floors.items()))
-    bf16_all = step(model, inputs, HUGE, "bf16")
+    # One graph per block (regions=True), as the autocast row's eager autograd hands each gradient to
+    # AccumulateGrad as it is computed; regions="auto" keeps one graph where everything saved fits, and one
+    # graph returns every gradient at its end (a 7B Llama's 25 GiB of fp32 gradients held at once).
+    bf16_all = step(model, inputs, HUGE, "bf16", regions=True)
     ac = autocast_checkpoint(bf16_all[1])
     floors["autocast + ckpt"] = {k: ac[k] for k in ("total", "fixed", "activations")}
     log(f"{name}: autocast + ckpt {ac['total'] / GiB:.2f} GiB, {ac['time_s'] * 1e3:.1f} ms")
@@ -175,7 +180,8 @@ def markdown(results: dict) -> str:
              "How each row is made: see the docstring of benchmarks/precision_at_scale.py. The autocast + "
              "checkpoint row is the graph precision='bf16' captures (matmul-class calls in bf16, autocast's fp32 "
              "calls in fp32, attention as one fused op that keeps its output and logsumexp and recomputes the "
-             "scores in its backward, as GPU flash kernels do), with "
+             "scores in its backward, as GPU flash kernels do), one graph per block (each gradient leaves as it is "
+             "computed, as eager autograd's do), with "
              "heuristics.checkpoint_blocks's saved set (each block's inputs; every value inside a block recomputed "
              "in its backward), simulated by memory.simulate; its time is every op once plus that recomputation.",
              ""]

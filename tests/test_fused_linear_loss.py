@@ -5,9 +5,12 @@ import torch
 import torch.nn.functional as F
 
 import autoremat
+from autoremat.decision import evaluate
+from autoremat.measure import measure_peak
 from autoremat.passes import fused_linear_loss as fll
 from autoremat.passes import loss_chunks
 from tests.models import tiny_llama
+from tests.test_again import SEED_BYTES
 from tests.tolerances import assert_close_for, tol
 
 
@@ -88,3 +91,49 @@ def test_the_fused_head_lowers_a_bf16_llamas_floor_under_outputs_loss(monkeypatc
     # no bf16 logits (512 x 8192) nor their gradient, nor the weight's bf16 copy (8192 x 64) beside the
     # fp32 gradient; the op books its blocks (meta_scratch)
     assert plain - fused >= 512 * 8192 * 2, (plain, fused)
+
+
+def test_the_heads_backward_writes_hs_gradient_over_h_where_h_dies(monkeypatch):
+    """At a bf16 Llama's floor the LM head's backward holds h (the 16-bit hidden states) beside the dh it
+    writes; h is read by nothing after it, so the plan writes dh over h
+    (recomputed_writes.write_over_dying_input, linear_cross_entropy_backward_into_h)."""
+    model, ex = tiny_llama(vocab=512, d=64, seq=128, layers=2, intermediate=128, heads=2)
+    monkeypatch.setattr(loss_chunks, "CANDIDATES", (1,))
+    kw = dict(example_inputs=ex, precision="bf16", compiler="eager", outputs="loss", optimizer=None)
+
+    def floor() -> int:
+        with pytest.raises(autoremat.BudgetError) as err:
+            autoremat.optimize(model, budget=1024, verify=False, **kw)
+        return err.value.smallest_budget
+
+    def step(om):
+        model.zero_grad(set_to_none=True)
+        om(**ex).loss.backward()
+
+    def grads_and_peak(om):
+        step(om)
+        step(om)  # steady state: every .grad exists
+        grads = [p.grad.clone() for p in model.parameters()]
+        _, m = measure_peak(lambda: om(**ex).loss.backward(), baseline_objs=(model, ex))
+        return grads, m.peak_bytes
+
+    low = floor()
+    om = autoremat.optimize(model, budget=low, verify=False, **kw)
+    schedules = evaluate(om._planner.profiles, [set(g.saved) | set(g.again) for g in om.plan.graphs])[0]
+    written = {e: u for s in schedules for e, u in s.written.items()}
+    head = next(g for g in om._planner.profiles if any(p.overwrites for p in g.nodes.values()))
+    (out, h), = [p.overwrites for p in head.nodes.values() if p.overwrites]
+    assert written.get(out) is not None and head.nodes[h].dtype == "bfloat16", (written, out, h)
+    got, peak = grads_and_peak(om)
+    # measured at the predicted peak: the op ran as its overwriting variant (its own dh would be 16 KiB more)
+    assert abs(om.plan.predicted_peak - peak) <= SEED_BYTES, (om.plan.predicted_peak, peak)
+
+    monkeypatch.setattr(fll, "overwritable", lambda gm: {})
+    torch._dynamo.reset()
+    high = floor()
+    torch._dynamo.reset()
+    want, _ = grads_and_peak(autoremat.optimize(model, budget=high, verify=False, **kw))
+    # the same values, bit for bit: the same arithmetic, each chunk of h read before its rows are written
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # the floor is the head's backward: without the write it holds dh (128 x 64 bf16) beside h
+    assert high - low == 128 * 64 * 2, (high, low)

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.cuts import base as again_base
+from autoremat.passes import fused_linear_loss
 from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
@@ -43,6 +44,7 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
         # recomputed forward values written into a dying recomputed input (autoremat/recomputed_writes.py),
         # backward values into a dying backward input (reuse.py)
         write_into_dying(bw, {**schedule.written, **dying_inputs(joint)})
+        fused_linear_loss.write_gradient_into_h(bw, schedule.written)  # dh over h (recomputed_writes.py)
     return fw, bw
 
 
