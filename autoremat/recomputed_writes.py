@@ -88,8 +88,9 @@ def write_over_dying_input(nodes: dict[str, NodeProfile], backward: list[str], r
     fused LM head's backward writes h's gradient over h: passes/fused_linear_loss.py). Whether h dies
     there depends on the plan (saved or recomputed, which copy it reads), so it is decided here: the
     input's storage must belong to a value computed in this step (saved or recomputed), not be `held`,
-    and every value in it be read last at the op. `storage` is updated in place: the output lives in
-    the input's buffer (the simulator books no new bytes for it, nor for it in the op's outputs)."""
+    and every value in it be read last at the op. `storage` is updated in place: the output and its
+    views live in the input's buffer (the simulator books no new bytes for it, nor for it in the op's
+    outputs)."""
     writers = [(i, e) for i, e in enumerate(backward) if nodes[base(e)].overwrites]
     if not writers:
         return {}
@@ -114,4 +115,7 @@ def write_over_dying_input(nodes: dict[str, NodeProfile], backward: list[str], r
                 or any(w in held or last.get(w, -1) > i for w in group)):
             continue
         written[out], storage[out] = u, r
+        for w in backward:  # the output's views view the buffer it was written into
+            if w != out and w not in storage and nodes[base(w)].storage == out:
+                storage[w] = r
     return written
