@@ -31,6 +31,20 @@ if TYPE_CHECKING:  # annotations only
     from autoremat.profile import NodeProfile
 
 
+def _inputs_of(nodes: dict[str, NodeProfile], reads: dict[str, tuple[str, ...]], e: str) -> tuple[str, ...]:
+    """What schedule entry e reads: copies recomputed twice read copies (cuts.py)."""
+    return reads.get(e, nodes[base(e)].inputs)
+
+
+def _last_reads(nodes: dict[str, NodeProfile], backward: list[str], reads: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """{value: the position in `backward` of its last reader}."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(backward):
+        for a in _inputs_of(nodes, reads, e):
+            last[a] = i
+    return last
+
+
 def write_recomputed(nodes: dict[str, NodeProfile], backward: list[str], reads: dict[str, tuple[str, ...]],
                      storage: dict[str, str], recomputed: set[str], held: set[str]) -> dict[str, str]:
     """{entry: the recomputed entry it writes into} for the backward order `backward` (module docstring).
@@ -42,7 +56,7 @@ def write_recomputed(nodes: dict[str, NodeProfile], backward: list[str], reads: 
         return {}
 
     def inputs_of(e: str) -> tuple[str, ...]:
-        return reads.get(e, nodes[base(e)].inputs)
+        return _inputs_of(nodes, reads, e)
 
     moved: dict[str, str] = {}  # an entry that wrote into another's buffer -> that buffer
 
@@ -50,10 +64,7 @@ def write_recomputed(nodes: dict[str, NodeProfile], backward: list[str], reads: 
         s = storage.get(e, nodes[base(e)].storage)
         return moved.get(s, s)
 
-    last: dict[str, int] = {}
-    for i, e in enumerate(backward):
-        for a in inputs_of(e):
-            last[a] = i
+    last = _last_reads(nodes, backward, reads)
     members: dict[str, list[str]] = {}  # buffer -> the entries so far that live in it
     written: dict[str, str] = {}
     for i, e in enumerate(backward):
@@ -95,20 +106,14 @@ def write_over_dying_input(nodes: dict[str, NodeProfile], backward: list[str], r
     if not writers:
         return {}
 
-    def inputs_of(e: str) -> tuple[str, ...]:
-        return reads.get(e, nodes[base(e)].inputs)
-
     def root(e: str) -> str:
         return storage.get(e, nodes[base(e)].storage)
 
-    last: dict[str, int] = {}
-    for i, e in enumerate(backward):
-        for a in inputs_of(e):
-            last[a] = i
+    last = _last_reads(nodes, backward, reads)
     written: dict[str, str] = {}
     for i, e in writers:
         out, over = nodes[base(e)].overwrites
-        u = inputs_of(e)[nodes[base(e)].inputs.index(over)]
+        u = _inputs_of(nodes, reads, e)[nodes[base(e)].inputs.index(over)]
         r = root(u)
         group = [w for w in {*last, *backward} if root(w) == r]
         if (out not in backward or not r or nodes[base(r)].kind != "forward" or r in held
