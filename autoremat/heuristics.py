@@ -98,13 +98,16 @@ def _crossing(g: GraphProfile) -> set[str]:
     return out
 
 
-def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, deadline: float) -> list[Decision]:
-    """Plans that give each repeated block one of three modes, searched exhaustively over a family.
+def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int) -> list[Decision]:
+    """Plans that give each repeated block one of three modes, searched along a family's frontier.
 
     Modes: save everything the backward reads; recompute only what is cheap (save matmul-class outputs,
     as selective checkpointing does); recompute the whole block (checkpointing). Earlier blocks hold
     their activations longest, so the family is: the first k blocks checkpointed, the next j
-    selectively, the rest saved. Each candidate is simulated exactly; those that fit are returned.
+    selectively, the rest saved. Raising k or j lowers the peak and raises the recompute time, so
+    for each k only the smallest j that fits is wanted, and it is no larger than the last k's: a
+    staircase walk finds them in at most 3 (n + 1) simulations for n blocks (the whole family is
+    (n + 1)(n + 2) / 2). Each candidate is simulated exactly; those that fit are returned.
     """
     modes = []
     for g in graphs:
@@ -127,55 +130,73 @@ def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int, 
     n = max((len(order) for _, order, _ in modes), default=0)
     if n == 0:
         return []
-    found = []
+
+    def simulate(k: int, j: int) -> Decision | None:
+        saved = []
+        for base, order, per in modes:
+            plan = set(base)
+            for i, b in enumerate(order):
+                plan |= per[b]["checkpoint" if i < k else "selective" if i < k + j else "save"]
+            saved.append(plan)
+        try:
+            schedules, tl, cost = evaluate(graphs, saved, granularity)
+        except ValueError:
+            return None
+        if tl.peak > budget:
+            return None
+        return Decision(saved, schedules, tl, cost, "heuristic", f"block-modes(checkpoint {k}, selective {j})")
+
+    found, top = [], n
     for k in range(n + 1):
-        for j in range(n - k + 1):
-            if time.perf_counter() > deadline:
-                return found
-            saved = []
-            for base, order, per in modes:
-                plan = set(base)
-                for i, b in enumerate(order):
-                    plan |= per[b]["checkpoint" if i < k else "selective" if i < k + j else "save"]
-                saved.append(plan)
-            try:
-                schedules, tl, cost = evaluate(graphs, saved, granularity)
-            except ValueError:
-                continue
-            if tl.peak <= budget:
-                found.append(Decision(saved, schedules, tl, cost, "heuristic",
-                                      f"block-modes(checkpoint {k}, selective {j})"))
+        j, cheapest = min(top, n - k), None
+        while j >= 0 and (fits := simulate(k, j)) is not None:
+            cheapest, top, j = fits, j, j - 1
+        if cheapest is not None:
+            found.append(cheapest)
     return found
 
 
-def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granularity: int, deadline: float) -> Decision:
+# `spend_slack`'s simulations of the whole step: a count, not a deadline, bounds it (0.09 s each on a
+# 7B Llama's 34 graphs; 32 at most there), so one request gets one plan on any machine at any load.
+SLACK_TRIES = 32
+
+
+def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granularity: int,
+                max_tries: int = SLACK_TRIES) -> Decision:
     """`plan` with recomputed values saved back, while the simulated peak still fits `budget`.
 
     A plan from a heuristic (or an ILP whose rows were pessimistic) can leave budget unused; each
-    byte of it may buy back recomputation. Values are tried most recompute seconds per byte first,
-    only those that fit in what is left, each kept if the simulated peak fits and the predicted
-    recompute time falls. Stops at `deadline` (each try simulates the whole step).
+    byte of it may buy back recomputation. Values are ranked most recompute seconds per byte first
+    (the knapsack order) and tried in groups: all of them at once first, since most values are not
+    live at the peak and cost nothing there; a group is kept whole if the simulated peak fits and the
+    predicted recompute time falls, else it is halved and each half tried in rank order. Values
+    larger than what is left are dropped from a group before it is tried. At most `max_tries`
+    simulations of the whole step.
     """
-    candidates = []
+    ranked = []
     for gi, (g, schedule) in enumerate(zip(graphs, plan.schedules)):
         for v in schedule.recomputed:
             p = g.nodes[v]
             if p.time_s > 0 and p.nbytes and not p.is_tuple:
-                candidates.append((p.time_s, gi, v))
-    best, tried = plan, 0
-    for _, gi, v in sorted(candidates, reverse=True):
-        if time.perf_counter() > deadline or best.recompute_time_s == 0:
-            break
-        if graphs[gi].nodes[v].nbytes > budget - best.peak:
+                ranked.append((-p.time_s / p.nbytes, gi, v))
+    ranked.sort()
+    best, tries = plan, 0
+    groups = [[(gi, v) for _, gi, v in ranked]]  # a stack: the next group to try is the last
+    while groups and tries < max_tries and best.recompute_time_s > 0:
+        group = [(gi, v) for gi, v in groups.pop() if graphs[gi].nodes[v].nbytes <= budget - best.peak]
+        if not group:
             continue
-        tried += 1
-        trial = _with_saved(graphs, best, gi, v, granularity)
+        tries += 1
+        trial = _with_saved(graphs, best, group, granularity)
         if trial is not None and trial.peak <= budget and trial.recompute_time_s < best.recompute_time_s:
             best = trial
+        elif len(group) > 1:
+            half = len(group) // 2
+            groups += [group[half:], group[:half]]  # the higher-ranked half is tried first
     if best is not plan:
         best = dataclasses.replace(best, path=plan.path + "+slack-spent", notes=[*plan.notes, (
             f"saved back recomputed values into the {budget - plan.peak:,} B the plan left unused "
-            f"({tried} tried): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
+            f"({tries} simulations): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
             f"{best.recompute_time_s * 1e3:.2f} ms")])
     return best
 
@@ -208,7 +229,7 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             if tries >= max_tries:
                 break
             tries += 1
-            trial = _with_saved(graphs, best, at, v, granularity)
+            trial = _with_saved(graphs, best, [(at, v)], granularity)
             key = (trial.peak, trial.recompute_time_s) if trial is not None else None
             if key is not None and key < (best.peak, best.recompute_time_s) and (
                     found is None or key < (found.peak, found.recompute_time_s)):
@@ -219,10 +240,12 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
     return best if best is plan else dataclasses.replace(best, path=plan.path + "+peak-lowered")
 
 
-def _with_saved(graphs: list[GraphProfile], plan: Decision, gi: int, v: str, granularity: int) -> Decision | None:
-    """`plan` with value `v` of graph position `gi` saved too, simulated; None if no schedule runs it."""
+def _with_saved(graphs: list[GraphProfile], plan: Decision, values: list[tuple[int, str]],
+                granularity: int) -> Decision | None:
+    """`plan` with `values` ((graph position, name) pairs) saved too, simulated; None if no schedule runs it."""
     saved = [set(s) for s in plan.saved]
-    saved[gi].add(v)
+    for gi, v in values:
+        saved[gi].add(v)
     try:
         schedules, tl, cost = evaluate(graphs, saved, granularity)
     except ValueError:

@@ -44,9 +44,6 @@ DEFAULT_GAP = 0.01
 # the MIP solver cost time of their own (about a fifth of a solve on a GPT-2-small graph), so stop
 # starting early enough to end near the limit.
 SOLVE_SHARE = 0.85
-# Share of `time_limit` the per-block mode search may use: it is cheap, and its plan is one for the
-# ILP to beat, so most of the time is left to the ILP.
-BLOCK_MODES_SHARE = 1 / 8
 # Share of the time left that one MIP may use: the rest covers PuLP handing the model over (outside
 # the solver's own limit) and the calibration rounds after it.
 MIP_SHARE = 0.7
@@ -175,7 +172,7 @@ def solve(
     deadline = t0 + SOLVE_SHARE * time_limit
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
     # and the answer when the ILP runs out of time on a large graph.
-    found = block_mode_plans(graphs, budget, granularity, t0 + BLOCK_MODES_SHARE * time_limit)
+    found = block_mode_plans(graphs, budget, granularity)
     models = []
     # The full model first (with chained running sums it solves a 48-block stack in seconds), then
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
@@ -196,7 +193,7 @@ def solve(
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
     if best is not None and best.peak < budget and best.recompute_time_s > 0:
-        best = spend_slack(graphs, best, budget, granularity, t0 + time_limit)
+        best = spend_slack(graphs, best, budget, granularity)
     if best is None:
         smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
                                  models=models)

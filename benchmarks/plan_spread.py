@@ -3,9 +3,10 @@
     python benchmarks/plan_spread.py                    # 7B Llama, bf16, outputs="loss", 102.98 GiB, 3 repeats
     python benchmarks/plan_spread.py --repeats 5 --budget 111712037893
 
-Planning at a 7B Llama's scale is bounded by wall-clock deadlines (solver.py: `time_limit`, the block-mode
-search's share, `heuristics.spend_slack`'s deadline), so two identical requests can stop at different plans.
-This measures that spread, the noise under which precision_at_scale.py's rows are compared. Each request is
+Planning at a 7B Llama's scale stops the ILP at wall-clock limits (solver.py: `time_limit`); the heuristics'
+searches (`heuristics.block_mode_plans`, `heuristics.spend_slack`) are bounded by counts of simulations, so
+where the ILP finds no plan the answer is the same on every request. This measures the spread of identical
+requests, the noise under which precision_at_scale.py's rows are compared. Each request is
 `precision_at_scale.step` (meta device, H100 roofline, AdamW, the loss in 16 chunks, compiler="eager").
 Writes benchmarks/results/plan_spread_llama.md.
 """

@@ -109,7 +109,7 @@ def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch):
     hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
     budget = solver.evaluate([gp], solver.greedy([gp], 0))[1].peak
     assert budget < hi, "greedy should lower this graph's peak"
-    assert solver.block_mode_plans([gp], 10**12, 1, float("inf")) == []  # nothing repeated to choose modes for
+    assert solver.block_mode_plans([gp], 10**12, 1) == []  # nothing repeated to choose modes for
     _no_ilp(monkeypatch)
     d = solver.solve([gp], budget)
     assert d.path == "greedy" and d.status == "greedy", (d.status, d.path)
@@ -258,10 +258,10 @@ def test_saving_values_back_lowers_checkpointings_peak_and_spends_slack_on_time(
     schedules, tl, cost = solver.evaluate([gp], lowered.saved)  # the plan is what the simulator says it is
     assert (tl.peak, cost) == (lowered.peak, lowered.recompute_time_s)
 
-    spent = solver.spend_slack([gp], plan, plan.peak + (plan.peak - lowered.peak), 1, float("inf"))
+    spent = solver.spend_slack([gp], plan, plan.peak + (plan.peak - lowered.peak), 1)
     assert spent.recompute_time_s < plan.recompute_time_s and spent.peak <= plan.peak + (plan.peak - lowered.peak)
     assert "+slack-spent" in spent.path and any("saved back" in n for n in spent.notes), spent.notes
-    assert solver.spend_slack([gp], plan, plan.peak, 1, float("inf")) is plan  # no slack: nothing to spend
+    assert solver.spend_slack([gp], plan, plan.peak, 1) is plan  # no slack: nothing to spend
 
 
 def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monkeypatch):
@@ -297,3 +297,36 @@ def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept():
     checkpointing = solver.Decision(solver.checkpoint_blocks([gp]), *blocks, "heuristic", "checkpoint-blocks")
     assert floor.peak <= solver.lower_peak([gp], checkpointing, 1).peak
     assert solver.evaluate([gp], floor.saved)[1].peak == floor.peak
+
+
+def test_the_heuristics_plans_do_not_depend_on_the_clock(monkeypatch):
+    """`block_mode_plans` and `spend_slack` are bounded by counts of simulations, not by deadlines: on a
+    machine so slow that every clock reading is an hour later, they return the plans they return at
+    full speed (at a 7B Llama's scale the ILP finds no plan, so these searches are the answer there),
+    and the block-mode walk simulates at most 3 (n + 1) of the family's (n + 1)(n + 2) / 2 members."""
+    model, ex = models.transformer_stack(n_layer=6, d=64, seq=32, batch=2, dropout=0.0)
+    (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
+    gp = profile_graph(cg, "cpu")
+    hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
+    lo = solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak
+    budget = (hi + lo) // 2
+    heuristics = importlib.import_module("autoremat.heuristics")
+    simulations = []
+    evaluate = heuristics.evaluate
+    monkeypatch.setattr(heuristics, "evaluate", lambda *a, **k: simulations.append(1) or evaluate(*a, **k))
+
+    def plans():
+        simulations.clear()
+        modes = heuristics.block_mode_plans([gp], budget, 1)
+        walked = len(simulations)
+        best = min(modes, key=lambda d: (d.recompute_time_s, d.peak))
+        spent = heuristics.spend_slack([gp], best, budget, 1)
+        return [(d.path, d.saved) for d in modes], (spent.path, spent.saved, spent.recompute_time_s), walked, best
+
+    fast = plans()
+    clock = iter(range(0, 10**9, 3600))
+    monkeypatch.setattr(heuristics.time, "perf_counter", lambda: float(next(clock)))
+    assert plans()[:3] == fast[:3]
+    modes, spent, walked, best = fast
+    assert len(modes) >= 2 and walked <= 3 * (6 + 1), (modes, walked)
+    assert "+slack-spent" in spent[0] and spent[2] < best.recompute_time_s, (spent[0], best.path)
