@@ -206,8 +206,10 @@ def test_a_real_tiny_time_limit_still_gives_a_plan_that_fits_and_says_how():
     lo = solver.smallest_peak([gp]).peak
     d = solver.solve([gp], (hi + lo) // 2, solver="cbc", time_limit=0.05)
     assert d.peak <= (hi + lo) // 2
-    # Which path depends on the machine's speed; each is named.
-    assert d.status in ("optimal", "time_limit", "greedy") or "smallest-peak" in " ".join(d.notes), d
+    # Which path depends on the machine's speed; each is named. The block-mode walk is bounded by a count
+    # of simulations, not by the time limit, so its plan is always in hand for the ILP to beat.
+    assert d.status in ("optimal", "time_limit", "greedy") or d.path.startswith("block-modes(") \
+        or "smallest-peak" in " ".join(d.notes), d
 
 
 DETERMINISM = textwrap.dedent("""
