@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoremat
-from autoremat import solver
+from autoremat import heuristics, solver
 from autoremat.capture import capture
 from autoremat.plan import Ledger, build_plan
 from autoremat.profile import profile_graph
@@ -312,7 +312,6 @@ def test_the_heuristics_plans_do_not_depend_on_the_clock(monkeypatch):
     hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
     lo = solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak
     budget = (hi + lo) // 2
-    heuristics = importlib.import_module("autoremat.heuristics")
     simulations = []
     evaluate = heuristics.evaluate
     monkeypatch.setattr(heuristics, "evaluate", lambda *a, **k: simulations.append(1) or evaluate(*a, **k))
