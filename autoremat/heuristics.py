@@ -2,14 +2,15 @@
 
 `save_all` recomputes nothing. `checkpoint_blocks` saves only what crosses a repeated block
 (checkpointing), `block_mode_plans` searches a family of per-block modes (save / selective /
-checkpoint), and `greedy` turns saved values into recomputed ones while the simulated peak shrinks. The ILP (solver.py) starts from these and must beat them.
-`spend_slack` goes the other way: it saves recomputed values back while the plan still fits.
+checkpoint), and `greedy` turns saved values into recomputed ones while the simulated peak shrinks.
+The ILP (solver.py) starts from these and must beat them. `spend_slack` goes the other way: it saves
+recomputed values back while the plan still fits. Every search here is bounded by a count of
+simulations, never by the clock, so one request gets one plan however loaded the machine is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from autoremat.decision import Decision, evaluate
 from autoremat.lifetimes import lifetimes
@@ -27,14 +28,13 @@ def save_all_peak(graphs: list[GraphProfile], granularity: int = 1) -> int:
     return evaluate(graphs, save_all(graphs), granularity)[1].peak
 
 
-def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300,
-           deadline: float | None = None) -> list[set[str]]:
+def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300) -> list[set[str]]:
     """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.
 
     Starts from saving everything and turns saved values into recomputed ones, one at a time,
     largest bytes per second of recompute first, keeping a change only if the simulated peak does
-    not grow. Stops as soon as the peak fits, after `max_tries` changes, or at `deadline`
-    (time.perf_counter(); each try simulates the whole step, 0.15 s on a 7B graph).
+    not grow. Stops as soon as the peak fits or after `max_tries` changes: a count, not a deadline,
+    so a slower machine finds the same plan (each try simulates the whole step, 0.09 s on a 7B graph).
     """
     saved = save_all(graphs)
     _, tl, _ = evaluate(graphs, saved, granularity)
@@ -46,7 +46,7 @@ def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tr
             if not p.recompute_ban and p.nbytes:
                 candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
     for tries, (_, gi, v) in enumerate(sorted(candidates, reverse=True)):
-        if peak <= budget or tries >= max_tries or (deadline is not None and time.perf_counter() > deadline):
+        if peak <= budget or tries >= max_tries:
             break
         trial = [set(s) for s in saved]
         trial[gi].discard(v)

@@ -187,7 +187,7 @@ def solve(
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
     status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
     if best is None:
-        saved = greedy(graphs, budget, granularity, deadline=t0 + time_limit)
+        saved = greedy(graphs, budget, granularity)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= budget:
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
@@ -230,7 +230,7 @@ def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_
         return model.solve(budget + offset, backend)
 
 
-# The smallest-peak plan found so far for each step, by its graphs' structure. The searches in
+# The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in
 # `smallest_peak` stop on time, so a later call on a busier machine can find a worse plan than the one
 # whose peak a BudgetError reported, and planning at exactly that floor would then be refused (seen: a
 # 2-layer bf16 Llama's floor query said 2,193,604 B; optimize at that budget found 2,263,236 B at best).
@@ -278,7 +278,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
-    options.append((greedy(graphs, 0, granularity, max_tries=MIN_PEAK_GREEDY_TRIES, deadline=start + time_limit), "greedy"))
+    options.append((greedy(graphs, 0, granularity, max_tries=MIN_PEAK_GREEDY_TRIES), "greedy"))
     key = _floor_key(graphs, granularity)
     remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
     if remembered is not None:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -302,8 +303,8 @@ def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept():
 
 
 def test_the_heuristics_plans_do_not_depend_on_the_clock(monkeypatch):
-    """`block_mode_plans` and `spend_slack` are bounded by counts of simulations, not by deadlines: on a
-    machine so slow that every clock reading is an hour later, they return the plans they return at
+    """`block_mode_plans`, `spend_slack` and `greedy` are bounded by counts of simulations, not by deadlines:
+    on a machine so slow that every clock reading is an hour later, they return the plans they return at
     full speed (at a 7B Llama's scale the ILP finds no plan, so these searches are the answer there),
     and the block-mode walk simulates at most 3 (n + 1) of the family's (n + 1)(n + 2) / 2 members."""
     model, ex = models.transformer_stack(n_layer=6, d=64, seq=32, batch=2, dropout=0.0)
@@ -322,12 +323,15 @@ def test_the_heuristics_plans_do_not_depend_on_the_clock(monkeypatch):
         walked = len(simulations)
         best = min(modes, key=lambda d: (d.recompute_time_s, d.peak))
         spent = heuristics.spend_slack([gp], best, budget, 1)
-        return [(d.path, d.saved) for d in modes], (spent.path, spent.saved, spent.recompute_time_s), walked, best
+        greedy = heuristics.greedy([gp], lo, 1, max_tries=20)
+        return [(d.path, d.saved) for d in modes], (spent.path, spent.saved, spent.recompute_time_s), walked, \
+            greedy, best
 
     fast = plans()
     clock = iter(range(0, 10**9, 3600))
-    monkeypatch.setattr(heuristics.time, "perf_counter", lambda: float(next(clock)))
-    assert plans()[:3] == fast[:3]
-    modes, spent, walked, best = fast
+    monkeypatch.setattr(time, "perf_counter", lambda: float(next(clock)))
+    assert plans()[:4] == fast[:4]
+    modes, spent, walked, greedy, best = fast
+    assert greedy != solver.save_all([gp]), "greedy recomputed nothing: the comparison shows nothing"
     assert len(modes) >= 2 and walked <= 3 * (6 + 1), (modes, walked)
     assert "+slack-spent" in spent[0] and spent[2] < best.recompute_time_s, (spent[0], best.path)
