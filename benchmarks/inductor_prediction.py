@@ -95,7 +95,7 @@ def main() -> None:
             if cfg["name"] not in a.models.split(","):
                 continue
             bench = _Bench(cfg)
-            lo, hi, _ = speed.limits(bench)
+            lo, hi, _ = speed.limits(bench, "all")  # row() plans with optimize's default outputs="all"
             for point, budget in (("smallest", lo), ("middle", (lo + hi) // 2), ("top", hi)):
                 try:
                     r = row(bench, int(budget))
