@@ -22,6 +22,7 @@ import time
 import floor
 import remat_vs_peers as peers
 import torch
+from paired import paired_times
 
 from autoremat.measure import measure_peak
 
@@ -30,15 +31,8 @@ PAIRS = 21
 
 def ratio_to_eager(bench: peers.Bench, step) -> float:
     """Median over PAIRS of (step / the eager step just before it), as floor.py's rows."""
-    ratios = []
-    for _ in range(PAIRS):
-        t0 = time.perf_counter()
-        bench.eager_step()
-        t1 = time.perf_counter()
-        step()
-        t2 = time.perf_counter()
-        ratios.append((t2 - t1) / (t1 - t0))
-    return statistics.median(ratios)
+    rt, et = paired_times(bench.eager_step, step, PAIRS, lambda: peers.sync(bench.device))
+    return statistics.median(r / e for r, e in zip(rt, et))
 
 
 def models(bench: peers.Bench, budget: int) -> tuple[tuple, object, object]:

@@ -252,6 +252,7 @@ def head_to_head(bench: peers.Bench, budget: int, n: int) -> dict:
         ckpt_step = peers.make_step(ckpt_model, bench.args, bench.kwargs)
         ar_step = peers.make_step(ar, bench.args, bench.kwargs)
         ckpt_step(), ar_step()  # warm-up: every .grad exists from now on
+
         def timed(step) -> float:  # seconds of one step, right after an untimed one of the same model
             return paired_times(step, step, 1, lambda: peers.sync(bench.device))[0][0]
 
