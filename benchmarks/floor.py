@@ -33,7 +33,6 @@ import functools
 import gc
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ import remat_vs_peers as peers  # its row builders, step helpers and Bench (mode
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from paired import paired_times
+from paired import head_to_head, paired_times
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -238,12 +237,10 @@ def floor_row(bench: peers.Bench) -> dict:
     return row
 
 
-def head_to_head(bench: peers.Bench, budget: int, n: int) -> dict:
+def time_against_checkpoint(bench: peers.Bench, budget: int, n: int) -> dict:
     """The time goal measured directly: autoremat at checkpoint's peak against checkpoint-every-block, in
-    pairs, their order alternating from pair to pair. Each timed step runs right after an untimed step of the
-    same model, as in a training loop (the allocator and caches in the state that model's own step leaves),
-    and no eager step runs between them: the two rows' ratios to eager each carry the eager step's own noise,
-    this ratio does not. Returns a row of method "head-to-head" (not a table row: goals() reads it)."""
+    `n` alternating pairs (paired.head_to_head). Returns a row of method "head-to-head" (not a table row:
+    goals() reads it)."""
     row = dict(model=bench.cfg["name"], method="head-to-head", setting="autoremat @ checkpoint / checkpoint")
     t0 = time.perf_counter()
     try:
@@ -252,22 +249,7 @@ def head_to_head(bench: peers.Bench, budget: int, n: int) -> dict:
         ckpt_step = peers.make_step(ckpt_model, bench.args, bench.kwargs)
         ar_step = peers.make_step(ar, bench.args, bench.kwargs)
         ckpt_step(), ar_step()  # warm-up: every .grad exists from now on
-
-        def timed(step) -> float:  # seconds of one step, right after an untimed one of the same model
-            return paired_times(step, step, 1, lambda: peers.sync(bench.device))[0][0]
-
-        ratios = []
-        for i in range(n):
-            if i % 2 == 0:
-                t_ckpt = timed(ckpt_step)
-                t_ar = timed(ar_step)
-            else:
-                t_ar = timed(ar_step)
-                t_ckpt = timed(ckpt_step)
-            ratios.append(t_ar / t_ckpt)
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        row.update(status="ok", ratios=ratios, ratio=statistics.median(ratios), noise=(q3 - q1) / 2,
-                   interval=bootstrap_median_interval(ratios))
+        row.update(status="ok", **head_to_head(ar_step, ckpt_step, n, lambda: peers.sync(bench.device)))
     except Exception as e:  # noqa: BLE001 - reported in the goal line
         row.update(error_fields(e))
     finally:
@@ -278,14 +260,6 @@ def head_to_head(bench: peers.Bench, budget: int, n: int) -> dict:
         print(f"  head-to-head: autoremat / checkpoint = {row['ratio']:.3f} ± {row['noise']:.3f}, 90% interval of "
               f"the median {row['interval'][0]:.3f}-{row['interval'][1]:.3f} ({row['row_wall_s']:.0f}s)", flush=True)
     return row
-
-
-def bootstrap_median_interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """The 5th and 95th percentiles of the median over resamples of `ratios` (with replacement): how far the
-    median itself could move on another run of as many pairs, unlike the spread of single pairs."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
-    return medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
 
 
 def fp64_rounding(bench: peers.Bench) -> float | None:
@@ -324,7 +298,7 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
             rows.append(run_row(bench, "autoremat", "Inductor @ checkpoint",
                                 peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS, compiler="auto")))
         if rows[-1]["status"] == "ok":
-            rows.append(head_to_head(bench, ckpt["steady_peak"], 2 * n_steps + 1))
+            rows.append(time_against_checkpoint(bench, ckpt["steady_peak"], 2 * n_steps + 1))
     else:
         rows.append(dict(model=cfg["name"], method="autoremat", setting="@ checkpoint",
                          status="not run: the checkpoint row failed"))

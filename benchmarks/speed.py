@@ -25,7 +25,10 @@ the error column says how far the compiled step's gradients are from eager's, no
 off the error is rounding only and the time comparison is like for like.
 
 Goal checked: at every memory level autoremat's step time is at most that of every Inductor row whose
-measured peak is at or below it (per model and dropout setting).
+measured peak is at or below it (per model and dropout setting). Each such pair, and each at-peer row
+with its Inductor row, is timed head-to-head after the rows (paired.head_to_head: alternating pairs, no
+eager step between, a 90% bootstrap interval of the median ratio); the two rows' ratios to eager were
+taken minutes apart and drift (benchmarks/drift.py), so they are context only.
 
     python benchmarks/speed.py            # ~30 min on a 2-core CPU (Inductor compiles every row)
     python benchmarks/speed.py --quick    # smaller models
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -50,22 +54,26 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))  # for `examples`
 
-from remat_vs_peers import (  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
+from paired import head_to_head  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
+from remat_vs_peers import (  # noqa: E402
     Bench,
     MiB,
     eager_build,
     git_state,
-    goal_check,
     loss_of,
+    make_step,
+    sync,
     table,
     timing_noise,
 )
 
 import autoremat  # noqa: E402
 from autoremat.ledger import Ledger  # noqa: E402
+from autoremat.measure import measure_peak  # noqa: E402
 from examples.models import gpt2, transformer_stack  # noqa: E402
 
 AMB = (1.0, 0.5, 0.1)
+AT_PEER, GRID = "autoremat-inductor @ peer", "autoremat-inductor grid"
 
 
 def configs(quick: bool, dropout: float) -> list[dict]:
@@ -101,17 +109,21 @@ def inductor_build(b: float, args: tuple, kwargs: dict):
     return build
 
 
-def ar_build(budget: int, ex, regions: bool | str = "auto", outputs: str = "all"):
+def ar_build(budget: int, ex, regions: bool | str = "auto", outputs: str = "all", plan=None, reset: bool = True):
+    """autoremat with Inductor at `budget`; with `plan`, that plan applied again (no solve). The row's
+    "_plan" is the plan it ran: the head-to-head phase rebuilds the same program from it, with reset=False
+    so that the Inductor model it is timed against keeps its compiled code."""
     def build(model):
-        torch._dynamo.reset()
+        if reset:
+            torch._dynamo.reset()
         om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, compiler="inductor",
-                                progress=False, regions=regions, outputs=outputs)
+                                progress=False, regions=regions, outputs=outputs, plan=plan)
         p = om.plan
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     predicted_overhead=p.overhead, num_graphs=om.num_graphs, regions=p.regions,
                     solver_status=p.solver.get("status"),
                     planning_s=p.compiler.get("planning_s"), compile_s=p.compiler.get("inductor_compile_s"),
-                    verify_notes=[n for n in p.notes if "verified" in n or "re-planned" in n])
+                    verify_notes=[n for n in p.notes if "verified" in n or "re-planned" in n], _plan=p)
         return om, info
     build.budget = int(budget)
     return build
@@ -139,8 +151,9 @@ CUT = "ablation: autoremat-inductor @ peer, regions=True"  # always one graph pe
 CUT_ROOMY = "ablation: autoremat-inductor, no limit, regions=True"
 
 
-def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log, with_cut: bool = False
-                ) -> tuple[list[dict], dict]:
+def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, n_pairs: int, log, with_cut: bool = False
+                ) -> tuple[list[dict], dict, list[dict]]:
+    """The rows of one model and dropout setting, its autoremat limits, and its head-to-head comparisons."""
     log(f"== {cfg['name']} ({tag}): {cfg['kwargs']}")
     bench = Bench(cfg, torch.device("cpu"), n_steps, log)
     extra = {"dropout": tag}
@@ -153,7 +166,7 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log, with_cut: b
     for p in list(rows):
         if p["method"] == "inductor" and p["status"] == "ok":
             budget = p["measured_peak"]
-            rows.append(bench.run_row("autoremat-inductor @ peer", f"{p['setting']}: {budget / MiB:.2f} MiB",
+            rows.append(bench.run_row(AT_PEER, f"{p['setting']}: {budget / MiB:.2f} MiB",
                                       ar_build(budget, bench.ex, outputs=out), extra))
             if with_cut:
                 rows.append(bench.run_row(CUT, f"{p['setting']}: {budget / MiB:.2f} MiB",
@@ -167,11 +180,96 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, log, with_cut: b
     for i in range(n_grid):
         budget = int(lo + (hi - lo) * i / (n_grid - 1)) if n_grid > 1 else hi
         retry = (lambda b: ar_build(b, bench.ex, outputs=out)) if i == 0 else None
-        rows.append(bench.run_row("autoremat-inductor grid", f"{i}: {budget / MiB:.2f} MiB",
+        rows.append(bench.run_row(GRID, f"{i}: {budget / MiB:.2f} MiB",
                                   ar_build(budget, bench.ex, outputs=out), extra, retry=retry))
     for r in rows:  # the goal compares within one model and dropout setting
         r["model"] = f"{cfg['name']} ({tag})"
-    return rows, {"smallest": lo, "no_recompute": hi, "fixed": fixed}
+    plans = {i: r.pop("_plan") for i, r in enumerate(rows) if "_plan" in r}  # a Plan: not for the JSON
+    log(f"  head-to-head, {n_pairs} pairs each:")
+    pairs = time_head_to_head(bench, rows, plans, out, n_pairs, log)
+    return rows, {"smallest": lo, "no_recompute": hi, "fixed": fixed}, pairs
+
+
+def comparisons(rows: list[dict]) -> dict[int, list[int]]:
+    """Inductor row index -> the autoremat rows to time against it head-to-head: each at-peer row against the
+    row whose peak it was planned at (the equal-memory table), and every pair the goal compares (an
+    autoremat row and an Inductor row whose measured peak is at or below it)."""
+    ok = [i for i, r in enumerate(rows) if r["status"] == "ok"]
+    out: dict[int, list[int]] = {}
+    for p in (i for i in ok if rows[i]["method"] == "inductor"):
+        for a in (i for i in ok if rows[i]["method"] in (AT_PEER, GRID)):
+            at_peer = rows[a]["method"] == AT_PEER and rows[a]["setting"].split(":")[0] == rows[p]["setting"]
+            if at_peer or rows[p]["measured_peak"] <= rows[a]["measured_peak"]:
+                out.setdefault(p, []).append(a)
+    return out
+
+
+def compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def same_program(bench: Bench, step, model, row: dict) -> None:
+    """The rebuilt model must be the program its row measured: the same peak (within 1%), or no comparison."""
+    _, m = measure_peak(step, device=bench.device, baseline_objs=(model, bench.ex))
+    if abs(m.peak_bytes - row["measured_peak"]) > 0.01 * row["measured_peak"]:
+        raise RuntimeError(f"rebuilt {row['method']} {row['setting']} peaks at {m.peak_bytes / MiB:.2f} MiB, its row "
+                           f"at {row['measured_peak'] / MiB:.2f} MiB: not the program the row measured")
+
+
+def time_head_to_head(bench: Bench, rows: list[dict], plans: dict[int, object], outputs: str, n: int,
+                      log) -> list[dict]:
+    """Each comparison timed directly (paired.head_to_head), not through two ratios to eager taken minutes
+    apart (benchmarks/drift.py: such ratios drift). Each Inductor row is compiled again under its budget and
+    each autoremat row rebuilt from its plan; both must measure their row's peak again, and nothing may
+    compile while they are timed."""
+    out = []
+    for p, ars in comparisons(rows).items():
+        peer = rows[p]
+        amb = float(peer["setting"].removeprefix("amb="))
+        torch._dynamo.reset()
+        p_model = p_step = None
+        try:
+            p_model, _ = inductor_build(amb, bench.args, bench.kwargs)(bench.fresh())
+            p_step = make_step(p_model, bench.args, bench.kwargs)
+            same_program(bench, p_step, p_model, peer)
+            peer_error = None
+        except Exception as e:  # noqa: BLE001 - reported on each of its comparisons
+            peer_error = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        for a in ars:
+            r = rows[a]
+            res = dict(model=r["model"], autoremat_row=[r["method"], r["setting"]], inductor_row=peer["setting"],
+                       status=peer_error)
+            t0 = time.perf_counter()
+            a_model = a_step = None
+            try:
+                if peer_error is None:
+                    a_model, _ = ar_build(r["budget"], bench.ex, outputs=outputs, plan=plans[a],
+                                          reset=False)(bench.fresh())
+                    a_step = make_step(a_model, bench.args, bench.kwargs)
+                    a_step()  # as in its row: measured with every .grad already allocated
+                    same_program(bench, a_step, a_model, r)
+                    with torch._functorch.config.patch(activation_memory_budget=amb):
+                        p_step()  # had anything reset the peer's code, it compiles again under its own budget
+                    before = compiled_graphs()
+                    res.update(head_to_head(a_step, p_step, n, lambda: sync(bench.device)), status="ok")
+                    if compiled_graphs() != before:
+                        raise RuntimeError("a graph was compiled while the pair was timed")
+            except Exception as e:  # noqa: BLE001 - a failing comparison is reported, not fatal
+                res["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            finally:
+                a_model = a_step = None
+                gc.collect()
+            res["wall_s"] = time.perf_counter() - t0
+            if res["status"] == "ok":
+                log(f"  head-to-head {r['method']} {r['setting']} / inductor {peer['setting']}: {res['ratio']:.3f} "
+                    f"(90% {res['interval'][0]:.3f}-{res['interval'][1]:.3f}, {res['wall_s']:.0f}s)")
+            else:
+                log(f"  head-to-head {r['method']} {r['setting']} / inductor {peer['setting']}: {res['status']}")
+            out.append(res)
+        p_model = p_step = None
+        gc.collect()
+        torch._dynamo.reset()
+    return out
 
 
 def ratio_spread(a: dict, b: dict) -> tuple[float, float]:
@@ -187,26 +285,77 @@ def ratio_spread(a: dict, b: dict) -> tuple[float, float]:
     return statistics.median(ra) / statistics.median(rb), half_spread(ra) + half_spread(rb)
 
 
-def equal_memory_lines(rows: list[dict]) -> str:
+def find_pair(pairs: list[dict], r: dict, peer: dict) -> dict | None:
+    return next((c for c in pairs if c["model"] == r["model"] and c["autoremat_row"] == [r["method"], r["setting"]]
+                 and c["inductor_row"] == peer["setting"]), None)
+
+
+def h2h_cells(c: dict | None) -> str:
+    """The head-to-head ratio and its 90% interval, as two table cells."""
+    if c is None:
+        return "not timed | "
+    if c["status"] != "ok":
+        return f"{c['status']} | "
+    return f"{c['ratio']:.3f} ({len(c['ratios'])} pairs) | {c['interval'][0]:.3f}-{c['interval'][1]:.3f}"
+
+
+def equal_memory_lines(rows: list[dict], pairs: list[dict]) -> str:
     """Each autoremat row planned at an Inductor row's measured peak, against that row."""
-    out = ["| model | Inductor row | its peak (MiB) | its time vs eager | autoremat row | graphs | autoremat peak (MiB) | "
-           "autoremat time vs eager | autoremat / Inductor time (paired) | noise |", "|---" * 10 + "|"]
+    out = ["| model | Inductor row | its peak (MiB) | autoremat row | graphs | autoremat peak (MiB) | "
+           "autoremat / Inductor time, head-to-head | 90% interval of the median | through eager (context) |",
+           "|---" * 9 + "|"]
     ok = {(r["model"], r["setting"]): r for r in rows if r["method"] == "inductor" and r["status"] == "ok"}
     for r in rows:
-        if r["method"] not in ("autoremat-inductor @ peer", CUT):
+        if r["method"] not in (AT_PEER, CUT):
             continue
         form = "regions=True" if r["method"] == CUT else "default"
         peer = ok.get((r["model"], r["setting"].split(":")[0]))
         if peer is None:
             continue
         if r["status"] != "ok":
-            out.append(f"| {r['model']} | {peer['setting']} | {peer['measured_peak'] / MiB:.2f} | "
-                       f"{peer['step_vs_eager']:.3f} | {form} | | {r['status']} | | | |")
+            out.append(f"| {r['model']} | {peer['setting']} | {peer['measured_peak'] / MiB:.2f} | {form} | | "
+                       f"{r['status']} | | | |")
             continue
         ratio, noise = ratio_spread(r, peer)
-        out.append(f"| {r['model']} | {peer['setting']} | {peer['measured_peak'] / MiB:.2f} | {peer['step_vs_eager']:.3f}"
-                   f" | {form} | {r.get('num_graphs')} | {r['measured_peak'] / MiB:.2f} | {r['step_vs_eager']:.3f} | {ratio:.3f} | +-{100 * noise:.0f}% |")
+        cells = h2h_cells(find_pair(pairs, r, peer)) if r["method"] == AT_PEER else "not timed (ablation) | "
+        out.append(f"| {r['model']} | {peer['setting']} | {peer['measured_peak'] / MiB:.2f} | {form} | "
+                   f"{r.get('num_graphs')} | {r['measured_peak'] / MiB:.2f} | {cells} | {ratio:.3f} +-{100 * noise:.0f}% |")
     return "\n".join(out)
+
+
+def goal_lines(rows: list[dict], pairs: list[dict]) -> tuple[str, dict]:
+    """At every memory level autoremat's step time is at most that of every Inductor row whose measured peak is
+    at or below it: each such pair judged on its head-to-head median (through-eager ratios kept as context)."""
+    held = failed = in_interval = unmeasured = 0
+    lines = []
+    ok = [r for r in rows if r["status"] == "ok"]
+    for a in (r for r in ok if r["method"] in (AT_PEER, GRID)):
+        for p in (r for r in ok if r["method"] == "inductor" and r["model"] == a["model"]):
+            if p["measured_peak"] > a["measured_peak"]:
+                continue
+            c = find_pair(pairs, a, p)
+            context = f"through eager x{a['step_vs_eager']:.3f} vs x{p['step_vs_eager']:.3f}"
+            if c is None or c["status"] != "ok":
+                unmeasured += 1
+                verdict = f"NOT MEASURED ({c['status'] if c else 'not timed'})"
+            elif c["ratio"] <= 1.0:
+                held += 1
+                verdict = f"holds, {c['ratio']:.3f} (90% {c['interval'][0]:.3f}-{c['interval'][1]:.3f})"
+            else:
+                failed += 1
+                reach = c["interval"][0] <= 1.0
+                in_interval += reach
+                verdict = (f"FAILS, {c['ratio']:.3f} (90% {c['interval'][0]:.3f}-{c['interval'][1]:.3f}"
+                           f"{': the interval reaches 1.0' if reach else ''})")
+            lines.append(f"- {a['model']}: {a['method']} {a['setting']} ({a['measured_peak'] / MiB:.1f} MiB) vs "
+                         f"inductor {p['setting']} ({p['measured_peak'] / MiB:.1f} MiB): {verdict}; {context}")
+    n = held + failed + unmeasured
+    summary = (f"Goal check, head-to-head: \"at every memory level autoremat's step time is no worse than every "
+               f"Inductor row whose measured peak is at or below it\": {held}/{n} comparisons hold, {failed} fail "
+               f"({in_interval} of those with a 90% interval that reaches 1.0), {unmeasured} not measured. "
+               + ("GOAL MET." if failed == unmeasured == 0 else "GOAL NOT MET."))
+    return summary + "\n" + "\n".join(lines), dict(held=held, failed=failed, failed_interval_reaches_1=in_interval,
+                                                    not_measured=unmeasured, comparisons=n)
 
 
 def prediction_lines(rows: list[dict]) -> str:
@@ -229,6 +378,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=21, help="timed steps per row (median), >= 5")
     ap.add_argument("--grid", type=int, default=3)
+    ap.add_argument("--pairs", type=int, default=21, help="head-to-head pairs per comparison (median), >= 5")
     ap.add_argument("--models", default="stack,gpt2")
     ap.add_argument("--dropout", default="0.1,0.0", help="dropout settings, comma list")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -246,17 +396,16 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv), quick=a.quick,
                 steps=a.steps, torch=torch.__version__, python=platform.python_version(),
                 machine=platform.processor() or platform.machine(), repo_git=git_state())
-    rows, lims = [], {}
+    rows, lims, pairs = [], {}, []
     for d in (float(x) for x in a.dropout.split(",")):
         tag = f"dropout {d}"
         for cfg in (c for c in configs(a.quick, d) if c["name"] in a.models.split(",")):
-            r, lim = bench_model(cfg, tag, max(5, a.steps), a.grid, log, with_cut=a.with_cut)
+            r, lim, h = bench_model(cfg, tag, max(5, a.steps), a.grid, max(5, a.pairs), log, with_cut=a.with_cut)
             rows += r
+            pairs += h
             lims[f"{cfg['name']} ({tag})"] = lim
     noise = timing_noise(rows)
-    # Inductor rows are the peers; the ablation rows are neither peers nor the default autoremat
-    goal, counts = goal_check([r for r in rows if r["method"] != "eager" and not r["method"].startswith("ablation")],
-                              noise)
+    goal, counts = goal_lines(rows, pairs)  # the ablation rows are neither peers nor the default autoremat
     wall = time.perf_counter() - t0
     text = (f"# autoremat with Inductor vs torch.compile with Inductor, CPU{' (--quick)' if a.quick else ''}\n\n"
             f"Command: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`, {meta['date']}, torch {torch.__version__}, "
@@ -265,15 +414,21 @@ def main() -> None:
             f"Step = forward + backward, no optimizer, gradients allocated by a warm-up step. Step time: median of "
             f"{max(5, a.steps)} steps, each paired with an eager step just before it. Timing noise (eager p10-p90 "
             f"half-spread): " + ", ".join(f"{k[0]} {100 * v:.1f}%" for k, v in sorted(noise.items())) + ".\n\n"
+            f"The goal and the equal-memory ratios are measured head-to-head: after the rows, each Inductor row is "
+            f"compiled again under its budget and each autoremat row rebuilt from its plan (both must measure their "
+            f"row's peak again, within 1%), and the two are timed against each other in {max(5, a.pairs)} pairs whose "
+            f"order alternates, each timed step right after an untimed step of the same model (benchmarks/paired.py). "
+            f"The ratio is the median per-pair ratio, with a 90% bootstrap interval of that median. Ratios of two rows' "
+            f"times vs eager, taken minutes apart, drift (benchmarks/drift.py) and are shown only as context.\n\n"
             + table(rows) + "\n\n## At equal memory: autoremat at each Inductor row's measured peak\n\n"
-            + equal_memory_lines(rows) + "\n\n## autoremat's prediction under Inductor\n\n" + prediction_lines(rows)
-            + "\n\n## Goal\n\n" + goal.replace("every peer", "every Inductor row") + "\n")
+            + equal_memory_lines(rows, pairs) + "\n\n## autoremat's prediction under Inductor\n\n" + prediction_lines(rows)
+            + "\n\n## Goal\n\n" + goal + "\n")
     log("\n" + text)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = a.stem or f"speed_cpu{'_quick' if a.quick else ''}"
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, wall_s=wall, limits=lims, goal=counts, rows=rows,
+    (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, wall_s=wall, limits=lims, goal=counts, rows=rows, head_to_head=pairs,
                                                       noise={k[0]: v for k, v in noise.items()}), indent=1,
                                                  default=str))
     log(f"wrote {out / stem}.md and .json")
