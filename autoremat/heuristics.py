@@ -196,7 +196,7 @@ def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granula
     if best is not plan:
         best = dataclasses.replace(best, path=plan.path + "+slack-spent", notes=[*plan.notes, (
             f"saved back recomputed values into the {budget - plan.peak:,} B the plan left unused "
-            f"({tries} simulations): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
+            f"({tries} simulation{'s' if tries != 1 else ''}): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
             f"{best.recompute_time_s * 1e3:.2f} ms")])
     return best
 

@@ -1,5 +1,6 @@
 """The per-op launch overhead of the CPU device table (autoremat.devices, `launch_overhead_s`), and the
-cost of one more graph call per step (`region_call_s`), measured.
+cost of one more graph call per step (`region_call_s`) and of one gradient hand-off (`grad_handoff_s`),
+measured.
 
 Two figures, each the slope of step time over op count, so that fixed per-call costs cancel:
   eager     an FX graph of N tiny aten ops (1-element tensors) run as Python, as compiler="eager" runs
@@ -7,9 +8,12 @@ Two figures, each the slope of step time over op count, so that fixed per-call c
   inductor  a function of N matmuls of 2x2 matrices compiled by Inductor (each one a library call
             Inductor cannot fuse), as compiler="inductor" runs: seconds per kernel
 And per compiler, the step time (forward + backward) of a stack of REGION_BLOCKS tiny blocks planned by
-autoremat.optimize with nothing recomputed, one graph per block (regions=True) against one graph
-(regions=False): the difference over the number of extra graphs is the cost of one AOTAutograd call
-(its forward and its backward), the same ops either way.
+autoremat.optimize with nothing recomputed, in three forms, the same ops in each: one graph per block
+with each weight gradient handed to .grad as soon as it exists (regions=True, the default), one graph per
+block with the gradients returned at each region's end (release_grads=False, as one graph returns them),
+and one graph (regions=False). The second against the third, over the number of extra graphs, is the
+cost of one AOTAutograd call (its forward and its backward); the first against the second, over the
+number of parameters, is the cost of one hand-off.
 
     python benchmarks/launch_overhead.py      # ~2 min on a 2-core CPU
 
@@ -74,22 +78,32 @@ class TinyStack(torch.nn.Module):
 
 
 def region_call_seconds(compiler: str) -> dict:
-    """Step time of TinyStack cut per block and as one graph; the cost of one more graph call."""
+    """Step time of TinyStack cut per block (gradients handed to .grad one by one, and returned at each
+    region's end) and as one graph: the cost of one more graph call, and of one gradient hand-off."""
     import autoremat
 
     torch.manual_seed(0)
     x = torch.randn(2, 4)
+    forms = {"per_block": dict(regions=True), "per_block_returned": dict(regions=True, release_grads=False),
+             "one_graph": dict(regions=False)}
     times, graphs = {}, {}
-    for regions in (True, False):
+    for name, kw in forms.items():
         torch._dynamo.reset()
         model = TinyStack(REGION_BLOCKS)
         om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), optimizer=None, compiler=compiler,
-                                regions=regions, progress=False)
-        graphs[regions] = om.num_graphs
-        times[regions] = _seconds(lambda f=om: f(x).sum().backward(), reps=100)
-    return {"step_s_per_block": times[True], "step_s_one_graph": times[False], "graphs_per_block": graphs[True],
-            "graphs_one": graphs[False],
-            "s_per_graph_call": (times[True] - times[False]) / (graphs[True] - graphs[False])}
+                                progress=False, **kw)
+        graphs[name] = om.num_graphs
+        times[name] = _seconds(lambda f=om: f(x).sum().backward(), reps=100)
+    extra = graphs["per_block"] - graphs["one_graph"]
+    handed = sum(1 for _ in TinyStack(REGION_BLOCKS).parameters())
+    return {"step_s_per_block": times["per_block"], "step_s_per_block_returned": times["per_block_returned"],
+            "step_s_one_graph": times["one_graph"], "graphs_per_block": graphs["per_block"],
+            "graphs_one": graphs["one_graph"], "parameters_handed": handed,
+            # both with the hand-offs (what region_call_s stood for before grad_handoff_s existed)
+            "s_per_graph_call_with_handoffs": (times["per_block"] - times["one_graph"]) / extra,
+            # gradients returned at each region's end, as one graph returns them: the graph call alone
+            "s_per_graph_call": (times["per_block_returned"] - times["one_graph"]) / extra,
+            "s_per_handoff": (times["per_block"] - times["per_block_returned"]) / handed}
 
 
 def slope(times: dict[int, float]) -> float:
