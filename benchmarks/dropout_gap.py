@@ -1,0 +1,119 @@
+"""Where the time goes on speed.py's launch-bound GPT-2 at equal memory with Inductor: the cut into graphs,
+and dropout drawn as eager draws it.
+
+speed.py measures autoremat (compiler="inductor") at Inductor's measured peak on GPT-2 (4 layers, d=32,
+8 tokens): with dropout it runs 1.26-1.40x torch.compile's time there, without dropout it is faster. This
+script takes the gap apart, per dropout setting (0.1, 0.0), all in one process and each ratio head-to-head
+(paired.head_to_head: alternating pairs, each timed step after an untimed step of the same model):
+
+  inductor            torch.compile(backend="inductor") at activation_memory_budget 1.0 (the peer)
+  autoremat default   autoremat.optimize(compiler="inductor", outputs="loss") at that row's measured peak:
+                      what speed.py's equal-memory row runs (regions="auto" decides how many graphs)
+  autoremat one graph the same with regions=False, at the smallest budget where one graph fits if the
+                      peer's peak is too small for it (the budget is printed)
+
+Ratios: default / one graph is what the cut costs; one graph / inductor, with dropout against without,
+is what drawing dropout as eager does costs (autoremat's gradients equal eager's, masks included:
+it draws each mask with eager's generator, as one aten op; Inductor draws its own numbers inside its
+fused kernels, so its masks differ from eager's).
+
+    PYTHONPATH=.:benchmarks python benchmarks/dropout_gap.py     # ~3 min on a 2-core CPU
+
+Writes benchmarks/results/dropout_gap_cpu.md.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from paired import head_to_head
+from remat_vs_peers import Bench, MiB, git_state, make_step, sync
+from speed import configs, inductor_build
+
+import autoremat
+from autoremat.measure import measure_peak
+
+PAIRS = 41
+AMB = 1.0
+
+
+def autoremat_model(bench: Bench, budget: int, regions: bool | str) -> tuple[autoremat.RematModule, int]:
+    """autoremat at `budget`, or at the smallest budget that fits if `budget` does not; (module, budget used)."""
+    def build(b: int) -> autoremat.RematModule:
+        return autoremat.optimize(bench.fresh(), budget=b, example_inputs=bench.ex, optimizer=None,
+                                  compiler="inductor", progress=False, regions=regions, outputs="loss")
+    try:
+        return build(budget), budget
+    except autoremat.BudgetError as e:
+        return build(e.smallest_budget), e.smallest_budget
+
+
+def measure(dropout: float, log) -> list[str]:
+    cfg = next(c for c in configs(False, dropout) if c["name"] == "gpt2")
+    bench = Bench(cfg, torch.device("cpu"), 5, log)
+    torch._dynamo.reset()
+    peer, _ = inductor_build(AMB, bench.args, bench.kwargs)(bench.fresh())
+    peer_step = make_step(peer, bench.args, bench.kwargs)
+    peer_step()
+    _, m = measure_peak(peer_step, baseline_objs=(peer, bench.ex))
+    peak = m.peak_bytes
+    default, b_default = autoremat_model(bench, peak, "auto")
+    one, b_one = autoremat_model(bench, peak, False)
+    steps = {"inductor": peer_step, "default": make_step(default, bench.args, bench.kwargs),
+             "one graph": make_step(one, bench.args, bench.kwargs)}
+    with torch._functorch.config.patch(activation_memory_budget=AMB):
+        for s in steps.values():  # warm-up: every .grad exists; the peer compiles again under its budget if reset
+            s()
+    lines = [f"| {dropout} | inductor amb={AMB} | {peak / MiB:.3f} | 1 | |",
+             f"| {dropout} | autoremat default | {b_default / MiB:.3f} | {default.num_graphs} | "
+             f"{1e3 * default.plan.recompute_time_s:.3f} |",
+             f"| {dropout} | autoremat one graph | {b_one / MiB:.3f} | {one.num_graphs} | "
+             f"{1e3 * one.plan.recompute_time_s:.3f} |"]
+    ratios = []
+    for a, b in (("default", "inductor"), ("default", "one graph"), ("one graph", "inductor")):
+        h = head_to_head(steps[a], steps[b], PAIRS, lambda: sync(bench.device))
+        log(f"  dropout {dropout}: {a} / {b} = {h['ratio']:.3f} (90% {h['interval'][0]:.3f}-{h['interval'][1]:.3f})")
+        ratios.append(f"| {dropout} | autoremat {a} / {b} | {h['ratio']:.3f} | "
+                      f"{h['interval'][0]:.3f}-{h['interval'][1]:.3f} | {100 * h['noise']:.1f}% |")
+    del peer, default, one, steps
+    gc.collect()
+    torch._dynamo.reset()
+    return lines + ["SPLIT"] + ratios
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    t0 = time.perf_counter()
+    date = datetime.datetime.now().isoformat(timespec="seconds")
+    rows, ratios = [], []
+    for dropout in (0.1, 0.0):
+        out = measure(dropout, lambda s: print(s, flush=True))
+        cut = out.index("SPLIT")
+        rows += out[:cut]
+        ratios += out[cut + 1:]
+    cfg = next(c for c in configs(False, 0.0) if c["name"] == "gpt2")
+    text = (f"# speed.py's launch-bound GPT-2 at Inductor's peak: the cut and dropout, measured apart (CPU)\n\n"
+            f"Command: `PYTHONPATH=.:benchmarks python benchmarks/dropout_gap.py`, {date}, torch {torch.__version__}, "
+            f"1 thread, repo {git_state()}, wall {time.perf_counter() - t0:.0f} s.\n\n"
+            f"Model: GPT-2 {cfg['kwargs']} (dropout per row), autoremat outputs='loss'. Step = forward + backward, "
+            f"no optimizer, every `.grad` allocated by a warm-up step. Each ratio: median of {PAIRS} head-to-head "
+            f"pairs (benchmarks/paired.py), a 90% bootstrap interval of that median, and half the interquartile "
+            f"range of the pairs (noise).\n\n"
+            "| dropout | model | budget (MiB; the peer: its measured peak) | graphs | predicted recompute (ms) |\n"
+            "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+            "| dropout | ratio | median | 90% interval | noise |\n|---|---|---|---|---|\n" + "\n".join(ratios) + "\n")
+    print("\n" + text)
+    dest = Path(__file__).resolve().parent / "results" / "dropout_gap_cpu.md"
+    dest.write_text(text)
+    print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
