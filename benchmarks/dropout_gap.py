@@ -2,7 +2,7 @@
 and dropout drawn as eager draws it.
 
 speed.py measures autoremat (compiler="inductor") at Inductor's measured peak on GPT-2 (4 layers, d=32,
-8 tokens): with dropout it runs 1.26-1.40x torch.compile's time there, without dropout it is faster. This
+8 tokens): head-to-head, 1.26-1.40x torch.compile's time there with dropout, 0.93-1.09x without. This
 script takes the gap apart, per dropout setting (0.1, 0.0), all in one process and each ratio head-to-head
 (paired.head_to_head: alternating pairs, each timed step after an untimed step of the same model):
 
@@ -10,12 +10,14 @@ script takes the gap apart, per dropout setting (0.1, 0.0), all in one process a
   autoremat default   autoremat.optimize(compiler="inductor", outputs="loss") at that row's measured peak:
                       what speed.py's equal-memory row runs (regions="auto" decides how many graphs)
   autoremat one graph the same with regions=False, at the smallest budget where one graph fits if the
-                      peer's peak is too small for it (the budget is printed)
+                      peer's peak is too small for it (the budget is printed, and why it did not fit)
 
-Ratios: default / one graph is what the cut costs; one graph / inductor, with dropout against without,
-is what drawing dropout as eager does costs (autoremat's gradients equal eager's, masks included:
-it draws each mask with eager's generator, as one aten op; Inductor draws its own numbers inside its
-fused kernels, so its masks differ from eager's).
+Ratios: default / one graph is what the cut into graphs costs; one graph / inductor, with dropout against
+without, is what dropout costs autoremat beyond what it costs Inductor (autoremat's gradients equal
+eager's, dropout masks included; Inductor draws its own random numbers inside its kernels, so its masks
+differ from eager's: speed.py's gradient error column). Last, each form planned with nothing recomputed
+(a roomy budget, verify=False), its predicted peak against the measured one: how exact the memory model
+is for each form under Inductor.
 
     PYTHONPATH=.:benchmarks python benchmarks/dropout_gap.py     # ~3 min on a 2-core CPU
 
@@ -43,15 +45,30 @@ PAIRS = 41
 AMB = 1.0
 
 
-def autoremat_model(bench: Bench, budget: int, regions: bool | str) -> tuple[autoremat.RematModule, int]:
-    """autoremat at `budget`, or at the smallest budget that fits if `budget` does not; (module, budget used)."""
+def autoremat_model(bench: Bench, budget: int, regions: bool | str) -> tuple[autoremat.RematModule, int, str]:
+    """autoremat at `budget`, or at the smallest budget that fits if `budget` does not; (module, budget used,
+    why the budget asked for did not fit: the BudgetError's reserve notes, or "")."""
     def build(b: int) -> autoremat.RematModule:
         return autoremat.optimize(bench.fresh(), budget=b, example_inputs=bench.ex, optimizer=None,
                                   compiler="inductor", progress=False, regions=regions, outputs="loss")
     try:
-        return build(budget), budget
+        return build(budget), budget, ""
     except autoremat.BudgetError as e:
-        return build(e.smallest_budget), e.smallest_budget
+        reserved = [n for n in e.ledger.notes if "reserved" in n]
+        return build(e.smallest_budget), e.smallest_budget, "; ".join(reserved) or "infeasible as predicted"
+
+
+def prediction(bench: Bench, regions: bool) -> str:
+    """Predicted and measured peak with nothing recomputed (a roomy budget, no verification): how exact the
+    memory model is for each form under Inductor."""
+    model = bench.fresh()
+    om = autoremat.optimize(model, budget=4 * 2**20, example_inputs=bench.ex, optimizer=None, compiler="inductor",
+                            progress=False, regions=regions, outputs="loss", verify=False)
+    step = make_step(om, bench.args, bench.kwargs)
+    step()
+    _, m = measure_peak(step, baseline_objs=(model, bench.ex))
+    return (f"{om.num_graphs} | {1e3 * om.plan.recompute_time_s:.3f} | {om.plan.predicted_peak:,} | {m.peak_bytes:,} | "
+            f"{m.peak_bytes - om.plan.predicted_peak:+,}")
 
 
 def measure(dropout: float, log) -> list[str]:
@@ -63,18 +80,18 @@ def measure(dropout: float, log) -> list[str]:
     peer_step()
     _, m = measure_peak(peer_step, baseline_objs=(peer, bench.ex))
     peak = m.peak_bytes
-    default, b_default = autoremat_model(bench, peak, "auto")
-    one, b_one = autoremat_model(bench, peak, False)
+    default, b_default, _ = autoremat_model(bench, peak, "auto")
+    one, b_one, why_not = autoremat_model(bench, peak, False)
     steps = {"inductor": peer_step, "default": make_step(default, bench.args, bench.kwargs),
              "one graph": make_step(one, bench.args, bench.kwargs)}
     with torch._functorch.config.patch(activation_memory_budget=AMB):
         for s in steps.values():  # warm-up: every .grad exists; the peer compiles again under its budget if reset
             s()
-    lines = [f"| {dropout} | inductor amb={AMB} | {peak / MiB:.3f} | 1 | |",
+    lines = [f"| {dropout} | inductor amb={AMB} | {peak / MiB:.3f} | 1 | | |",
              f"| {dropout} | autoremat default | {b_default / MiB:.3f} | {default.num_graphs} | "
-             f"{1e3 * default.plan.recompute_time_s:.3f} |",
+             f"{1e3 * default.plan.recompute_time_s:.3f} | |",
              f"| {dropout} | autoremat one graph | {b_one / MiB:.3f} | {one.num_graphs} | "
-             f"{1e3 * one.plan.recompute_time_s:.3f} |"]
+             f"{1e3 * one.plan.recompute_time_s:.3f} | {why_not} |"]
     ratios = []
     for a, b in (("default", "inductor"), ("default", "one graph"), ("one graph", "inductor")):
         h = head_to_head(steps[a], steps[b], PAIRS, lambda: sync(bench.device))
@@ -84,7 +101,10 @@ def measure(dropout: float, log) -> list[str]:
     del peer, default, one, steps
     gc.collect()
     torch._dynamo.reset()
-    return lines + ["SPLIT"] + ratios
+    exact = [f"| {dropout} | {form} | {prediction(bench, regions)} |"
+             for form, regions in (("one graph", False), ("one graph per block", True))]
+    torch._dynamo.reset()
+    return lines + ["SPLIT"] + ratios + ["SPLIT"] + exact
 
 
 def main() -> None:
@@ -92,12 +112,13 @@ def main() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     t0 = time.perf_counter()
     date = datetime.datetime.now().isoformat(timespec="seconds")
-    rows, ratios = [], []
+    rows, ratios, exact = [], [], []
     for dropout in (0.1, 0.0):
         out = measure(dropout, lambda s: print(s, flush=True))
-        cut = out.index("SPLIT")
-        rows += out[:cut]
-        ratios += out[cut + 1:]
+        first, second = (i for i, line in enumerate(out) if line == "SPLIT")
+        rows += out[:first]
+        ratios += out[first + 1:second]
+        exact += out[second + 1:]
     cfg = next(c for c in configs(False, 0.0) if c["name"] == "gpt2")
     text = (f"# speed.py's launch-bound GPT-2 at Inductor's peak: the cut and dropout, measured apart (CPU)\n\n"
             f"Command: `PYTHONPATH=.:benchmarks python benchmarks/dropout_gap.py`, {date}, torch {torch.__version__}, "
@@ -106,9 +127,13 @@ def main() -> None:
             f"no optimizer, every `.grad` allocated by a warm-up step. Each ratio: median of {PAIRS} head-to-head "
             f"pairs (benchmarks/paired.py), a 90% bootstrap interval of that median, and half the interquartile "
             f"range of the pairs (noise).\n\n"
-            "| dropout | model | budget (MiB; the peer: its measured peak) | graphs | predicted recompute (ms) |\n"
-            "|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
-            "| dropout | ratio | median | 90% interval | noise |\n|---|---|---|---|---|\n" + "\n".join(ratios) + "\n")
+            "| dropout | model | budget (MiB; the peer: its measured peak) | graphs | predicted recompute (ms) | "
+            "why not at the peer's peak |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+            "| dropout | ratio | median | 90% interval | noise |\n|---|---|---|---|---|\n" + "\n".join(ratios) + "\n\n"
+            "The memory model under Inductor with nothing recomputed (a 4 MiB budget, verify=False), bytes of the "
+            "whole step (parameters, gradients, inputs, activations):\n\n"
+            "| dropout | form | graphs | predicted recompute (ms) | predicted peak | measured peak | measured - "
+            "predicted |\n|---|---|---|---|---|---|---|\n" + "\n".join(exact) + "\n")
     print("\n" + text)
     dest = Path(__file__).resolve().parent / "results" / "dropout_gap_cpu.md"
     dest.write_text(text)
