@@ -85,11 +85,12 @@ def dtype_key(dtype: str | torch.dtype) -> str:
 # One more graph per step, measured (benchmarks/launch_overhead.py `region_call`, 1 thread, this 2-core machine,
 # torch 2.13, 2026-12-03): a 16-block stack of tiny blocks run as 17 graphs against one, both planned with
 # nothing recomputed: 39.7 us per extra graph under Inductor, 49.6 us under compiler="eager"; Inductor's figure,
-# the default compiler's. A rerun (results/launch_overhead_cpu.json) measured 34.6 and 50.9 us. Both include the
-# blocks' gradient hand-offs (release_grads=True, the default), which that rerun also measured apart: +4.7 us per
-# parameter under eager, and under Inductor -10 us (the cut step returning its gradients at each region's end
-# was the slower one), so the hand-off is not a cost of its own here. (The runs measured 0.98 and 0.85 us per
-# Inductor kernel and 1.7 and 1.8 us per eager op, below the 4.9 and 6.8 us behind launch_overhead_s: the
+# the default compiler's. Later runs: 34.6 us (forms timed one after another), then 56.7 us (forms timed
+# head-to-head, results/launch_overhead_cpu.json). These figures include the blocks' gradient hand-offs
+# (release_grads=True, the default). The head-to-head run also measured the hand-off apart: 7.0 us per parameter
+# under eager, and under Inductor -0.3 us directly or 4.7 us from the other two comparisons. That is not
+# resolved, so the hand-off is not a cost of its own here. (The three runs measured 0.98, 0.85 and 0.83 us per
+# Inductor kernel and 1.7, 1.8 and 1.9 us per eager op, below the 4.9 and 6.8 us behind launch_overhead_s: the
 # machines these runs land on differ; the table keeps 5 us.)
 REGION_CALL_S = 40e-6
 

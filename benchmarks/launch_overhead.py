@@ -1,6 +1,5 @@
 """The per-op launch overhead of the CPU device table (autoremat.devices, `launch_overhead_s`), and the
-cost of one more graph call per step (`region_call_s`) and of one gradient hand-off (`grad_handoff_s`),
-measured.
+cost of one more graph call per step (`region_call_s`) and of one gradient hand-off, measured.
 
 Two figures, each the slope of step time over op count, so that fixed per-call costs cancel:
   eager     an FX graph of N tiny aten ops (1-element tensors) run as Python, as compiler="eager" runs
@@ -13,9 +12,10 @@ with each weight gradient handed to .grad as soon as it exists (regions=True, th
 block with the gradients returned at each region's end (release_grads=False, as one graph returns them),
 and one graph (regions=False). The second against the third, over the number of extra graphs, is the
 cost of one AOTAutograd call (its forward and its backward); the first against the second, over the
-number of parameters, is the cost of one hand-off.
+number of parameters, is the cost of one hand-off. The forms are timed against each other in
+alternating pairs (benchmarks/paired.py), so that the machine's drift between them cancels.
 
-    python benchmarks/launch_overhead.py      # ~2 min on a 2-core CPU
+    PYTHONPATH=.:benchmarks python benchmarks/launch_overhead.py      # ~2 min on a 2-core CPU
 
 Writes benchmarks/results/launch_overhead_cpu.json and prints the figures.
 """
@@ -30,10 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from paired import head_to_head
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTS = (16, 256)
 REGION_BLOCKS = 16
+PAIRS = 401  # head-to-head pairs per comparison of two forms (odd: the median is one pair's)
 
 
 def _seconds(fn, *args, reps: int = 200) -> float:
@@ -79,31 +81,39 @@ class TinyStack(torch.nn.Module):
 
 def region_call_seconds(compiler: str) -> dict:
     """Step time of TinyStack cut per block (gradients handed to .grad one by one, and returned at each
-    region's end) and as one graph: the cost of one more graph call, and of one gradient hand-off."""
+    region's end) and as one graph, the forms timed against each other in alternating pairs
+    (paired.head_to_head): the cost of one more graph call, and of one gradient hand-off."""
     import autoremat
 
     torch.manual_seed(0)
     x = torch.randn(2, 4)
     forms = {"per_block": dict(regions=True), "per_block_returned": dict(regions=True, release_grads=False),
              "one_graph": dict(regions=False)}
-    times, graphs = {}, {}
-    for name, kw in forms.items():
-        torch._dynamo.reset()
-        model = TinyStack(REGION_BLOCKS)
-        om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), optimizer=None, compiler=compiler,
-                                progress=False, **kw)
+    steps, graphs = {}, {}
+    torch._dynamo.reset()
+    for name, kw in forms.items():  # autoremat compiles a fresh code object per model: no reset between
+        om = autoremat.optimize(TinyStack(REGION_BLOCKS), budget="1GB", example_inputs=(x,), optimizer=None,
+                                compiler=compiler, progress=False, **kw)
         graphs[name] = om.num_graphs
-        times[name] = _seconds(lambda f=om: f(x).sum().backward(), reps=100)
+        steps[name] = lambda f=om: f(x).sum().backward()
+        for _ in range(20):
+            steps[name]()
+
+    def extra_s(a: str, b: str) -> float:  # median seconds a step of `a` takes beyond one of `b`
+        h = head_to_head(steps[a], steps[b], PAIRS, lambda: None)
+        return (h["ratio"] - 1) * h["b_s"]
+
     extra = graphs["per_block"] - graphs["one_graph"]
     handed = sum(1 for _ in TinyStack(REGION_BLOCKS).parameters())
-    return {"step_s_per_block": times["per_block"], "step_s_per_block_returned": times["per_block_returned"],
-            "step_s_one_graph": times["one_graph"], "graphs_per_block": graphs["per_block"],
-            "graphs_one": graphs["one_graph"], "parameters_handed": handed,
-            # both with the hand-offs (what region_call_s stood for before grad_handoff_s existed)
-            "s_per_graph_call_with_handoffs": (times["per_block"] - times["one_graph"]) / extra,
+    with_handoffs, returned, handoffs = (extra_s("per_block", "one_graph"), extra_s("per_block_returned", "one_graph"),
+                                         extra_s("per_block", "per_block_returned"))
+    return {"graphs_per_block": graphs["per_block"], "graphs_one": graphs["one_graph"], "parameters_handed": handed,
+            "pairs": PAIRS,
+            # both with the hand-offs: what region_call_s stands for (release_grads=True is the default)
+            "s_per_graph_call_with_handoffs": with_handoffs / extra,
             # gradients returned at each region's end, as one graph returns them: the graph call alone
-            "s_per_graph_call": (times["per_block_returned"] - times["one_graph"]) / extra,
-            "s_per_handoff": (times["per_block"] - times["per_block_returned"]) / handed}
+            "s_per_graph_call": returned / extra,
+            "s_per_handoff": handoffs / handed}
 
 
 def slope(times: dict[int, float]) -> float:

@@ -38,12 +38,13 @@ def head_to_head(step_a: Callable[[], object], step_b: Callable[[], object], n: 
     caches in the state that model's own step leaves), and no third model's step runs between them: unlike
     two ratios to eager, this ratio carries no reference step's noise. Both steps must have run once already.
 
-    Returns ratios (per pair), ratio (their median), noise (half their interquartile range) and interval
-    (a 90% bootstrap interval of the median)."""
+    Returns ratios (per pair), ratio (their median), noise (half their interquartile range), interval
+    (a 90% bootstrap interval of the median), and a_s, b_s: the median seconds of each step. With odd n
+    the order b-then-a runs once more than a-then-b."""
     def timed(step: Callable[[], object]) -> float:  # one step, right after an untimed one of the same model
         return paired_times(step, step, 1, sync)[0][0]
 
-    ratios = []
+    ratios, a_s, b_s = [], [], []
     for i in range(n):
         if i % 2 == 0:
             t_b = timed(step_b)
@@ -52,9 +53,11 @@ def head_to_head(step_a: Callable[[], object], step_b: Callable[[], object], n: 
             t_a = timed(step_a)
             t_b = timed(step_b)
         ratios.append(t_a / t_b)
+        a_s.append(t_a)
+        b_s.append(t_b)
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return dict(ratios=ratios, ratio=statistics.median(ratios), noise=(q3 - q1) / 2,
-                interval=bootstrap_median_interval(ratios))
+                interval=bootstrap_median_interval(ratios), a_s=statistics.median(a_s), b_s=statistics.median(b_s))
 
 
 def bootstrap_median_interval(ratios: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:

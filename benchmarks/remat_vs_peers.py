@@ -364,9 +364,10 @@ def git_state() -> str:
     try:
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "autoremat"], capture_output=True,
-                               text=True).stdout.strip()
-        return head + (" (autoremat/ has uncommitted changes)" if dirty else "")
+        # the library and the benchmark scripts (not their results, which a run rewrites)
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "autoremat", "benchmarks",
+                                ":!benchmarks/results"], capture_output=True, text=True).stdout.strip()
+        return head + (" (autoremat/ or benchmarks/ has uncommitted changes)" if dirty else "")
     except Exception:  # noqa: BLE001
         return "unknown"
 
