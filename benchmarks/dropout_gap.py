@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from paired import head_to_head
 from remat_vs_peers import Bench, MiB, git_state, make_step, sync
-from speed import configs, inductor_build
+from speed import compiled_graphs, configs, inductor_build
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -75,7 +75,8 @@ def prediction(bench: Bench, regions: bool) -> str:
             f"{m.peak_bytes - om.plan.predicted_peak:+,}")
 
 
-def measure(dropout: float, log) -> list[str]:
+def measure(dropout: float, log) -> tuple[list[str], list[str], list[str]]:
+    """Table lines for one dropout setting: the models, the head-to-head ratios, the memory model's error."""
     cfg = next(c for c in configs(False, dropout) if c["name"] == "gpt2")
     bench = Bench(cfg, torch.device("cpu"), 5, log)
     torch._dynamo.reset()
@@ -88,9 +89,11 @@ def measure(dropout: float, log) -> list[str]:
     one, b_one, why_not = autoremat_model(bench, peak, False)
     steps = {"inductor": peer_step, "default": make_step(default, bench.args, bench.kwargs),
              "one graph": make_step(one, bench.args, bench.kwargs)}
-    with torch._functorch.config.patch(activation_memory_budget=AMB):
-        for s in steps.values():  # warm-up: every .grad exists; the peer compiles again under its budget if reset
-            s()
+    steps["default"](), steps["one graph"]()  # warm-up: every .grad exists from now on
+    # autoremat compiled fresh code objects, so the peer keeps the code compiled under its budget: nothing may
+    # compile from here on (the peer's next step included)
+    before = compiled_graphs()
+    peer_step()
     lines = [f"| {dropout} | inductor amb={AMB} | {peak / MiB:.3f} | | | |",
              f"| {dropout} | autoremat default | {b_default / MiB:.3f} | {default.num_graphs} | "
              f"{1e3 * default.plan.recompute_time_s:.3f} | |",
@@ -103,13 +106,15 @@ def measure(dropout: float, log) -> list[str]:
         ratios.append(f"| {dropout} | autoremat {a} / {b} | {h['ratio']:.3f} | "
                       f"{h['interval'][0]:.3f}-{h['interval'][1]:.3f} | {100 * h['noise']:.1f}% | "
                       f"{1e3 * h['a_s']:.3f} / {1e3 * h['b_s']:.3f} |")
+    if compiled_graphs() != before:
+        raise RuntimeError("a graph was compiled while the pairs were timed: not the programs built above")
     del peer, peer_step, default, one, steps
     gc.collect()
     torch._dynamo.reset()
     exact = [f"| {dropout} | {form} | {prediction(bench, regions)} |"
              for form, regions in (("one graph", False), ("one graph per block", True))]
     torch._dynamo.reset()
-    return lines + ["SPLIT"] + ratios + ["SPLIT"] + exact
+    return lines, ratios, exact
 
 
 def main() -> None:
@@ -119,11 +124,8 @@ def main() -> None:
     date = datetime.datetime.now().isoformat(timespec="seconds")
     rows, ratios, exact = [], [], []
     for dropout in (0.1, 0.0):
-        out = measure(dropout, lambda s: print(s, flush=True))
-        first, second = (i for i, line in enumerate(out) if line == "SPLIT")
-        rows += out[:first]
-        ratios += out[first + 1:second]
-        exact += out[second + 1:]
+        r, h, e = measure(dropout, lambda s: print(s, flush=True))
+        rows, ratios, exact = rows + r, ratios + h, exact + e
     cfg = next(c for c in configs(False, 0.0) if c["name"] == "gpt2")
     text = (f"# speed.py's launch-bound GPT-2 at Inductor's peak: the cut and dropout, measured apart (CPU)\n\n"
             f"Command: `PYTHONPATH=.:benchmarks python benchmarks/dropout_gap.py`, {date}, torch {torch.__version__}, "

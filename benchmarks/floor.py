@@ -203,8 +203,7 @@ def run_row(bench: peers.Bench, method: str, setting: str, build) -> dict:
 
 def error_fields(e: Exception) -> dict:
     print(traceback.format_exc(), flush=True)
-    first_line = str(e).splitlines()[0][:200] if str(e) else ""
-    return dict(status=f"error: {type(e).__name__}: {first_line}", traceback=traceback.format_exc())
+    return dict(status=peers.error_status(e), traceback=traceback.format_exc())
 
 
 def smallest_budget(bench: peers.Bench, compiler: str = "eager") -> int:

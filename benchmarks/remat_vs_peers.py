@@ -205,7 +205,7 @@ class Bench:
                 again["retried_from"] = {"budget": row.get("budget_asked"), "smallest_budget": e.smallest_budget}
                 return again
         except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
-            row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            row["status"] = error_status(e)
             row["traceback"] = traceback.format_exc()
             self.log(row["traceback"])
         finally:
@@ -215,6 +215,12 @@ class Bench:
         row["row_wall_s"] = time.perf_counter() - t0
         self.log(fmt_row_line(row))
         return row
+
+
+def error_status(e: BaseException) -> str:
+    """A failed row's status: the exception's type and the first line of its message."""
+    first_line = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"error: {type(e).__name__}: {first_line}"
 
 
 def eager_build(model):

@@ -59,6 +59,7 @@ from remat_vs_peers import (  # noqa: E402
     Bench,
     MiB,
     eager_build,
+    error_status,
     git_state,
     loss_of,
     make_step,
@@ -191,6 +192,11 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, n_pairs: int, lo
     return rows, {"smallest": lo, "no_recompute": hi, "fixed": fixed}, pairs
 
 
+def goal_compares(a: dict, p: dict) -> bool:
+    """The goal compares autoremat row `a` with Inductor row `p` (same model) when p's peak is at or below a's."""
+    return p["measured_peak"] <= a["measured_peak"]
+
+
 def comparisons(rows: list[dict]) -> dict[int, list[int]]:
     """Inductor row index -> the autoremat rows to time against it head-to-head: each at-peer row against the
     row whose peak it was planned at (the equal-memory table), and every pair the goal compares (an
@@ -200,7 +206,7 @@ def comparisons(rows: list[dict]) -> dict[int, list[int]]:
     for p in (i for i in ok if rows[i]["method"] == "inductor"):
         for a in (i for i in ok if rows[i]["method"] in JUDGED):
             at_peer = rows[a]["method"] == AT_PEER and rows[a]["setting"].split(":")[0] == rows[p]["setting"]
-            if at_peer or rows[p]["measured_peak"] <= rows[a]["measured_peak"]:
+            if at_peer or goal_compares(rows[a], rows[p]):
                 out.setdefault(p, []).append(a)
     return out
 
@@ -240,7 +246,7 @@ def time_head_to_head(bench: Bench, rows: list[dict], plans: dict[int, object], 
             same_program(bench, p_step, p_raw, peer)
             peer_error = None
         except Exception as e:  # noqa: BLE001 - reported on each of its comparisons
-            peer_error = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            peer_error = error_status(e)
         for a in ars:
             r = rows[a]
             res = dict(model=r["model"], autoremat_row=[r["method"], r["setting"]], inductor_row=peer["setting"],
@@ -263,7 +269,7 @@ def time_head_to_head(bench: Bench, rows: list[dict], plans: dict[int, object], 
                                            "recompile): the pair is not the rows' programs")
                     res.update(timed, status="ok")
             except Exception as e:  # noqa: BLE001 - a failing comparison is reported, not fatal
-                res["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                res["status"] = error_status(e)
             finally:
                 a_model = a_step = None
                 gc.collect()
@@ -339,7 +345,7 @@ def goal_lines(rows: list[dict], pairs: list[dict]) -> tuple[str, dict]:
     ok = [r for r in rows if r["status"] == "ok"]
     for a in (r for r in ok if r["method"] in JUDGED):
         for p in (r for r in ok if r["method"] == "inductor" and r["model"] == a["model"]):
-            if p["measured_peak"] > a["measured_peak"]:
+            if not goal_compares(a, p):
                 continue
             c = find_pair(pairs, a, p)
             context = f"through eager x{a['step_vs_eager']:.3f} vs x{p['step_vs_eager']:.3f}"
