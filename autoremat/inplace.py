@@ -65,7 +65,8 @@ def donor(g: GraphProfile, name: str, dying: list[str], sole_bytes: Callable[[st
 def least_peak_first(g: GraphProfile, order: list[str], held: set[str], inputs: list[str],
                      granularity: int) -> list[str]:
     """`order` re-sorted as Inductor's scheduler sorts a graph's kernels for peak memory (torch/_inductor/
-    memory.py `topological_sort_lpmf`, one of the orders `reorder_for_peak_memory` picks the lowest of):
+    memory.py `topological_sort_lpmf`; `reorder_for_peak_memory` runs the lowest-peak of the graph's own order
+    and this one, by its own estimate, in autoremat's compiles: torch_internals keeps its other two sorts out):
     a greedy topological sort that runs next, among the kernels whose inputs exist, one that stays under
     the highest live total so far, freeing the most, else the one that allocates least; ties in graph order.
 

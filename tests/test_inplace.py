@@ -13,7 +13,7 @@ from autoremat.inplace import kernel_last_use, least_peak_first
 from autoremat.measure import measure_peak
 from autoremat.memory import make_schedule, simulate
 from autoremat.profile import GraphProfile, NodeProfile
-from examples.models import loss_of, transformer_stack
+from examples.models import gpt2, loss_of, transformer_stack
 
 KB = 1024
 
@@ -103,3 +103,31 @@ def test_the_stack_under_inductor_is_predicted_as_measured():
     step()
     _, m = measure_peak(step, baseline_objs=(model, x))
     assert abs(om.plan.predicted_peak - m.peak_bytes) <= 0.01 * m.peak_bytes, (om.plan.predicted_peak, m.peak_bytes)
+
+
+@pytest.mark.slow
+def test_gpt2_with_dropout_under_inductor_is_predicted_to_within_one_activation():
+    """speed.py's launch-bound GPT-2 with dropout in one graph, nothing recomputed. Inductor weighs four
+    kernel orders for peak memory; its breadth-first one ran this backward 2,652 B over the model's
+    peak (787,424 B measured, 784,772 B predicted) until autoremat's compiles weighed only the graph's
+    own order and least-peak-first (torch_internals), the two the model replays (then 4 B apart).
+
+    The bound is the smallest activation here (16 tokens x 32 wide x 4 B): a kernel run in another order
+    moves at least one of them; what the model leaves out is a few scalars."""
+    problem = inductor_problem("cpu")
+    if problem is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {problem}")
+    torch.manual_seed(0)
+    model, ex = gpt2(n_layer=4, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=0.1)
+    model.train()
+    om = autoremat.optimize(model, budget=4 * 2**20, example_inputs=ex, optimizer=None, compiler="inductor",
+                            verify=False, progress=False, regions=False, outputs="loss")
+
+    def step():
+        loss_of(om(**ex)).backward()
+
+    step()
+    step()
+    _, m = measure_peak(step, baseline_objs=(model, ex))
+    assert om.plan.recompute_time_s == 0
+    assert abs(om.plan.predicted_peak - m.peak_bytes) < 2 * 8 * 32 * 4, (om.plan.predicted_peak, m.peak_bytes)

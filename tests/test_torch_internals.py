@@ -180,6 +180,32 @@ def test_the_vector_width_follows_aten_cpu_capability_and_is_pinned_only_when_un
         assert ti.inductor_vector_width() == 0  # no vector ISA: scalar kernels
 
 
+def test_inductor_weighs_only_the_kernel_orders_the_memory_model_knows_and_its_cache_key_says_so():
+    from torch._inductor import config, memory
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    original = memory.reorder_for_peak_memory
+    seen = []
+
+    def inside():
+        reorder = memory.reorder_for_peak_memory
+        seen.append((reorder.keywords["methods"], config.post_grad_custom_post_pass.uuid()))
+    ti._pinned_vector_width(inside)()
+    assert seen == [([memory.topological_sort_lpmf], ti.ORDERS_TAG)]
+    assert memory.reorder_for_peak_memory is original and config.post_grad_custom_post_pass is None
+
+    class Users(CustomGraphPass):  # a user's own pass still runs, and its uuid stays in the key
+        def __call__(self, graph):
+            seen.append("user's pass ran")
+
+        def uuid(self):
+            return "users"
+    with config.patch(post_grad_custom_post_pass=Users()):
+        ti._pinned_vector_width(lambda: config.post_grad_custom_post_pass(fx.Graph()))()
+        ti._pinned_vector_width(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
+    assert seen[1:] == ["user's pass ran", (ti.ORDERS_TAG, "users")]
+
+
 def test_inductor_kernel_probe_compiles_or_says_why():
     try:
         cxx = ti.inductor_cpp_compiler()
