@@ -226,8 +226,8 @@ def inductor_compilers() -> tuple[Callable, Callable, dict]:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
-    fw = _pinned_vector_width(compile_fx_inner)
-    return fw, _pinned_vector_width(functools.partial(compile_fx_inner, is_backward=True)), select_decomp_table()
+    fw = _with_our_settings(compile_fx_inner)
+    return fw, _with_our_settings(functools.partial(compile_fx_inner, is_backward=True)), select_decomp_table()
 
 
 def inductor_vector_width() -> int:
@@ -238,7 +238,7 @@ def inductor_vector_width() -> int:
     return int(isa.bit_width()) if isa else 0
 
 
-def _pinned_vector_width(compile_fn: Callable) -> Callable:
+def _with_our_settings(compile_fn: Callable) -> Callable:
     """compile_fn with config.cpp.simdlen set to the width Inductor would pick anyway, with
     config.layout_optimization off, and with the kernel orders Inductor tries for peak memory cut to
     the two the memory model knows (module docstring).

@@ -196,3 +196,20 @@ def _assert_same_grads_seq(model: nn.Module, om: nn.Module, x: torch.Tensor) -> 
     for p, r in zip(model.parameters(), ref, strict=True):
         assert_close_for(p.grad, r, depth=x[..., 0].numel())
     model.zero_grad(set_to_none=True)
+
+
+def test_the_input_key_tells_apart_what_a_plan_depends_on_flat_or_nested():
+    from autoremat.remat_module import input_key
+
+    model = nn.Linear(2, 2)
+    x, ids = torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.long)
+    same = [((x,), {}), ((), {"input_ids": ids, "labels": ids}), (([x, x],), {"k": {"a": x}}), ((x, 3, None), {})]
+    for args, kwargs in same:  # flat inputs take the fast path, nested ones the pytree flatten
+        assert input_key(model, args, kwargs) == input_key(model, args, dict(kwargs))
+    different = [((x,), {}), ((torch.zeros(3, 8),), {}), ((x.double(),), {}), ((x.requires_grad_(False).clone()
+                 .requires_grad_(True),), {}), ((), {"x": x}), ((), {"y": x}), ((x, 3), {}), ((x, 4), {}),
+                 (([x],), {}), (((x,),), {}), ((x, x), {})]
+    keys = [input_key(model, a, k) for a, k in different]
+    assert len(set(keys)) == len(keys)
+    model.eval()
+    assert input_key(model, (x,), {}) != keys[0]  # training mode is part of it

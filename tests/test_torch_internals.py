@@ -171,7 +171,7 @@ def test_the_vector_width_follows_aten_cpu_capability_and_is_pinned_only_when_un
 
     assert ti.inductor_vector_width() in (0, 128, 256, 512)
     seen = []
-    pinned = ti._pinned_vector_width(lambda: seen.append(config.cpp.simdlen))
+    pinned = ti._with_our_settings(lambda: seen.append(config.cpp.simdlen))
     pinned()
     with config.patch({"cpp.simdlen": 128}):
         pinned()
@@ -190,7 +190,7 @@ def test_inductor_weighs_only_the_kernel_orders_the_memory_model_knows_and_its_c
     def inside():
         reorder = memory.reorder_for_peak_memory
         seen.append((reorder.keywords["methods"], config.post_grad_custom_post_pass.uuid()))
-    ti._pinned_vector_width(inside)()
+    ti._with_our_settings(inside)()
     assert seen == [([memory.topological_sort_lpmf], ti.ORDERS_TAG)]
     assert memory.reorder_for_peak_memory is original and config.post_grad_custom_post_pass is None
 
@@ -201,8 +201,8 @@ def test_inductor_weighs_only_the_kernel_orders_the_memory_model_knows_and_its_c
         def uuid(self):
             return "users"
     with config.patch(post_grad_custom_post_pass=Users()):
-        ti._pinned_vector_width(lambda: config.post_grad_custom_post_pass(fx.Graph()))()
-        ti._pinned_vector_width(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
+        ti._with_our_settings(lambda: config.post_grad_custom_post_pass(fx.Graph()))()
+        ti._with_our_settings(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
     assert seen[1:] == ["user's pass ran", (ti.ORDERS_TAG, "users")]
 
 
