@@ -89,9 +89,7 @@ def dtype_key(dtype: str | torch.dtype) -> str:
 # head-to-head, results/launch_overhead_cpu.json). These figures include the blocks' gradient hand-offs
 # (release_grads=True, the default). The head-to-head run also measured the hand-off apart: 7.0 us per parameter
 # under eager, and under Inductor -0.3 us directly or 4.7 us from the other two comparisons. That is not
-# resolved, so the hand-off is not a cost of its own here. (The three runs measured 0.98, 0.85 and 0.83 us per
-# Inductor kernel and 1.7, 1.8 and 1.9 us per eager op, below the 4.9 and 6.8 us behind launch_overhead_s: the
-# machines these runs land on differ; the table keeps 5 us.)
+# resolved, so the hand-off is not a cost of its own here.
 REGION_CALL_S = 40e-6
 
 
@@ -124,12 +122,16 @@ _DEVICES: dict[str, DeviceSpec] = {
         mem_bandwidth=20e9,
         memory_bytes=0,
         alloc_granularity=1,
-        # Measured (benchmarks/launch_overhead.py, 1 thread, this 2-core machine, torch 2.13): the slope of step
-        # time over op count is 4.9 us per kernel for Inductor-compiled code (chains of 2x2 matmuls, each a
-        # library call from Inductor's Python wrapper) and 6.8 us per op for an FX graph run as Python
-        # (compiler="eager"). One figure per device: Inductor's, the default compiler's. An op fused
-        # into another kernel has none (DeviceSpec.fused_op_time).
-        launch_overhead_s=5e-6,
+        # Measured (benchmarks/launch_overhead.py, 1 thread, 2-core machines, torch 2.13): the slope of step
+        # time over op count, per kernel of Inductor-compiled code (chains of 2x2 matmuls, each a library call
+        # from Inductor's Python wrapper) and per op of an FX graph run as Python (compiler="eager"). The
+        # first run read 4.9 and 6.8 us; the three since (2026-12-02/03, results/launch_overhead_cpu.json the
+        # last) read 0.98, 0.85, 0.83 us per kernel and 1.7, 1.8, 1.9 us per op. One figure per device:
+        # Inductor's, the default compiler's, from the three runs that agree, rounded up. At 5 us the ILP
+        # priced recomputation on speed.py's GPT-2 (4 layers, d=32) at 0.52 ms a step, and regions="auto"
+        # cut it into 6 graphs to avoid that, where one graph measured faster (benchmarks/dropout_gap.py).
+        # An op fused into another kernel has none (DeviceSpec.fused_op_time).
+        launch_overhead_s=1e-6,
         # aten.bernoulli.p into a 262,144-element bool tensor, 1 thread, this 2-core AVX-512 machine: 1.23 ms
         # (a fp32 multiply of as many elements: 0.041 ms), ~4.7 ns per element.
         random_draw_s_per_element=4.7e-9,
