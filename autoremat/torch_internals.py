@@ -276,18 +276,19 @@ def _orders_the_model_knows() -> Iterator[None]:
     from torch._inductor import config, memory
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    users = config.post_grad_custom_post_pass
+    users = config.post_grad_custom_post_pass  # None, a pass, or (torch 2.13) a list of passes
+    theirs = list(users) if isinstance(users, (list, tuple)) else [] if users is None else [users]
 
     class Tagged(CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
-            if users is not None:
-                users(graph)
+            for p in theirs:
+                p(graph)
 
         def uuid(self) -> Any:
-            if users is None:
-                return ORDERS_TAG
-            theirs = users.uuid() if isinstance(users, CustomGraphPass) else None
-            return None if theirs is None else (ORDERS_TAG, theirs)  # None: Inductor bypasses its cache
+            ids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in theirs]
+            if None in ids:
+                return None  # a pass of theirs Inductor cannot key: it bypasses its cache, as it would anyway
+            return (ORDERS_TAG, *ids) if ids else ORDERS_TAG
 
     original = memory.reorder_for_peak_memory
     memory.reorder_for_peak_memory = functools.partial(original, methods=[memory.topological_sort_lpmf])
