@@ -3,7 +3,7 @@ and dropout drawn as eager draws it.
 
 speed.py measures autoremat (compiler="inductor") at Inductor's measured peak on GPT-2 (4 layers, d=32,
 8 tokens): head-to-head at stop 32, 1.26-1.40x torch.compile's time there with dropout, 0.93-1.09x without
-(at stop 33, after the two fixes this script found, 0.96-1.01x and 0.94-0.97x: results/speed_cpu.md). This
+(at stop 33, after the two fixes this script found, 0.96-1.01x and 0.89-0.97x: results/speed_cpu.md). This
 script takes the gap apart, per dropout setting (0.1, 0.0), all in one process and each ratio head-to-head
 (paired.head_to_head: alternating pairs, each timed step after an untimed step of the same model):
 
