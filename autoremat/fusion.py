@@ -15,6 +15,10 @@ the plan never saves it: a saved value is a graph output, which Inductor must wr
 Backward-side pointwise nodes under the same rule are fused too (they never cross into another
 graph). Recomputing a fused node inside its consumer's loop reads nothing from memory, so its time
 is its arithmetic only (plus no launch of its own).
+
+A concatenation is no kernel either (`concat_writes`): Inductor allocates the cat's buffer and has the
+kernels that compute its inputs write straight into their slices of it (ir.ConcatKernel), so that
+buffer exists from the first such kernel on, and those inputs own no buffer of their own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoremat.torch_internals import OpOverload, inductor_realize_reads_threshold
+from autoremat.torch_internals import OpOverload, inductor_max_pointwise_cat_inputs, inductor_realize_reads_threshold
 
 # Reductions Inductor lowers as loops that their pointwise inputs fuse into, and indexed loads
 # (gather, index, embedding), whose data input is read element by element inside the loop.
@@ -33,6 +37,11 @@ LOOP_OPS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "var_mean", 
 EXTERN = frozenset({"mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "dot", "convolution", "convolution_backward",
                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                     "_scaled_dot_product_cudnn_attention", "_scaled_mm", "_int_mm"})
+
+
+# Library kernels whose output Inductor lets a cat place (their `out=` may be a slice of the cat's buffer);
+# bmm and convolution outputs are copied into it instead (seen in the generated code, torch 2.13, CPU).
+INTO_CAT_EXTERN = frozenset({"mm", "addmm"})
 
 
 def own_kernel(n: fx.Node) -> bool:
@@ -84,3 +93,50 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
     return fused
 
 
+
+
+def concat_writes(gm: fx.GraphModule, backward: set[str], aliases: dict[str, str],
+                  outputs: set[str]) -> tuple[dict[str, str], set[str]]:
+    """(backward value -> the cat whose buffer Inductor computes it into, the cats Inductor lowers as a
+    ConcatKernel).
+
+    Inductor lowers `aten.cat` on the CPU, and on a GPU over more than
+    `torch._inductor.config.max_pointwise_cat_inputs` inputs, as one buffer that its inputs are
+    realized into (torch/_inductor/lowering.py `cat`, ir.py `ConcatKernel.realize_into`). An input is
+    computed into its slice, owning no buffer, when its buffer's layout is still Inductor's to choose:
+    it is computed in this graph by a kernel Inductor generates or by an mm/addmm, is no view, no graph
+    output and has no other reader (which may fix its layout first). Any other input (a saved value, a
+    view, a bmm or convolution output, a getitem of a library call) keeps its buffer and is copied in
+    at the cat. Either way the cat writes into no input's buffer (it is never `inplace`).
+
+    Only backward cats (a split's or chunk's gradient) are followed into: a forward cat's inputs can
+    be saved or recomputed apart from it, and the memory model keeps their buffers their own.
+    """
+    limit = inductor_max_pointwise_cat_inputs()
+    into: dict[str, str] = {}
+    cats: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.cat.default:
+            continue
+        val, parts = n.meta.get("val"), n.args[0]
+        if not isinstance(val, torch.Tensor) or not isinstance(parts, (list, tuple)):
+            continue
+        if val.device.type == "cpu" and val.dtype in (torch.int8, torch.uint8):
+            continue  # Inductor falls back to aten's cat for these
+        if val.device.type != "cpu" and len(parts) <= limit:
+            continue  # on a GPU it may be one pointwise kernel reading its inputs (not modelled: not measured)
+        cats.add(n.name)
+        if n.name not in backward:
+            continue
+        for a in parts:
+            if not isinstance(a, fx.Node) or a.name not in backward or a.name in outputs or parts.count(a) != 1:
+                continue
+            v = a.meta.get("val")
+            if not isinstance(v, torch.Tensor) or v.dtype != val.dtype or v.numel() == 0:
+                continue
+            if aliases.get(a.name, a.name) != a.name or len(a.users) != 1:
+                continue
+            extern = isinstance(a.target, OpOverload) and a.target.overloadpacket.__name__ in INTO_CAT_EXTERN
+            if extern or own_kernel(a):
+                into[a.name] = n.name
+    return into, cats

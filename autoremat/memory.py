@@ -311,7 +311,12 @@ def _run(
         return reads[name] if name in reads else nodes[base(name)].inputs
 
     def storage_of(name: str) -> str:
-        return storage[name] if name in storage else nodes[base(name)].storage
+        if name in storage:
+            return storage[name]
+        p = nodes[base(name)]
+        # Computed into a cat's buffer (fusion.concat_writes); Inductor's own estimate of an order does not
+        # see this (in_place=False: _kernel_order's trial runs)
+        return p.into if p.into and in_place else p.storage
 
     if any(p.fused or p.inplace for p in nodes.values()):
         last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
@@ -344,14 +349,15 @@ def _run(
 
     for i, name in enumerate(order):
         p = nodes[base(name)]
-        if in_place and p.inplace and p.storage == name:  # Inductor writes it into an input that dies here (inplace.py)
+        if in_place and p.inplace and p.storage == name and not p.into:  # writes into an input dying here (inplace.py)
             dying = [a for a in dies.get(i, ()) if a in alive and a not in held]
             reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, heap.granularity))
             if reused:
                 release(reused)
         if p.storage:
             root = storage_of(name)
-            heap.add(root, p.nbytes if root == name else 0)
+            # the first value computed into a cat's buffer allocates all of it
+            heap.add(root, p.nbytes if root == name else nodes[root].nbytes if in_place and root == p.into else 0)
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.

@@ -25,7 +25,7 @@ from torch.utils.flop_counter import flop_registry
 
 from autoremat.capture import CapturedGraph
 from autoremat.devices import DeviceSpec, get_device
-from autoremat.fusion import fused_nodes, own_kernel
+from autoremat.fusion import concat_writes, fused_nodes, own_kernel
 from autoremat.passes import fused_linear_loss
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs, forward_writable
@@ -74,6 +74,9 @@ class NodeProfile:
     # eager: (its output, an input) that a variant of this backward op writes the output over, where the
     # input dies at it (recomputed_writes.write_over_dying_input; the fused LM head's dh over h)
     overwrites: tuple[str, str] = ()
+    # Inductor computes it straight into its slice of this backward cat's buffer, which exists from the
+    # first such write on (fusion.concat_writes): it owns no buffer of its own (memory._run)
+    into: str = ""
 
 
 @dataclass
@@ -331,7 +334,9 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
 
 
 def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
-    """Inductor's pointwise fusion: a fused node allocates nothing and costs its arithmetic only."""
+    """What Inductor's code does that the graph does not show: a fused node allocates nothing and costs its
+    arithmetic only; a backward kernel may write into a dying input (inplace.py); a backward cat's inputs
+    may be computed into its buffer (fusion.concat_writes)."""
     aliases = {name: p.storage for name, p in nodes.items() if p.storage}
     banned = {name for name, p in nodes.items() if p.recompute_ban}
     fused = fused_nodes(gm, outputs, aliases, banned)
@@ -343,6 +348,12 @@ def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSp
         if n.name in nodes:
             p = nodes[n.name]
             p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
+    backward = {name for name, p in nodes.items() if p.kind == "backward"}
+    into, cats = concat_writes(gm, backward, aliases, outputs)
+    for name, cat in into.items():
+        nodes[name].into = cat
+    for cat in cats:
+        nodes[cat].inplace = False  # its buffer exists before it runs: no input's to take
 
 
 def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list, grads: list) -> dict:

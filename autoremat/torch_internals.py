@@ -331,6 +331,14 @@ def inductor_realize_reads_threshold() -> int:
     return int(config.realize_reads_threshold)
 
 
+def inductor_max_pointwise_cat_inputs() -> int:
+    """Inputs up to which Inductor may lower a cat on a GPU as one pointwise kernel (beyond: a ConcatKernel)."""
+    from torch._inductor import config
+
+    # torch 2.13 splits the limit in two (complex inputs, simple inputs); a cat is a ConcatKernel past both
+    return max(int(config.max_pointwise_cat_inputs), int(getattr(config, "max_complex_pointwise_cat_inputs", 0)))
+
+
 def has_triton() -> bool:
     """Whether Triton imports and supports a device here (what Inductor's GPU backend needs)."""
     from torch.utils._triton import has_triton as triton_here
