@@ -409,6 +409,14 @@ def test_inductor_realize_reads_threshold_is_a_small_positive_count():
     assert ti.inductor_realize_reads_threshold() == inductor_config.realize_reads_threshold >= 1
 
 
+def test_inductor_max_pointwise_cat_inputs_covers_both_of_inductors_limits():
+    import torch._inductor.config as inductor_config
+
+    limit = ti.inductor_max_pointwise_cat_inputs()
+    assert limit >= inductor_config.max_pointwise_cat_inputs >= 1
+    assert limit >= getattr(inductor_config, "max_complex_pointwise_cat_inputs", 0)
+
+
 def _inside_a_backward(callback) -> None:
     """Run `callback()` inside the backward of a one-op graph, as a compiled region's backward runs it."""
 
