@@ -93,8 +93,6 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
     return fused
 
 
-
-
 def concat_writes(gm: fx.GraphModule, backward: set[str], aliases: dict[str, str],
                   outputs: set[str]) -> tuple[dict[str, str], set[str]]:
     """(backward value -> the cat whose buffer Inductor computes it into, the cats Inductor lowers as a
