@@ -357,7 +357,7 @@ def _run(
         if p.storage:
             root = storage_of(name)
             # the first value computed into a cat's buffer allocates all of it
-            heap.add(root, p.nbytes if root == name else nodes[root].nbytes if in_place and root == p.into else 0)
+            heap.add(root, p.nbytes if root == name else nodes[root].nbytes if root == p.into else 0)
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.

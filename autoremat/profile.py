@@ -299,7 +299,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
         nodes[n.name] = prof
 
     if cg.compiler == "inductor":
-        _mark_fused(gm, nodes, dev, {*fw_outputs, *grad_outputs})
+        _mark_inductor_code(gm, nodes, dev, {*fw_outputs, *grad_outputs})
     else:  # the backward module writes these pointwise results into a dying input (passes/reuse.py)
         moved: dict[str, str] = {}
         for name, into in dying_inputs(gm).items():  # in graph order: a chain ends at the first buffer
@@ -333,7 +333,7 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
     )
 
 
-def _mark_fused(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
+def _mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
     """What Inductor's code does that the graph does not show: a fused node allocates nothing and costs its
     arithmetic only; a backward kernel may write into a dying input (inplace.py); a backward cat's inputs
     may be computed into its buffer (fusion.concat_writes)."""

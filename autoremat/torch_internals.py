@@ -245,9 +245,10 @@ def _with_our_settings(compile_fn: Callable) -> Callable:
 
     Pinning simdlen leaves the generated code as it was; the FX graph cache key then says which vector
     ISA it is for. A simdlen the user set is left alone. Cutting the kernel orders can change the
-    code (the order its kernels run in); `_orders_the_model_knows` keeps that code apart in the cache. Without layout optimisation every value keeps the strides the
-    graph was traced with, eager's: a dropout mask is drawn in eager's order, and no layout copies
-    that the memory model does not know of are made.
+    code (the order its kernels run in); `_orders_the_model_knows` keeps that code apart in the cache.
+    Without layout optimisation every value keeps the strides the graph was traced with, eager's: a
+    dropout mask is drawn in eager's order, and no layout copies that the memory model does not know
+    of are made.
     """
     from torch._inductor import config
 
