@@ -340,7 +340,7 @@ def pareto_points(profiles: list, plan: Plan, device: str, *, solver: str = "aut
     fixed = Ledger.from_dict(plan.ledger).fixed
     smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=solver, time_limit=time_limit)
     low = fixed + smallest.peak
-    high = fixed + max(plan.baseline_peak, plan.activation_peak)
+    high = max(plan.no_recompute_budget, fixed + plan.activation_peak)
     budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
     forward = plan.forward_time_s or 1.0
     points = []

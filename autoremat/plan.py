@@ -76,6 +76,15 @@ class Plan:
         """Predicted step-time increase from recomputation, as a fraction."""
         return self.recompute_time_s / self.forward_time_s if self.forward_time_s else 0.0
 
+    @property
+    def no_recompute_budget(self) -> int:
+        """The least budget at which these graphs are planned with nothing recomputed: the fixed parts,
+        the save-everything activation peak (or optimizer.step()'s temporaries, if larger) and the SLACK
+        every plan keeps for autograd's scalars. `fixed + baseline_peak` alone is SLACK short of it, and
+        a plan there recomputes something to free those bytes."""
+        ledger = Ledger.from_dict(self.ledger)
+        return ledger.fixed + max(self.baseline_peak, ledger.optimizer_step) + SLACK
+
     # JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return asdict(self)

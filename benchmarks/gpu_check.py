@@ -182,7 +182,7 @@ def main() -> None:
                                     time_limit=a.time_limit, precision=precision, compiler="eager")
             p = om.plan
             picked = [d for pick in p.precision.get("dtypes", []) for d in pick.values()]
-            return om, dict(budget=int(budget), predicted_peak=p.predicted_peak, baseline_peak=p.baseline_peak,
+            return om, dict(budget=int(budget), predicted_peak=p.predicted_peak, no_recompute_budget=p.no_recompute_budget,
                             fixed=p.predicted_peak - p.activation_peak, predicted_overhead=p.overhead,
                             solver_status=p.solver.get("status"), num_graphs=om.num_graphs,
                             plan_s=time.perf_counter() - t, bf16_calls=picked.count("bf16"),
@@ -216,7 +216,7 @@ def main() -> None:
     if smallest:
         first = run_row("autoremat", "smallest", ar(smallest), smallest)
         if first.get("status") == "ok":
-            no_recompute = first["fixed"] + first["baseline_peak"]
+            no_recompute = first["no_recompute_budget"]
             mid = (smallest + no_recompute) // 2
             run_row("autoremat", "midpoint", ar(mid), mid)
             run_row("autoremat", "no-recompute total", ar(no_recompute), no_recompute)

@@ -132,12 +132,12 @@ def ar_build(budget: int, ex, regions: bool | str = "auto", outputs: str = "all"
 
 
 def limits(bench: Bench, outputs: str) -> tuple[int, int, int]:
-    """(smallest feasible budget, no-recompute total, fixed bytes) under compiler="inductor"."""
+    """(smallest feasible budget, the least budget that recomputes nothing, fixed bytes) under compiler="inductor"."""
     torch._dynamo.reset()
     big = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None,
                              compiler="inductor", verify=False, progress=False, outputs=outputs)
     fixed = Ledger.from_dict(big.plan.ledger).fixed
-    hi = fixed + big.plan.baseline_peak
+    hi = big.plan.no_recompute_budget
     torch._dynamo.reset()
     try:
         autoremat.optimize(bench.fresh(), budget=fixed + 1, example_inputs=bench.ex, optimizer=None,

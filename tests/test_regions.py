@@ -14,7 +14,7 @@ from autoremat import handoffs, regions, solver
 from autoremat.devices import get_device
 from autoremat.ledger import Ledger
 from autoremat.measure import measure_peak
-from autoremat.plan import SLACK, Plan
+from autoremat.plan import Plan
 from examples import models
 from tests.budgets import seeded_grads
 from tests.tolerances import assert_close_for
@@ -276,8 +276,7 @@ def test_auto_is_one_graph_only_where_it_costs_less_time():
     cut = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, verify=False,
                              compiler="eager").plan
     assert roomy.plan.baseline_peak > cut.baseline_peak, (roomy.plan.baseline_peak, cut.baseline_peak)
-    fixed = Ledger.from_dict(cut.ledger).fixed
-    budget = fixed + cut.baseline_peak + SLACK
+    budget = cut.no_recompute_budget
     mid = autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, compiler="eager")
     assert mid.plan.regions is True and mid.num_graphs == 5
     assert any("one graph would need" in n and "it does not fit" in n for n in mid.plan.notes), mid.plan.notes
@@ -285,7 +284,7 @@ def test_auto_is_one_graph_only_where_it_costs_less_time():
     # Where one graph fits by recomputing: it is taken when that recomputation costs less than its calls.
     with pytest.raises(autoremat.BudgetError) as err:
         autoremat.optimize(model, budget="1KB", example_inputs=ex, regions=False, verify=False, compiler="eager")
-    lowest, everything = max(budget, err.value.smallest_budget), fixed + roomy.plan.baseline_peak + SLACK
+    lowest, everything = max(budget, err.value.smallest_budget), roomy.plan.no_recompute_budget
     assert lowest < everything, (lowest, everything)
     between = (lowest + everything) // 2
     free_calls = dataclasses.replace(get_device("cpu"), region_call_s=0.0)  # one graph can only cost time

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import autoremat
 from autoremat import heuristics, solver
 from autoremat.capture import capture
-from autoremat.plan import Ledger, build_plan
+from autoremat.plan import SLACK, Ledger, build_plan
 from autoremat.profile import profile_graph
 from examples import models
 
@@ -90,6 +90,22 @@ def test_save_all_path_when_everything_fits(stack):
     gp, hi, _ = stack
     d = solver.solve([gp], hi)
     assert d.path == "save-all" and d.status == "optimal" and d.recompute_time_s == 0 and d.peak == hi
+
+
+def test_the_no_recompute_budget_is_the_least_that_recomputes_nothing():
+    """Plan.no_recompute_budget is what a benchmark or a Pareto sweep takes as the top of the range: at it
+    the plan saves everything, and one byte less makes it recompute (fixed + baseline_peak alone did)."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
+    roomy = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager").plan
+    top = roomy.no_recompute_budget
+    assert top == Ledger.from_dict(roomy.ledger).fixed + roomy.baseline_peak + SLACK, top
+    at = autoremat.optimize(model, budget=top, example_inputs=ex, verify=False, compiler="eager").plan
+    assert at.solver["path"] == "save-all" and at.recompute_time_s == 0, at.summary()
+    assert at.no_recompute_budget == top
+    below = autoremat.optimize(model, budget=top - 1, example_inputs=ex, verify=False, compiler="eager").plan
+    assert below.solver["path"] != "save-all" and below.recompute_time_s > 0, below.summary()
+    assert below.predicted_peak <= top - 1
 
 
 def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch):
