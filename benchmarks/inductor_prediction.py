@@ -2,7 +2,7 @@
 
 For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2), and `floor.py --quick`'s
 ResNet-shaped conv net (conv-BN-ReLU-dropout blocks, `conv`), and each dropout setting:
-the smallest feasible budget and the no-recompute total under Inductor (speed.limits), then a plan at
+the smallest feasible budget and the least that recomputes nothing under Inductor (speed.limits), then a plan at
 the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
 with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
 one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). A smallest
@@ -10,7 +10,8 @@ budget that verification refuses (it measured more than predicted and the re-pla
 retried at the budget the refusal names, as speed.py does; the row says so. Columns:
 predicted / measured peak, prediction error, budget used (measured / budget), each measured twice: with the
 model's outputs held through the backward (what the memory model assumes, as optimize's verification
-does) and with only the loss kept; verification's note.
+does) and with only the loss kept; the activation bytes the plan leaves unused against the least rise of
+its simulated peak when one recomputed value is saved back (`saving_back`); verification's note.
 
     python benchmarks/inductor_prediction.py [--models stack,gpt2,conv] [--dropout 0.1,0.0] [--out PATH]
 
@@ -36,8 +37,12 @@ import remat_vs_peers as peers  # noqa: E402  # benchmarks/ is this script's fol
 import speed  # noqa: E402
 
 import autoremat  # noqa: E402
+from autoremat.devices import get_device  # noqa: E402
+from autoremat.ledger import Ledger  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
 from autoremat.pipeline import loss_of  # noqa: E402
+from autoremat.plan import SLACK  # noqa: E402
+from autoremat.solver import evaluate  # noqa: E402
 
 MiB = 2**20
 
@@ -52,6 +57,31 @@ class _Bench:
 
     def fresh(self) -> torch.nn.Module:
         return copy.deepcopy(self.pristine)
+
+
+def saving_back(om) -> str:
+    """Whether the budget a plan leaves unused could buy back any recomputation: the activation bytes
+    it leaves unused against the least that the simulated peak rises when one recomputed value that
+    costs time is saved back instead ("-" when nothing that costs time is recomputed). Values come in
+    sizes, so a plan can leave less than one of them unused and still be the fastest that fits."""
+    graphs, plan = om._planner.sequence(), om.plan
+    saved = [set(g.saved) | set(g.again) for g in plan.graphs]
+    granularity = get_device("cpu").alloc_granularity
+    schedules, timeline, _ = evaluate(graphs, saved, granularity)
+    if timeline.peak != plan.activation_peak:
+        return f"replay peaks at {timeline.peak} B, not the plan's {plan.activation_peak} B"
+    unused = plan.budget - SLACK - Ledger.from_dict(plan.ledger).fixed - plan.activation_peak
+    rises = []
+    for gi, (g, schedule) in enumerate(zip(graphs, schedules)):
+        for v in schedule.recomputed:
+            if g.nodes[v].time_s > 0:
+                trial = [set(s) for s in saved]
+                trial[gi].add(v)
+                try:
+                    rises.append(evaluate(graphs, trial, granularity)[1].peak - timeline.peak)
+                except ValueError:  # a set no schedule runs
+                    continue
+    return f"{unused:,} B / {min(rises):,} B ({len(rises)} values)" if rises else "-"
 
 
 def row(bench: _Bench, budget: int) -> dict:
@@ -73,9 +103,10 @@ def row(bench: _Bench, budget: int) -> dict:
         step()
         measured[step] = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, bench.ex))[1].peak_bytes
     p = om.plan
+    back = saving_back(om)
     notes = [n for n in p.notes if "verified" in n or "re-planned" in n]
     return dict(budget=budget, predicted=p.predicted_peak, measured=measured[held], dropped=measured[dropped],
-                plan_s=plan_s, verify=(notes[0][:90] if notes else "-"))
+                plan_s=plan_s, back=back, verify=(notes[0][:90] if notes else "-"))
 
 
 def main() -> None:
@@ -87,8 +118,9 @@ def main() -> None:
     torch.set_num_threads(1)
     started = time.perf_counter()
     lines = ["| model | budget point | budget (MiB) | predicted (MiB) | measured (MiB) | prediction error | budget used "
-             "| outputs dropped: measured (MiB) | error | budget used | plan s | verification |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| outputs dropped: measured (MiB) | error | budget used | unused / least rise saving one value back "
+             "| plan s | verification |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for drop in (float(x) for x in a.dropout.split(",")):
         conv = dict(name="conv", factory=floor.resnet, kwargs={**floor.SIZES["resnet"][1], "dropout": drop})
         for cfg in [*speed.configs(True, drop), conv]:
@@ -109,7 +141,7 @@ def main() -> None:
                 line = (f"| {cfg['name']} (dropout {drop}) | {point} | {budget / MiB:.3f} | {r['predicted'] / MiB:.3f} | "
                         f"{r['measured'] / MiB:.3f} | {err:+.1%} | {r['measured'] / budget:.1%} | "
                         f"{r['dropped'] / MiB:.3f} | {r['predicted'] / r['dropped'] - 1:+.1%} | "
-                        f"{r['dropped'] / budget:.1%} | {r['plan_s']:.0f} | "
+                        f"{r['dropped'] / budget:.1%} | {r['back']} | {r['plan_s']:.0f} | "
                         f"{r['verify']} |")
                 print(line, flush=True)
                 lines.append(line)
@@ -117,12 +149,14 @@ def main() -> None:
             f"Command: `python benchmarks/inductor_prediction.py --models {a.models} --dropout {a.dropout}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
             f"{peers.git_state()}, wall {time.perf_counter() - started:.0f} s.", "",
-            "Models: `speed.py --quick`'s (stack, gpt2) and `floor.py --quick`'s resnet (conv). Budgets: the smallest feasible, the middle and the top (no-recompute "
-            "total) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`, with "
+            "Models: `speed.py --quick`'s (stack, gpt2) and `floor.py --quick`'s resnet (conv). Budgets: the smallest feasible, the middle and the top (the least budget "
+            "that recomputes nothing, Plan.no_recompute_budget) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`, with "
             "the model's outputs held through the backward (`out = model(...); loss_of(out).backward()`: what the memory "
             "model assumes, as optimize's verification and a training loop that keeps `out` do), and with only the loss "
             "kept (`loss_of(model(...)).backward()`: the logits die after the forward; `outputs=\"loss\"` tells the "
-            "planner so).", ""]
+            "planner so). Unused / least rise: the activation bytes the plan leaves unused, against the least its "
+            "simulated peak rises when one recomputed value that costs time is saved back (every such value tried): "
+            "where the rise is larger, no single value's recomputation can be bought back with what is left.", ""]
     Path(a.out).write_text("\n".join(head + lines) + "\n")
     print("wrote", a.out)
 
