@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import re
 import sys
 import time
 from pathlib import Path
@@ -72,7 +73,9 @@ def saving_back(om) -> str:
     schedules, timeline, cost = evaluate(graphs, saved, granularity)
     if timeline.peak != plan.activation_peak:
         return f"replay peaks at {timeline.peak} B, not the plan's {plan.activation_peak} B"
-    unused = plan.budget - SLACK - Ledger.from_dict(plan.ledger).fixed - plan.activation_peak
+    # a plan that verification re-planned was solved with the measured gap reserved (pipeline.py's note)
+    reserved = sum(int(m.group(1)) for n in plan.notes if (m := re.match(r"re-planned with (\d+) B reserved", n)))
+    unused = plan.budget - SLACK - reserved - Ledger.from_dict(plan.ledger).fixed - plan.activation_peak
     rises = []
     for gi, (g, schedule) in enumerate(zip(graphs, schedules)):
         for v in schedule.recomputed:
@@ -158,7 +161,8 @@ def main() -> None:
             "the model's outputs held through the backward (`out = model(...); loss_of(out).backward()`: what the memory "
             "model assumes, as optimize's verification and a training loop that keeps `out` do), and with only the loss "
             "kept (`loss_of(model(...)).backward()`: the logits die after the forward; `outputs=\"loss\"` tells the "
-            "planner so). Unused / least rise: the activation bytes the plan leaves unused, against the least its "
+            "planner so). Unused / least rise: the activation bytes the plan leaves unused (less what verification "
+            "reserved, where it re-planned), against the least its "
             "simulated peak rises when one recomputed value is saved back, among those whose saving back lowers the predicted "
             "recompute time (every recomputed value tried): "
             "where the rise is larger, no single value's recomputation can be bought back with what is left.", ""]
