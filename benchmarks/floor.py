@@ -55,7 +55,7 @@ SEED = peers.SEED
 PT_BUDGETS = (0.5, 0.1, 0.0)
 # Every row's step uses only the loss (the model's other outputs are dropped before the backward): autoremat is told
 # so, as a user would tell it (for the language models the logits are then never materialised whole).
-OUTPUTS = "loss"
+OUTPUTS = peers.OUTPUTS
 FLOOR_VS_CHECKPOINT = {"stack": 0.9, "gpt2": 0.9}  # issue #11: floor <= this x checkpoint's peak; others 1.0
 PREDICTION_TOLERANCE = 0.05  # issue #11: predicted peak within 5% of measured at the floor
 
