@@ -248,7 +248,7 @@ def pt_build(b, args, kwargs):
     return build
 
 
-def ar_build(budget, ex, outputs: str = "all", compiler: str = "eager"):
+def ar_build(budget, ex, outputs: str = OUTPUTS, compiler: str = "eager"):
     def build(model):
         torch._dynamo.reset()
         om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs,
@@ -402,13 +402,13 @@ def bench_model(cfg, device, n_steps, n_grid, log) -> tuple[list[dict], dict]:
     lo, hi = lim["smallest"], lim["no_recompute"]
     for i in range(n_grid):
         budget = int(lo + (hi - lo) * i / (n_grid - 1)) if n_grid > 1 else hi
-        rows.append(bench.run_row("autoremat", f"grid {i}: {budget / MiB:.1f} MiB", ar_build(budget, bench.ex, OUTPUTS),
-                                  retry=(lambda b: ar_build(b, bench.ex, OUTPUTS)) if i == 0 else None))
+        rows.append(bench.run_row("autoremat", f"grid {i}: {budget / MiB:.1f} MiB", ar_build(budget, bench.ex),
+                                  retry=(lambda b: ar_build(b, bench.ex)) if i == 0 else None))
     for p in list(rows):
         if p["method"] in ("eager", "checkpoint", "pt-budget") and p["status"] == "ok":
             budget = p["measured_peak"]
             rows.append(bench.run_row("autoremat @ peer", f"{p['method']} {p['setting']}: {budget / MiB:.1f} MiB",
-                                      ar_build(budget, bench.ex, OUTPUTS)))
+                                      ar_build(budget, bench.ex)))
     lim["wall_s"] = time.perf_counter() - t0
     return rows, lim
 
