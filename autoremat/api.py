@@ -26,7 +26,7 @@ from autoremat import precision_plan
 from autoremat.cache import PlanCache, precision_mode
 from autoremat.capture import COMPILE_CLOCK
 from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler, run_with_fallback
-from autoremat.devices import DeviceSpec, get_device
+from autoremat.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.ledger import Ledger, ledger_for_model
 from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
 from autoremat.pipeline import build
@@ -40,9 +40,9 @@ from autoremat.planner import (
 )
 from autoremat.precision_auto import plan_precision
 from autoremat.precision_measure import FP32_KEPT
-from autoremat.progress import stages_on_stderr
+from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
-from autoremat.solver import DEFAULT_GAP
+from autoremat.solver import DEFAULT_GAP, check_solver
 from autoremat.torch_internals import tree_leaves
 from autoremat.units import parse_budget
 
@@ -81,8 +81,7 @@ def _check_options(time_limit: float, gap: float, solver: str) -> None:
         raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
         raise ValueError(f"gap must be a relative optimality gap in [0, 1), got {gap!r}")
-    if solver not in ("auto", "cbc", "highs"):
-        raise ValueError(f"solver must be 'auto', 'cbc' or 'highs', got {solver!r}")
+    check_solver(solver)
 
 
 def _model_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
@@ -136,7 +135,7 @@ def optimize(
         the plan may spend; default: what autocast's choice (every matmul in bf16) is measured at.
     fp32_ops: the calls kept in fp32 whatever their inputs (default `precision_measure.FP32_KEPT`: norms,
         softmax, exp/log/pow, reductions, losses); a call left out of the list becomes castable.
-    solver, time_limit, gap: the ILP solver ("auto", "cbc", "highs"), its time limit in seconds per
+    solver, time_limit, gap: the ILP solver ("auto" or "highs": HiGHS either way), its time limit in seconds per
         solve and its relative optimality gap. At the time limit the best plan found so far is used
         (plan.solver["status"] == "time_limit"); with none, a greedy or smallest-peak plan.
     compiler: "auto" (default): Inductor where it runs (CUDA with Triton; CPU with a working C++
@@ -189,7 +188,7 @@ def optimize(
                          f"is used: the logits output becomes None and is never materialised), got {outputs!r}")
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
-    with stages_on_stderr(progress):
+    with stages_on_stderr(progress), pulse():
         args, kwargs = _split_inputs(example_inputs)
         _check_signature(model, args, kwargs)
         where = _model_device(model, args, kwargs)
@@ -199,9 +198,11 @@ def optimize(
         fp32_ops = tuple(fp32_ops)
         dev = get_device(device if device is not None else where)
 
+        workspaces = blas_workspace_bytes(dev, where.type)
+
         def ledger_for(args: tuple, kwargs: dict) -> Ledger:
             return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
-                                    device_granularity=dev.alloc_granularity)
+                                    device_granularity=dev.alloc_granularity, workspaces=workspaces)
 
         ledger = ledger_for(args, kwargs)
         opts = {"solver": solver, "time_limit": time_limit, "gap": gap}

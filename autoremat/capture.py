@@ -16,7 +16,6 @@ read-only use of it: it records the joint graphs of one forward call and changes
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import itertools
 import os
@@ -39,6 +38,7 @@ from autoremat.torch_internals import (
     OpOverloadPacket,
     aot_autograd,
     composite_with_meta_kernel,
+    copy_graph,
     default_partition,
     inductor_compilers,
     mark_boxed_call,
@@ -114,10 +114,13 @@ COMPILE_CLOCK = CompileClock()
 
 
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
-                regions: bool = False, release_grads: bool = True) -> Callable:
+                regions: bool = False, release_grads: bool = True, trace_only: bool = False) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
+    trace_only: the graphs are traced and profiled as `compiler` would see them (its decompositions and
+    passes) but run as Python: a trace that is only profiled, never run as the step, does not pay for
+    Inductor compiling its forward (issue 38: seconds per graph).
     `pre_pass(index, gm, example_inputs)` sees (and may rewrite) each dynamo graph before
     AOTAutograd traces it: the precision stage casts there.
     """
@@ -157,10 +160,12 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
                              decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
     elif compiler == "inductor":
         fw_compiler, bw_compiler, inductor_table = inductor_compilers()
+        fw_compiler, bw_compiler = (boxed_eager, boxed_eager) if trace_only else (
+            COMPILE_CLOCK.timed(fw_compiler), COMPILE_CLOCK.timed(bw_compiler))
         # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
         inner = aot_autograd(
-            fw_compiler=COMPILE_CLOCK.timed(fw_compiler),
-            bw_compiler=COMPILE_CLOCK.timed(bw_compiler),
+            fw_compiler=fw_compiler,
+            bw_compiler=bw_compiler,
             partition_fn=partition_fn,
             decompositions={**inductor_table, **DECOMPOSITIONS},
         )
@@ -206,7 +211,7 @@ def capture(model: Callable, example_inputs: tuple, example_kwargs: dict | None 
     graphs: list[CapturedGraph] = []
 
     def record(cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
-        kept = fx.GraphModule(cg.joint, copy.deepcopy(cg.joint.graph))
+        kept = fx.GraphModule(cg.joint, copy_graph(cg.joint.graph))
         graphs.append(CapturedGraph(kept, cg.num_fwd_outputs, cg.static_input_indices, cg.index, cg.device))
         return default_split(cg)
 

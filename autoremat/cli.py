@@ -313,7 +313,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help=f"roofline device for op times: {', '.join(DEVICE_NAMES)} (default cpu)")
     p.add_argument("--world-size", type=positive_int, default=1, help="ranks the step is sharded over (per-rank plan)")
     p.add_argument("--sharding", default="none", choices=SHARDINGS)
-    p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
+    p.add_argument("--solver", default="auto", choices=("auto", "highs"), help="the ILP solver: HiGHS either way")
     p.add_argument("--time-limit", type=positive_seconds, default=30.0, metavar="S", help="ILP time limit per solve")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "auto"),
                    help="bf16: every matmul-class call in bf16; auto: the fastest predicted of fp32, the joint "

@@ -8,6 +8,7 @@ optimism costs little; measured times from profiling replace these when availabl
 """
 
 import dataclasses
+import os
 import re
 import warnings
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class DeviceSpec:
     # Seconds one more compiled graph costs per step (its AOTAutograd call in the forward and in the
     # backward: Python on the host, whatever the device). regions="auto" weighs it against recomputation.
     region_call_s: float = 0.0
+    # CUDA compute capability (major, minor); None for a CPU. It sizes cuBLAS's workspace (`blas_workspace_bytes`).
+    capability: tuple[int, int] | None = None
 
     def op_time(
         self,
@@ -94,7 +97,8 @@ REGION_CALL_S = 40e-6
 
 
 def _gpu(
-    name: str, fp32: float, tf32: float, bf16: float, fp16: float, bw: float, mem_gib: float
+    name: str, fp32: float, tf32: float, bf16: float, fp16: float, bw: float, mem_gib: float,
+    capability: tuple[int, int],
 ) -> DeviceSpec:
     return DeviceSpec(
         name=name,
@@ -107,6 +111,7 @@ def _gpu(
         # host-side Python: the CPU figure below (a GPU host was not measured); it shows where the GPU waits
         # on the host, in launch-bound steps
         region_call_s=REGION_CALL_S,
+        capability=capability,
     )
 
 
@@ -140,26 +145,26 @@ _DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA Tesla V100 datasheet (SXM2, 32 GB): 15.7 TFLOPS fp32, 125 TFLOPS fp16
     # tensor, 900 GB/s. Volta has no tf32 and no bf16 (bf16 is emulated through fp32),
     # so both get the fp32 rate: a "no gain" model.
-    "v100": _gpu("v100", 15.7 * _T, 15.7 * _T, 15.7 * _T, 125 * _T, 900e9, 32),
+    "v100": _gpu("v100", 15.7 * _T, 15.7 * _T, 15.7 * _T, 125 * _T, 900e9, 32, (7, 0)),
     # NVIDIA A100 Tensor Core GPU datasheet (80GB SXM): 19.5 TFLOPS fp32, 156 TFLOPS tf32,
     # 312 TFLOPS bf16/fp16 (dense; the 312/624 figures with * are sparse), 2,039 GB/s.
-    "a100": _gpu("a100", 19.5 * _T, 156 * _T, 312 * _T, 312 * _T, 2039e9, 80),
+    "a100": _gpu("a100", 19.5 * _T, 156 * _T, 312 * _T, 312 * _T, 2039e9, 80, (8, 0)),
     # NVIDIA L4 Tensor Core GPU datasheet: 30.3 TFLOPS fp32; tf32 120 and bf16/fp16 242
     # TFLOPS are quoted with sparsity, so dense is half. 24 GB GDDR6, 300 GB/s.
-    "l4": _gpu("l4", 30.3 * _T, 60 * _T, 121 * _T, 121 * _T, 300e9, 24),
+    "l4": _gpu("l4", 30.3 * _T, 60 * _T, 121 * _T, 121 * _T, 300e9, 24, (8, 9)),
     # NVIDIA Ampere GA102 GPU architecture whitepaper (GeForce RTX 3090): 35.6 TFLOPS
     # fp32, tf32 35.6 dense, bf16/fp16 tensor with fp32 accumulate 71 dense (PyTorch
     # accumulates in fp32; GeForce runs that at half the fp16-accumulate rate), 936 GB/s.
-    "rtx3090": _gpu("rtx3090", 35.6 * _T, 35.6 * _T, 71 * _T, 71 * _T, 936e9, 24),
+    "rtx3090": _gpu("rtx3090", 35.6 * _T, 35.6 * _T, 71 * _T, 71 * _T, 936e9, 24, (8, 6)),
     # NVIDIA Ada Lovelace GPU architecture whitepaper (GeForce RTX 4090): 82.6 TFLOPS
     # fp32, tf32 82.6 dense, bf16/fp16 tensor with fp32 accumulate 165.2 dense, 1,008 GB/s.
-    "rtx4090": _gpu("rtx4090", 82.6 * _T, 82.6 * _T, 165.2 * _T, 165.2 * _T, 1008e9, 24),
+    "rtx4090": _gpu("rtx4090", 82.6 * _T, 82.6 * _T, 165.2 * _T, 165.2 * _T, 1008e9, 24, (8, 9)),
     # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM): 67 TFLOPS fp32; tf32 989 and
     # bf16/fp16 1,979 TFLOPS are quoted with sparsity, so dense is half. 80 GB, 3.35 TB/s.
-    "h100": _gpu("h100", 67 * _T, 494.5 * _T, 989.5 * _T, 989.5 * _T, 3.35e12, 80),
+    "h100": _gpu("h100", 67 * _T, 494.5 * _T, 989.5 * _T, 989.5 * _T, 3.35e12, 80, (9, 0)),
     # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): same compute as H100 SXM,
     # 141 GB HBM3e at 4.8 TB/s.
-    "h200": _gpu("h200", 67 * _T, 494.5 * _T, 989.5 * _T, 989.5 * _T, 4.8e12, 141),
+    "h200": _gpu("h200", 67 * _T, 494.5 * _T, 989.5 * _T, 989.5 * _T, 4.8e12, 141, (9, 0)),
 }
 
 # Extra spellings, already normalized (lowercase, no spaces, dashes or underscores).
@@ -190,6 +195,55 @@ _CUDA_TOKENS = {
 }
 
 
+# cuBLAS's and cuBLASLt's workspaces (aten/src/ATen/cuda/CublasHandlePool.cpp, torch 2.11 to 2.13): torch
+# allocates each through the caching allocator the first time a matmul runs on a (cuBLAS handle, stream) pair, and
+# keeps it for the life of the process. Handles are per thread: the thread that calls the forward has one, and
+# autograd runs a CUDA backward on a device thread of its own, which has another. So a training step holds two of
+# each, outside any graph, and torch.cuda.max_memory_allocated counts them: on an H200 (sm90, 32 MiB each) BERT-base
+# measured 63 MiB over a budget its plan met to within a few MiB (issue 36).
+BLAS_THREADS = 2
+_KiB = 1024
+
+
+def cublas_workspace_bytes(capability: tuple[int, int]) -> int:
+    """The cuBLAS workspace of one (handle, stream): CUBLAS_WORKSPACE_CONFIG's ":SIZE_KiB:COUNT" pairs summed, or
+    torch's default: 32 MiB on sm90 (Hopper), else 4096 KiB x 2 + 16 KiB x 8."""
+    default = 4096 * 8 * _KiB if capability == (9, 0) else 4096 * _KiB * 2 + 16 * _KiB * 8
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if not config:
+        return default
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if not pairs:
+        return default  # torch warns and uses its default
+    return sum(int(size) * _KiB * int(count) for size, count in pairs)
+
+
+def cublaslt_workspace_bytes(capability: tuple[int, int]) -> int:
+    """The cuBLASLt workspace of one (handle, stream): CUBLASLT_WORKSPACE_SIZE KiB (default 1024), at most the
+    cuBLAS workspace unless TORCH_CUBLASLT_UNIFIED_WORKSPACE is set false; 0 when it is set true, where cuBLASLt
+    uses cuBLAS's own (c10::utils::check_env's spellings)."""
+    unified = os.environ.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    flag = None if unified is None else unified.strip().lower() in ("1", "y", "yes", "true", "on")
+    if flag:
+        return 0
+    try:
+        size = int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * _KiB
+    except ValueError:
+        size = 1024 * _KiB  # torch warns and uses its default
+    return size if flag is False else min(size, cublas_workspace_bytes(capability))
+
+
+def blas_workspace_bytes(spec: "DeviceSpec", runs_on: str = "cuda") -> int:
+    """Bytes of matmul-library workspace a training step on `spec` holds, allocated once and never freed: one
+    cuBLAS and one cuBLASLt workspace per thread that runs matmuls (BLAS_THREADS). `runs_on` is the device
+    type of the step's tensors: "cuda", or "meta" when the step is planned for a GPU without one. 0 on a CPU,
+    and for a step whose tensors are on the CPU whatever device its op times are modelled on."""
+    if runs_on not in ("cuda", "meta") or spec.kind != "cuda" or spec.capability is None:
+        return 0
+    one = cublas_workspace_bytes(spec.capability) + cublaslt_workspace_bytes(spec.capability)
+    return BLAS_THREADS * -(-one // spec.alloc_granularity) * spec.alloc_granularity
+
+
 def known_devices() -> list[str]:
     return list(_DEVICES)
 
@@ -212,15 +266,16 @@ def _cuda_spec(device: torch.device) -> DeviceSpec:
         )
     props = torch.cuda.get_device_properties(device)
     key = match_cuda_name(props.name)
+    capability = (props.major, props.minor)
     if key is not None:
-        return dataclasses.replace(_DEVICES[key], memory_bytes=props.total_memory)
+        return dataclasses.replace(_DEVICES[key], memory_bytes=props.total_memory, capability=capability)
     warnings.warn(
         f"unknown GPU {props.name!r}: predicting op times with A100-like rates; "
         f"pass one of {known_devices()} for a better model",
         stacklevel=3,
     )
     generic = _DEVICES["a100"]
-    return dataclasses.replace(generic, name=props.name, memory_bytes=props.total_memory)
+    return dataclasses.replace(generic, name=props.name, memory_bytes=props.total_memory, capability=capability)
 
 
 def get_device(spec: "DeviceSpec | str | torch.device | None" = None) -> DeviceSpec:

@@ -68,12 +68,12 @@ import contextlib
 import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import pulp
 
+from autoremat import lp
 from autoremat.ilp_data import base_size, block_twins, owned_size, static_profile
 from autoremat.lifetimes import Lifetimes, lifetimes, output_spans, waiting_bytes
 from autoremat.memory import INF
@@ -116,22 +116,20 @@ class IlpModel:
         self.tolerance = tolerance
         self.last_status = "infeasible"  # of the latest solve, set by solver.py's calibration loop
         started = time.perf_counter()
-        with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self._build(graphs, granularity)
+        self._build(graphs, granularity)
         self.build_s = time.perf_counter() - started
 
     def _build(self, graphs: list[GraphProfile], granularity: int) -> None:
         self.graphs = graphs
-        self.prob = self.within.prob if self.within else pulp.LpProblem("autoremat", pulp.LpMinimize)
+        self.prob = self.within.prob if self.within else lp.problem("autoremat")
         self._chained = 0
-        self.s: list[dict[str, pulp.LpVariable]] = []
-        self.r: list[dict[str, pulp.LpVariable]] = []
-        self.rows: list[tuple[int, pulp.LpAffineExpression]] = []  # (static bytes, variable bytes)
-        self.time_expr = pulp.LpAffineExpression()  # T
-        self.bytes_expr = pulp.LpAffineExpression()  # sum_v S_v over the step
-        self.err_expr = pulp.LpAffineExpression()  # the error row's left side
-        self.fp16_expr = pulp.LpAffineExpression()  # sum_c f_c: each fp16 call needs loss scaling
+        self.s: list[dict[str, lp.Variable]] = []
+        self.r: list[dict[str, lp.Variable]] = []
+        self.rows: list[tuple[int, lp.Expression]] = []  # (static bytes, variable bytes)
+        self.time_expr = lp.zero()  # T
+        self.bytes_expr = lp.zero()  # sum_v S_v over the step
+        self.err_expr = lp.zero()  # the error row's left side
+        self.fp16_expr = lp.zero()  # sum_c f_c: each fp16 call needs loss scaling
         self.low: list[dict[str, tuple]] = []  # per graph: castable call -> (b_c, f_c, b_c + f_c)
         saved_total = []  # per graph: S^g as a running-sum expression
         per_graph_rows = []
@@ -149,7 +147,7 @@ class IlpModel:
             choice = self.choices[gi] if self.choices and not self.shared_blocks else None
             self.low.append(self._dtype(gi, choice, size, s, r, saved_bytes, recomputed_bytes) if choice else {})
             graph_saved = pulp.lpSum(saved_bytes.values())
-            saved_total.append(self._running(pulp.LpAffineExpression(), graph_saved))
+            saved_total.append(self._running(lp.zero(), graph_saved))
             self.bytes_expr += graph_saved
             fw_rows = self._forward_memory(g, life, saved_bytes, fw_static, core, slot)
             bw_rows = self._backward_memory(life, saved_bytes, recomputed_bytes, bw_static)
@@ -157,6 +155,7 @@ class IlpModel:
         self._step_rows(per_graph_rows, saved_total, output_spans(graphs, granularity),
                         waiting_bytes(graphs, granularity))
         self._capacity()
+        self._error()
         self.total_bytes = max(1, sum(owned_size(g, v, 1) for g in graphs for v in g.nodes))  # B_all
         self.total_time = max(1e-12, sum(p.time_s for g in graphs for p in g.nodes.values()))  # T_all
 
@@ -164,22 +163,22 @@ class IlpModel:
 
     def _decisions(self, gi: int, g: GraphProfile, life: Lifetimes):
         """s_v and r_v for every forward-side node, with the choice and recompute-input rows."""
-        s: dict[str, pulp.LpVariable] = {}
-        r: dict[str, pulp.LpVariable] = {}
+        s: dict[str, lp.Variable] = {}
+        r: dict[str, lp.Variable] = {}
         nodes = g.nodes
         twin = block_twins(g, life) if self.shared_blocks else {}
         for v in life.fw_pos:
             p = nodes[v]
             if v in twin:  # an identical block decides for it: its variables come below
                 continue
-            r[v] = pulp.LpVariable(f"{self.name}r{gi}_{v}", cat="Binary")
+            r[v] = lp.binary(self.prob, f"{self.name}r{gi}_{v}")
             if p.recompute_ban:
                 r[v].upBound = 0
             if p.is_tuple:
                 if self.within:
                     self.prob += r[v] <= self.within.gate
                 continue
-            s[v] = pulp.LpVariable(f"{self.name}s{gi}_{v}", cat="Binary")
+            s[v] = lp.binary(self.prob, f"{self.name}s{gi}_{v}")
             if (p.storage != v and base_size(g, v)) or p.fused or nodes.get(p.storage, p).fused:
                 # saving a view would hold its base, saving a fused value (or a view of one) would make
                 # Inductor write it out (fusion.py): recompute it instead
@@ -196,11 +195,11 @@ class IlpModel:
             self.time_expr += nodes[v].time_s * r[v]
         return s, r
 
-    def _choice_exclusive(self, s_v: pulp.LpVariable, r_v: pulp.LpVariable) -> None:
+    def _choice_exclusive(self, s_v: lp.Variable, r_v: lp.Variable) -> None:
         """choice: s_v + r_v <= 1 (a value is saved, recomputed, or neither); <= gate in an alternative."""
         self.prob += s_v + r_v <= (self.within.gate if self.within else 1)
 
-    def _choice_needed(self, s_v: pulp.LpVariable | None, r_v: pulp.LpVariable) -> None:
+    def _choice_needed(self, s_v: lp.Variable | None, r_v: lp.Variable) -> None:
         """choice: s_v + r_v >= 1 for a value the backward reads (a tuple has no s_v); >= gate in an
         alternative."""
         self.prob += (s_v if s_v is not None else 0) + r_v >= (self.within.gate if self.within else 1)
@@ -222,8 +221,8 @@ class IlpModel:
         Also builds the error row's left side and the dtype terms of T."""
         low: dict[str, tuple] = {}
         for c, opts in sorted(choice.options.items()):
-            b = pulp.LpVariable(f"{self.name}b{gi}_{c}", cat="Binary") if "bf16" in opts else None
-            f = pulp.LpVariable(f"{self.name}f{gi}_{c}", cat="Binary") if "fp16" in opts else None
+            b = lp.binary(self.prob, f"{self.name}b{gi}_{c}") if "bf16" in opts else None
+            f = lp.binary(self.prob, f"{self.name}f{gi}_{c}") if "fp16" in opts else None
             is_low = (b if b is not None else 0) + (f if f is not None else 0)
             if (b is not None and f is not None) or self.within:
                 self.prob += is_low <= (self.within.gate if self.within else 1)
@@ -233,7 +232,7 @@ class IlpModel:
             self.time_expr += choice.cast_time.get(c, 0.0) * is_low
             if f is not None:
                 self.fp16_expr += f
-        both: dict[frozenset, pulp.LpAffineExpression] = {}
+        both: dict[frozenset, lp.Expression] = {}
         for v, own in sorted(choice.owners.items()):
             if not own <= low.keys():
                 continue
@@ -241,7 +240,7 @@ class IlpModel:
                 if len(own) == 1:
                     both[own] = low[next(iter(own))][2]
                 else:
-                    pi = pulp.LpVariable(f"{self.name}pi{gi}_{len(both)}", lowBound=0, upBound=1)
+                    pi = lp.continuous(self.prob, f"{self.name}pi{gi}_{len(both)}", 0, 1)
                     for c in sorted(own):
                         self.prob += pi <= low[c][2]
                     both[own] = pi
@@ -250,7 +249,7 @@ class IlpModel:
             half = size.get(v, 0) // 2
             for var, out, tag in ((s.get(v), saved_bytes, "sg"), (r.get(v), recomputed_bytes, "rh")):
                 if half and var is not None and v in out:
-                    prod = pulp.LpVariable(f"{self.name}{tag}{gi}_{v}", lowBound=0, upBound=1)
+                    prod = lp.continuous(self.prob, f"{self.name}{tag}{gi}_{v}", 0, 1)
                     self.prob += prod <= var
                     self.prob += prod <= pi
                     out[v] = out[v] - half * prod
@@ -291,7 +290,7 @@ class IlpModel:
         for v in saved_bytes:
             dies_at.setdefault(die[v], []).append(v)
         rows = []
-        acc = pulp.LpAffineExpression()
+        acc = lp.zero()
         for t, static in enumerate(fw_static):
             if t - 1 in dies_at:
                 acc = self._running(acc, pulp.lpSum(saved_bytes[v] for v in dies_at[t - 1]))
@@ -303,7 +302,7 @@ class IlpModel:
         backward step t of one graph. A value the backward never reads costs only forward memory."""
         starts: dict[int, list[str]] = {}
         ends: dict[int, list[str]] = {}
-        held = pulp.LpAffineExpression()
+        held = lp.zero()
         for v in life.fw_pos:
             if v not in recomputed_bytes:
                 continue  # owns no bytes
@@ -318,7 +317,7 @@ class IlpModel:
             else:
                 recomputed_bytes.pop(v)  # never recomputed on its own: nothing to add, nothing to take away
         rows = []
-        acc = self._running(pulp.LpAffineExpression(), held)
+        acc = self._running(lp.zero(), held)
         for t, static in enumerate(bw_static):
             if t in starts:
                 acc = self._running(acc, pulp.lpSum(recomputed_bytes[v] for v in starts[t]))
@@ -346,7 +345,7 @@ class IlpModel:
             bw_rows = [(static + others_out + waiting[gi], expr) for static, expr in bw_rows]
             # Consecutive steps share one expression until a value starts or ends: only the
             # largest static part among them can bind, so keep one row per expression.
-            best: dict[int, tuple[int, pulp.LpAffineExpression]] = {}
+            best: dict[int, tuple[int, lp.Expression]] = {}
             for static, expr in fw_rows + bw_rows:
                 if id(expr) not in best or static > best[id(expr)][0]:
                     best[id(expr)] = (static, expr)
@@ -356,19 +355,19 @@ class IlpModel:
     def _capacity(self) -> None:
         """Every row <= cap. One capacity variable carries the budget, so the model is built once and
         re-solved with other budgets (or minimised, for the smallest peak) by changing its bounds."""
-        self.cap = self.within.cap if self.within else pulp.LpVariable("cap", lowBound=0)
+        self.cap = self.within.cap if self.within else lp.continuous(self.prob, "cap", 0)
         self.floor = 0  # rows without decision variables: the least any plan can peak at
         for static, expr in self.rows:
-            fixed = not isinstance(expr, pulp.LpAffineExpression) or not expr.keys()
+            fixed = not isinstance(expr, lp.Expression) or not expr.keys()
             if fixed:
-                static, expr = static + pulp.value(expr), pulp.LpAffineExpression()
+                static, expr = static + pulp.value(expr), lp.zero()
                 self.floor = max(self.floor, static)
             if self.within:  # an alternative's rows bind only when it is the trace chosen
                 self.prob += expr + static * self.within.gate <= self.cap
             elif not fixed:
                 self.prob += expr + static <= self.cap
 
-    def _running(self, acc: pulp.LpAffineExpression, delta: pulp.LpAffineExpression) -> pulp.LpAffineExpression:
+    def _running(self, acc: lp.Expression, delta: lp.Expression) -> lp.Expression:
         """acc + delta, as one new continuous variable m_k tied to the previous one by an equality.
 
         Written out, every row would repeat all the values alive at its step (millions of nonzeros
@@ -376,10 +375,10 @@ class IlpModel:
         """
         if not delta.keys():
             return acc + delta.constant if delta.constant else acc
-        m = pulp.LpVariable(f"{self.name}m{self._chained}")
+        m = lp.continuous(self.prob, f"{self.name}m{self._chained}")
         self._chained += 1
         self.prob += m == acc + delta
-        return pulp.LpAffineExpression(m)
+        return lp.of(m)
 
     # -- objective, error row, solve -----------------------------------------------------------
 
@@ -394,25 +393,23 @@ class IlpModel:
                                    + FP16_PENALTY * self.fp16_expr)
 
     def _error(self) -> None:
-        """error: the measured errors of the chosen 16-bit calls sum to at most the tolerance."""
+        """error: the measured errors of the chosen 16-bit calls sum to at most the tolerance. Built with
+        the model: the tolerance is fixed for its life, only the budget changes between solves."""
         if self.tolerance is not None and self.err_expr.keys():
-            self.prob.constraints["tolerance"] = self.err_expr <= self.tolerance
+            self.prob += self.err_expr <= self.tolerance
 
-    def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False) -> IlpResult:
+    def solve(self, budget: int | None, solver: lp.Solver, min_peak: bool = False) -> IlpResult:
         """Solve under `budget` bytes, or (`min_peak`) for the smallest peak the rows allow."""
         if not min_peak and self.floor > budget:
             return IlpResult("infeasible")
         self._objective(budget, min_peak)
-        self._error()
         with quiet_stdout():
-            self.prob.solve(solver)
-        prob = self.prob
-        if prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            status = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
+            status = lp.solve(self.prob, solver)
+        if lp.has_solution(status):
             saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]
             predicted = max((static + (pulp.value(expr) or 0) for static, expr in self.rows), default=0)
             return IlpResult(status, saved, predicted)
-        return IlpResult(pulp.LpStatus[prob.status].lower())
+        return IlpResult(status)
 
 
 @contextlib.contextmanager

@@ -24,11 +24,11 @@ simulator refuses it, asks this model again with that trace excluded.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import pulp
 
+from autoremat import lp
 from autoremat.ilp import MIN_PEAK_TIME_WEIGHT, TIE_BYTES, IlpModel, quiet_stdout
 from autoremat.profile import GraphProfile
 
@@ -43,9 +43,9 @@ class Alternative:
     static * gate + (variable bytes) <= cap: exact for the chosen trace, 0 <= cap for the others.
     """
 
-    prob: pulp.LpProblem
-    cap: pulp.LpVariable
-    gate: pulp.LpVariable
+    prob: lp.Problem
+    cap: lp.Variable
+    gate: lp.Variable
     prefix: str
 
 
@@ -68,16 +68,14 @@ class ChoiceModel:
         self.granularity = granularity
         self.models: dict = {}
         self.base_time: dict = {}  # T0_k: every op of trace k once
-        with warnings.catch_warnings():  # PuLP 3 deprecates LpVariable(...) ahead of its 4.0 API
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.prob = pulp.LpProblem("autoremat_choice", pulp.LpMinimize)
-            self.cap = pulp.LpVariable("cap", lowBound=0)
-            self.z = {k: pulp.LpVariable(f"z_{i}", cat="Binary") for i, k in enumerate(alternatives)}
-            self.prob += pulp.lpSum(self.z.values()) == 1
-            for i, (k, graphs) in enumerate(alternatives.items()):
-                within = Alternative(self.prob, self.cap, self.z[k], f"k{i}_")
-                self.models[k] = IlpModel(graphs, granularity, block_drag, shared_blocks, within=within)
-                self.base_time[k] = ops_once_time(graphs)
+        self.prob = lp.problem("autoremat_choice")
+        self.cap = lp.continuous(self.prob, "cap", 0)
+        self.z = {k: lp.binary(self.prob, f"z_{i}") for i, k in enumerate(alternatives)}
+        self.prob += pulp.lpSum(self.z.values()) == 1
+        for i, (k, graphs) in enumerate(alternatives.items()):
+            within = Alternative(self.prob, self.cap, self.z[k], f"k{i}_")
+            self.models[k] = IlpModel(graphs, granularity, block_drag, shared_blocks, within=within)
+            self.base_time[k] = ops_once_time(graphs)
         self.time_expr = pulp.lpSum(t * self.z[k] for k, t in self.base_time.items()) + pulp.lpSum(
             m.time_expr for m in self.models.values())
         self.bytes_expr = pulp.lpSum(m.bytes_expr for m in self.models.values())
@@ -88,7 +86,7 @@ class ChoiceModel:
         """Trace k may not be chosen (the exact simulator refused its plan)."""
         self.z[k].upBound = 0
 
-    def solve(self, budget: int | None, solver: pulp.LpSolver, min_peak: bool = False) -> Choice:
+    def solve(self, budget: int | None, solver: lp.Solver, min_peak: bool = False) -> Choice:
         """The trace and plan of least predicted time under `budget` bytes (or, `min_peak`, the least peak)."""
         if not min_peak and all(m.floor > budget or self.z[k].upBound == 0 for k, m in self.models.items()):
             return Choice("infeasible")
@@ -99,12 +97,10 @@ class ChoiceModel:
         else:
             self.cap.lowBound = self.cap.upBound = budget
             self.prob.setObjective(self.time_expr / self.total_time + TIE_BYTES * self.bytes_expr / self.total_bytes)
-        with warnings.catch_warnings(), quiet_stdout():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.prob.solve(solver)
-        if self.prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-            return Choice(pulp.LpStatus[self.prob.status].lower())
-        status = "optimal" if self.prob.sol_status == pulp.LpSolutionOptimal else "time_limit"
+        with quiet_stdout():
+            status = lp.solve(self.prob, solver)
+        if not lp.has_solution(status):
+            return Choice(status)
         chosen = max(self.z, key=lambda k: self.z[k].value() or 0)
         rows = self.models[chosen].rows
         peak = max((static + (pulp.value(expr) or 0) for static, expr in rows), default=0)

@@ -44,6 +44,9 @@ class Ledger:
     master_weights: int = 0
     inputs: int = 0
     gathered: int = 0  # FSDP/ZeRO-3: one block's unsharded parameters (+ the prefetched next) and gradients
+    # cuBLAS/cuBLASLt workspaces on a GPU: allocated once per thread that runs matmuls, kept for the process's life
+    # (devices.blas_workspace_bytes); 0 on a CPU.
+    workspaces: int = 0
     # Temporaries of optimizer.step(): allocated after the backward has freed the activations, so the
     # step needs fixed + max(activations, optimizer_step), not the sum (autoremat.optimizers).
     optimizer_step: int = 0
@@ -60,7 +63,7 @@ class Ledger:
     @property
     def fixed(self) -> int:
         states = self.gradients + self.optimizer_state + self.master_weights
-        return self.parameters + states + self.inputs + self.gathered
+        return self.parameters + states + self.inputs + self.gathered + self.workspaces
 
     @property
     def total(self) -> int:
@@ -92,6 +95,8 @@ class Ledger:
             rows.append(("master weights", self.master_weights))
         if self.gathered:
             rows.append(("gathered block (fsdp)", self.gathered))
+        if self.workspaces:
+            rows.append(("cuBLAS workspaces", self.workspaces))
         rows += [
             ("inputs", self.inputs),
             ("activations + temporaries", self.activations),
@@ -213,11 +218,13 @@ def ledger_for_model(
     world_size: int = 1,
     sharding: str = "none",
     device_granularity: int = 1,
+    workspaces: int = 0,
 ) -> Ledger:
     """Fixed memory of one training step of `model`, per rank.
 
     `param_dtype` counts floating parameters and buffers as if cast to it. Every
-    allocation is rounded up to `device_granularity` (512 for CUDA).
+    allocation is rounded up to `device_granularity` (512 for CUDA). `workspaces`: the
+    matmul libraries' workspaces the device holds (devices.blas_workspace_bytes).
     """
     mode = _check_sharding(world_size, sharding)
     if isinstance(optimizer, str):
@@ -247,6 +254,7 @@ def ledger_for_model(
         master_weights=master,
         inputs=_unique_storage_bytes(_flatten_tensors(inputs), g),
         optimizer_step=optimizer_step,
+        workspaces=workspaces,
         world_size=world_size,
         sharding=mode,
         notes=notes,

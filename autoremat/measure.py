@@ -35,7 +35,10 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+; the package supports 3.10
+    from typing import Self
 
 import torch
 from torch.profiler import ProfilerActivity, profile

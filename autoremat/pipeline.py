@@ -22,7 +22,7 @@ from autoremat.decision import Decision
 from autoremat.devices import get_device
 from autoremat.heuristics import save_all_peak
 from autoremat.ledger import Ledger
-from autoremat.loss_region import choose_chunks, fits_unchunked, loss_region_matters
+from autoremat.loss_region import Candidate, choose_chunks, fits_unchunked, loss_region_matters
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.plan import SLACK, BudgetError, Plan
 from autoremat.planner import (
@@ -30,6 +30,7 @@ from autoremat.planner import (
     Restore,
     StaleCache,
     activation_budget,
+    along,
     check_cached,
     compile_and_trace,
     log,
@@ -46,17 +47,22 @@ from autoremat.units import format_bytes
 def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
            opts, compiler, args, kwargs, verify, where, fp32_ops, regions, release_grads: bool = True,
            outputs: str | None = None,
-           chunks: int | None = None) -> tuple[Plan, Any, CapturePlanner]:
+           chunks: int | None = None, first: Candidate | None = None) -> tuple[Plan, Any, CapturePlanner]:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
     outputs ("all" or "loss"; None: no loss rewrite at all): the loss region is chunked into
     `chunks` pieces (autoremat.passes.loss_chunks), or, with chunks=None, into the count `choose_chunks`
     finds best once the first trace has shown a projection -> cross-entropy pattern.
+    first: the step already traced with these dtypes and `chunks` (the loss-region candidate
+    `choose_chunks` chose), and its plan at the budget if one was solved: neither is done again
+    (without a plan cache: a cached plan is looked up by a trace's first graph as it arrives).
     """
     loss = LossOption(outputs, chunks) if outputs is not None else None
     if loss is not None:
         fields = {**fields, "outputs": outputs, "loss_chunks": chunks}
     pre = compose(precision_plan.pre_pass(dtypes, fp32_ops) if any(dtypes) else None, loss.pre_pass() if loss else None)
+    if first is not None and loss is not None:
+        loss.reports = list(first.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
     key: list[str] = []
     lookup = None
     if store is not None:
@@ -84,14 +90,18 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         require_graphs(model, planner)
         return Traced(planner, compiled, key[-1] if len(key) > looked else None)
 
-    progress.info("capturing the training step")
-    traced = trace(split)
+    if first is not None and store is None:
+        traced = Traced(first.planner, first.compiled, None, decision=first.decision)
+    else:
+        progress.info("capturing the training step")
+        traced = trace(split)
     planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
     chunks_note = None
     if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
         chunks_note = fits_unchunked(planner, budget, ledger, dev)
         if chunks_note is None:
-            return choose_chunks(model, planner, loss, budget, dtypes, store, fields, build=build, ledger=ledger,
+            return choose_chunks(model, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build,
+                                 ledger=ledger,
                                  dev=dev, opts=opts, compiler=compiler, args=args, kwargs=kwargs, verify=verify,
                                  where=where, fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
     regions_note, cut_step = None, None
@@ -113,6 +123,7 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
     measured: Any = UNMEASURED
     if cut_step is not None and checked:
         progress.info("verifying the plan on a real step")  # and whether one graph is kept
+        _first_backward(compiler)
         measured = measure_step(model, compiled, planner, args, kwargs, where)
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
@@ -237,6 +248,12 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     return whole, cut
 
 
+def _first_backward(compiler: str) -> None:
+    """What a long verification is doing: AOTAutograd compiles the backward at its first call."""
+    if compiler == "inductor":
+        along("Inductor compiles the backward graphs on this first backward")
+
+
 UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
 
 
@@ -252,6 +269,7 @@ def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler
     """
     if measured is UNMEASURED:
         progress.info("verifying the plan on a real step")
+        _first_backward(compiler)
         measured = measure_step(model, compiled, planner, args, kwargs, where)
     if measured is None:
         # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
@@ -290,8 +308,10 @@ def measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
     """Activation bytes of one real step in the accumulation steady state, state restored after.
 
     Every trainable parameter has a `.grad` already (zeros), as on every micro-step after the
-    first, so what autograd allocates on top of the gradient buffers is what is measured. None if
-    the call traced again instead of running the plan.
+    first, so what autograd allocates on top of the gradient buffers is what is measured. The step
+    measured runs the artefact the user's next call runs: if a call traces again (dynamo guards on
+    Python state the forward changes), the call after it runs what that trace compiled, so that one
+    is measured. None if every call traces again.
     """
     from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
 
@@ -299,13 +319,21 @@ def measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
         out = compiled(*args, **kwargs)  # held through the backward, as a training loop holds it
         loss_of(out).backward()
 
-    traced = len(planner.profiles)
+    measured = None
     with Restore(model), torch.enable_grad():
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
-        _, m = measure_peak(step, device=where, baseline_bytes=0)
-    measured = None if len(planner.profiles) != traced else (
-        m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes)
+        if where.type == "cuda":
+            # cuBLAS allocates its workspaces on a thread's first matmul and keeps them (the ledger holds them:
+            # devices.blas_workspace_bytes); autograd's device thread may not have run one yet. One step first, so
+            # that the one measured is the steady state of the user's loop and the workspaces are not counted twice.
+            step()
+        for _ in range(2):
+            traced = len(planner.profiles)
+            _, m = measure_peak(step, device=where, baseline_bytes=0)
+            if len(planner.profiles) == traced:
+                measured = m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
+                break
     return _agreed(measured, where)
 
 

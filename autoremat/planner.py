@@ -22,7 +22,7 @@ import torch.fx as fx
 from autoremat.calls import CallLog, one_set_per_graph, repeats
 from autoremat.capture import CapturedGraph, aot_backend, compile_fresh, default_split
 from autoremat.decision import Decision, evaluate
-from autoremat.devices import DeviceSpec, get_device
+from autoremat.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
@@ -44,14 +44,28 @@ log = logging.getLogger("autoremat")
 # One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
 # and the CLI's spinner does (planning a large model takes seconds to minutes).
 progress = logging.getLogger("autoremat.progress")
+_along: str | None = None  # how far the running stage is, as it last said (`along`)
+
+
+def along(text: str | None) -> None:
+    """How far the running stage is ("12 graph(s) traced"), shown when the faces' pulse repeats a stage
+    silent for seconds (autoremat.progress.pulse). Cheap: nothing is logged here, so a stage may call it
+    per graph or per candidate."""
+    global _along
+    _along = text
+
+
+def along_now() -> str | None:
+    return _along
 
 
 class PlanMismatch(ValueError):
     """A saved plan was applied to a graph it was not made for."""
 
 
-def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Ledger:
-    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state."""
+def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int, workspaces: int = 0) -> Ledger:
+    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state, and
+    `workspaces` (the matmul libraries' on a GPU: devices.blas_workspace_bytes)."""
     nodes = list(cg.joint.graph.nodes)
     primals = [n for n in nodes if is_primal(n)]
     outs = list(arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
@@ -74,6 +88,7 @@ def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int) -> Le
         gradients=sum(map(nbytes, trainable)),
         optimizer_state=state,
         inputs=sum(map(nbytes, inputs)),
+        workspaces=workspaces,
         notes=notes,
     )
 
@@ -125,12 +140,14 @@ class Planner:
                     raise
                 gp.notes.append("op scratch not measured: a torch profiler was running while this graph compiled")
         self.profiles.append(gp)
+        along(f"{len(self.profiles)} graph(s) traced and profiled, the last of {len(gp.nodes)} nodes")
         return gp
 
     def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         dev = self._device(cg)
         gp = self._profile(cg)
-        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity)
+        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity,
+                                                  blas_workspace_bytes(dev, cg.device))
         if self.plan is not None:
             saved = self._saved_from_plan(gp, cg.index)
         else:
@@ -348,9 +365,13 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
 
 
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
+    # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
+    # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
+    trace_only = planner.plan is None and planner.lookup is None and planner.strict
     compiled = compile_fresh(model, planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
                                                                  regions=planner.regions,
-                                                                 release_grads=planner.release_grads)))
+                                                                 release_grads=planner.release_grads,
+                                                                 trace_only=trace_only)))
     planner.log.recording = True
     try:
         with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):

@@ -6,6 +6,11 @@ with its spinner (`cli_support.Progress`). In Python, `optimize(..., progress=Tr
 shows them on stderr, but only once planning has run for `AFTER_S` seconds, so quick plans print
 nothing, and only when the user has not configured logging: a logging setup of their own (a
 handler anywhere up the logger tree, e.g. `logging.basicConfig`) decides what they see instead.
+
+No stage stays silent for long (issue 38: a 128 s gap in a GPT run read as a hang): while anyone
+listens, `pulse()` repeats the current stage every `PULSE_S` seconds without a new one, with the
+seconds spent in it and how far along it is (`along`: what the running stage last said of its
+progress through `planner.along`, e.g. the graphs traced so far).
 """
 
 from __future__ import annotations
@@ -17,8 +22,11 @@ import threading
 import time
 from collections.abc import Iterator
 
+from autoremat import planner
+
 LOGGER = "autoremat.progress"
 AFTER_S = 2.0  # planning shorter than this prints nothing
+PULSE_S = 3.0  # a stage silent this long is repeated (issue 38: none over 5 s; on a loaded CPU, 4 s gave 5.4)
 _muted = 0  # > 0 inside `muted()`: the stages of inner planning runs are not shown
 
 
@@ -96,3 +104,57 @@ def muted() -> Iterator[None]:
         yield
     finally:
         _muted -= 1
+
+
+class _Pulse(logging.Filter):
+    """Repeats the current stage while no new one comes (see `pulse`)."""
+
+    def __init__(self, every_s: float) -> None:
+        super().__init__()
+        self.every_s = every_s
+        self.stage: str | None = None
+        self.since = self.last = time.perf_counter()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # A logger filter sees every record of the logger, whoever handles it (the CLI's spinner, our
+        # stderr lines, the user's logging), so the pulse follows the stages without printing itself.
+        if record.levelno == logging.INFO:
+            now = time.perf_counter()
+            if not getattr(record, "pulse", False):
+                self.stage, self.since = record.getMessage(), now
+                planner.along(None)
+            self.last = now
+        return True
+
+    def _run(self) -> None:
+        logger = logging.getLogger(LOGGER)
+        while not self.done.wait(0.25):
+            now = time.perf_counter()
+            if self.stage is None or now - self.last < self.every_s:
+                continue
+            where = planner.along_now()
+            detail = f"; {where}" if where else ""
+            logger.info("%s: still running, %.0f s in this stage%s", self.stage, now - self.since, detail,
+                        extra={"pulse": True})
+
+
+@contextlib.contextmanager
+def pulse(every_s: float | None = None) -> Iterator[None]:
+    """While planning runs, repeat a stage silent for `every_s` (default PULSE_S) seconds, if anyone
+    listens to the progress logger at INFO (our stderr lines, the CLI's spinner, the user's logging)."""
+    logger = logging.getLogger(LOGGER)
+    if not logger.isEnabledFor(logging.INFO) or any(isinstance(f, _Pulse) for f in logger.filters):
+        yield  # nobody would see it, or an outer planning run pulses already
+        return
+    beat = _Pulse(PULSE_S if every_s is None else every_s)
+    logger.addFilter(beat)
+    beat.thread.start()
+    try:
+        yield
+    finally:
+        beat.done.set()
+        beat.thread.join()
+        logger.removeFilter(beat)
+        planner.along(None)

@@ -15,7 +15,7 @@ import torch
 
 from autoremat.plan import Plan
 from autoremat.planner import Planner, describe, own_errors
-from autoremat.progress import stages_on_stderr
+from autoremat.progress import pulse, stages_on_stderr
 from autoremat.torch_internals import recompile_limit, tree_flatten
 from autoremat.units import format_bytes
 
@@ -124,7 +124,7 @@ class RematModule(torch.nn.Module):
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
         log.warning("autoremat: new input shape (%s): planning it under the same budget", describe(args, kwargs))
-        with own_errors(), stages_on_stderr(self._progress):
+        with own_errors(), stages_on_stderr(self._progress), pulse():
             plan, compiled, planner = self._plan_shape(args, kwargs)
         planner.strict = False
         plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")

@@ -72,8 +72,12 @@ def calibrate_scratch(cg: CapturedGraph, gp: GraphProfile) -> int:
     unmeasured: dict[str, str] = {}  # op -> why its scratch was estimated
     relaid: set[str] = set()  # ops whose real output strides differ from the traced ones
     count = 0
-    # We are inside AOTAutograd's tracing: step out of its fake-tensor mode to run real kernels.
-    with unset_fake_temporarily():
+    # We are inside AOTAutograd's tracing: step out of its fake-tensor mode to run real kernels. Random kernels
+    # among them (an attention with dropout draws inside CUDA's kernel) would advance the generators; planning
+    # may run inside the user's own call (a recompile, the torch.compile backend), so the random stream the
+    # model draws from next must be the one it would have been without us: the generators are put back.
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=cuda):
         for n in cg.joint.graph.nodes:
             prof = gp.nodes.get(n.name)
             if n.op != "call_function" or prof is None or not isinstance(n.target, OpOverload):

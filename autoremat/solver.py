@@ -20,11 +20,9 @@ ILP runs out of time.
 from __future__ import annotations
 
 import time
-import warnings
 from collections import OrderedDict
 
-import pulp
-
+from autoremat import lp
 from autoremat.decision import Decision, evaluate
 from autoremat.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.ilp import IlpModel, IlpResult
@@ -65,14 +63,23 @@ MIN_PEAK_MODELS_SHARE = 1 / 2
 MIN_PEAK_GREEDY_TRIES = 100
 
 
-def _pick_solver(name: str, time_limit: float, gap: float) -> pulp.LpSolver:
-    if name == "auto":
-        name = "highs" if "HiGHS" in pulp.listSolvers(onlyAvailable=True) else "cbc"
-    if name == "highs":
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+# The ILP solvers a caller may name: HiGHS is the one solver (PuLP 4 no longer bundles CBC), and
+# "auto" stays accepted so that code written for the choice keeps working.
+SOLVERS = ("auto", "highs")
+
+
+def check_solver(name: str) -> None:
+    """A clear error for a solver name autoremat does not run."""
     if name == "cbc":
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
-    raise ValueError(f"solver must be 'auto', 'cbc' or 'highs', got {name!r}")
+        raise ValueError("solver='cbc' is no longer supported: PuLP 4 does not bundle CBC, and autoremat "
+                         "solves with HiGHS (highspy, installed with autoremat); use solver='highs' or 'auto'")
+    if name not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {name!r}")
+
+
+def _pick_solver(name: str, time_limit: float, gap: float) -> lp.Solver:
+    check_solver(name)
+    return lp.highs(time_limit, gap)
 
 
 def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_rounds, deadline) -> Decision | None:
@@ -93,30 +100,28 @@ def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_
         # Each MIP gets most of what is left, less the time PuLP takes to hand the model to the
         # solver (outside the solver's own limit; about the model's build time).
         backend = _pick_solver(solver, MIP_SHARE * max(MIN_MIP_S, remaining - model.build_s), gap)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            result = model.solve(target, backend)
-            status, saved = result.status, result.saved
-            model.last_status = status
-            if saved is None:
-                if learned or best is not None:
-                    break
-                learned = True
-                low = model.solve(None, backend, min_peak=True)
-                if low.saved is None:
-                    break
-                low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
-                if low_tl.peak <= budget:  # the rows' smallest peak may fit in the simulator: a plan in hand
-                    best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
-                                    "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
-                                    solver=type(backend).__name__,
-                                    notes=["the ILP found no plan under this budget, but its smallest-peak plan "
-                                           "fits the simulator and is used"])
-                offset = low.predicted_peak - low_tl.peak
-                if offset <= 0:
-                    break
-                target = budget + offset
-                continue
+        result = model.solve(target, backend)
+        status, saved = result.status, result.saved
+        model.last_status = status
+        if saved is None:
+            if learned or best is not None:
+                break
+            learned = True
+            low = model.solve(None, backend, min_peak=True)
+            if low.saved is None:
+                break
+            low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
+            if low_tl.peak <= budget:  # the rows' smallest peak may fit in the simulator: a plan in hand
+                best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
+                                "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
+                                solver=type(backend).__name__,
+                                notes=["the ILP found no plan under this budget, but its smallest-peak plan "
+                                       "fits the simulator and is used"])
+            offset = low.predicted_peak - low_tl.peak
+            if offset <= 0:
+                break
+            target = budget + offset
+            continue
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= budget:
             if best is None or cost < best.recompute_time_s:
@@ -215,19 +220,17 @@ def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_
     smallest-peak solution (its rows against the simulator's peak of the same plan) and retry once.
     """
     backend = _pick_solver(solver, time_limit, gap)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        choice = model.solve(budget, backend)
-        if choice.chosen is not None:
-            return choice
-        low = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
-        if low.chosen is None:
-            return choice
-        graphs = model.models[low.chosen].graphs
-        offset = low.predicted_peak - evaluate(graphs, low.saved, model.granularity)[1].peak
-        if offset <= 0:
-            return choice
-        return model.solve(budget + offset, backend)
+    choice = model.solve(budget, backend)
+    if choice.chosen is not None:
+        return choice
+    low = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
+    if low.chosen is None:
+        return choice
+    graphs = model.models[low.chosen].graphs
+    offset = low.predicted_peak - evaluate(graphs, low.saved, model.granularity)[1].peak
+    if offset <= 0:
+        return choice
+    return model.solve(budget + offset, backend)
 
 
 # The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in
@@ -271,9 +274,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     for model in models:
         if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
             break  # one min-peak plan in hand; the rest of the time goes to the plans below
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            result = model.solve(None, backend, min_peak=True)
+        result = model.solve(None, backend, min_peak=True)
         status = result.status
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
@@ -341,10 +342,8 @@ def choose_dtypes(
     caller traces the graphs again with these dtypes and solves save/recompute exactly on them
     (the second stage), since the rows here only approximate a mixed graph.
     """
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = IlpModel(graphs, granularity, block_drag=False, choices=choices, tolerance=tolerance)
-        result = model.solve(budget, _pick_solver(solver, time_limit, gap))
+    model = IlpModel(graphs, granularity, block_drag=False, choices=choices, tolerance=tolerance)
+    result = model.solve(budget, _pick_solver(solver, time_limit, gap))
     if result.saved is None:
         return None
     return model.chosen_dtypes()

@@ -22,7 +22,7 @@ import torch.fx as fx
 from autoremat.capture import CapturedGraph, aot_backend
 from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler, fits_without_inductor, neither_fits
 from autoremat.decision import Decision, evaluate
-from autoremat.devices import DeviceSpec, get_device
+from autoremat.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.heuristics import checkpoint_blocks, save_all
 from autoremat.ledger import Ledger, parameter_bytes, storage_key
 from autoremat.plan import SLACK, BudgetError, Plan, build_plan
@@ -322,8 +322,10 @@ class StepPlanner(Planner):
     def _ledger(self, calls: list[GraphCall]) -> Ledger:
         params = {k: v for c in calls for k, v in c.params.items()}  # a parameter read twice is held once
         parameters, gradients, state = (sum(p[i] for p in params.values()) for i in range(3))
+        # cuBLAS's workspaces, on a GPU: held by the step's threads outside any graph (devices.blas_workspace_bytes)
+        workspaces = blas_workspace_bytes(self._dev, self._where.type) if self._dev and self._where else 0
         return Ledger(parameters=parameters, gradients=gradients, optimizer_state=state,
-                      inputs=sum(c.inputs for c in calls))
+                      inputs=sum(c.inputs for c in calls), workspaces=workspaces)
 
     def _plan_of(self, calls: list[GraphCall], saved: list, path: str) -> Plan:
         profiles, g = [c.gp or c.use.gp for c in calls], self._dev.alloc_granularity

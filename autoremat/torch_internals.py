@@ -15,6 +15,9 @@ AOTAutograd (joint graphs, partitioning):
                                arguments differ between releases, so only those it takes are passed
   set_boxed_codegen            torch.fx.graph._BoxedCodeGen: generated code takes one list and clears
                                it, so saved tensors die after their last use (capture.boxed_eager)
+  copy_graph                   fx.Graph's `_tracer_cls` and `_codegen`: a copy of a graph that shares its
+                               code generator (Graph.__deepcopy__ deep-copies it, and copying its
+                               pytree specs fires torch's own LeafSpec FutureWarning in 2.11-2.13)
   mark_boxed_call              the `_boxed_call` attribute: AOTAutograd then calls a compiled function
                                with one list of inputs (boxed), which it may clear
   TANGENTS_BOXED               torch.autograd.Function.boxed_grads_call exists (2.13): a compiled
@@ -90,6 +93,10 @@ Profiler and autograd engine:
                                executes a parameter's AccumulateGrad (it accumulates into .grad)
   graph_task_id                torch._C._current_graph_task_id: which backward is running (a counter,
                                -1 outside one), so a fact about it is looked up once per backward
+CUDA:
+  clear_blas_workspaces        torch._C._cuda_clearCublasWorkspaces (CUDA builds only): free every cuBLAS and
+                               cuBLASLt workspace, so the next matmul of a thread allocates its own afresh
+                               (tests measure devices.blas_workspace_bytes with it)
   accumulate_into_grad         Variable._execution_engine.run_backward on a leaf and its gradient: what
                                torch.autograd.backward(leaf, grad) runs, without its Python argument
                                checks (regions.accumulate_grad, once per parameter per backward)
@@ -120,7 +127,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = [
     "BackendCompilerFailed", "C_NN_LINEAR", "arg_tree_leaves", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
     "StorageWeakRef", "TANGENTS_BOXED", "TorchRuntimeError", "aot_autograd", "allocation_events",
-    "composite_with_meta_kernel", "out_kernel_copies", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
+    "composite_with_meta_kernel", "out_kernel_copies", "compile_submodules", "copy_graph", "copy_split_metadata", "ddp_optimizer_active", "default_partition",
     "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "extract_fwd_bwd_modules", "graph_break_reasons",
     "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_kernel_probe", "inductor_realize_reads_threshold", "is_dynamo_error", "is_inductor_error", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent",
     "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "profiler_enabled",
@@ -147,6 +154,22 @@ def extract_fwd_bwd_modules(joint: fx.GraphModule, saved: list[fx.Node], saved_s
 def set_boxed_codegen(gm: fx.GraphModule) -> None:
     """Make `gm`'s generated forward take one list of inputs and clear it as it unpacks it."""
     gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """New nodes (meta dicts copied shallowly, as Graph.__deepcopy__ does) and the same code generator.
+
+    The generator holds the pytree specs the graph was traced with; nothing changes it once traced,
+    so sharing it is safe, and it avoids deep-copying the specs, which warns on every capture.
+    """
+    new = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied = new.graph_copy(graph, {}, return_output_node=True)
+    new._codegen = graph._codegen
+    if copied is not None:
+        value, old_output = copied
+        out = new.output(value, type_expr=getattr(old_output, "type", None))
+        out.meta = dict(old_output.meta)
+    return new
 
 
 def mark_boxed_call(fn: Callable) -> None:
@@ -480,3 +503,7 @@ def accumulate_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     backward; `grad` is a gradient the graph computed for `leaf`, of its shape and dtype already."""
     torch.autograd.Variable._execution_engine.run_backward(
         (leaf,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def clear_blas_workspaces() -> None:
+    torch._C._cuda_clearCublasWorkspaces()

@@ -218,9 +218,12 @@ def main() -> None:
     print(f"step {0:>4}: val loss {val_loss(model, val, micro, args.seq):.4f}")
     bar = None
     if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+        try:  # a progress bar where tqdm is installed; plain lines where it is not
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        if tqdm is not None:
+            bar = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
     out = bar.write if bar is not None else (lambda msg: print(msg, flush=True))
     measured = eager = None
     t_start = time.perf_counter()

@@ -30,6 +30,7 @@ def test_malformed_budgets_name_the_accepted_forms(budget):
     ({"gap": -0.1}, "gap must be"),
     ({"gap": 1.5}, "gap must be"),
     ({"solver": "gurobi"}, "solver must be"),
+    ({"solver": "cbc"}, "no longer supported.*HiGHS.*solver='highs'"),
 ])
 def test_malformed_solver_options(opts, match):
     model, ex = _mlp()

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from autoremat.devices import (
+    BLAS_THREADS,
     DeviceSpec,
+    blas_workspace_bytes,
+    cublas_workspace_bytes,
+    cublaslt_workspace_bytes,
     dtype_key,
     get_device,
     known_devices,
@@ -158,3 +162,69 @@ def test_spec_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         get_device("h100").name = "x"
     assert isinstance(get_device("h100"), DeviceSpec)
+
+
+MiB, KiB = 2**20, 2**10
+BLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+
+
+def test_blas_workspaces_by_hand(monkeypatch):
+    """Issue 36: cuBLAS and cuBLASLt workspaces are memory every GPU step holds and no graph shows. By hand from
+    aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.11-2.13): cuBLAS 4096 KiB x 8 = 32 MiB on sm90, else
+    4096 KiB x 2 + 16 KiB x 8; cuBLASLt 1024 KiB; one of each for the forward's thread and autograd's device
+    thread."""
+    for name in BLAS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert BLAS_THREADS == 2
+    assert get_device("h200").capability == get_device("h100").capability == (9, 0)
+    assert blas_workspace_bytes(get_device("h200")) == 2 * (32 * MiB + 1 * MiB) == 69_206_016
+    assert blas_workspace_bytes(get_device("a100")) == 2 * (8 * MiB + 128 * KiB + 1 * MiB)
+    assert blas_workspace_bytes(get_device("cpu")) == 0
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # the deterministic-mode setting
+    assert cublas_workspace_bytes((8, 0)) == 32 * MiB
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    assert cublas_workspace_bytes((9, 0)) == 128 * KiB
+    assert cublaslt_workspace_bytes((9, 0)) == 128 * KiB  # capped at the cuBLAS workspace (unified sizing)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "nonsense")
+    assert cublas_workspace_bytes((9, 0)) == 32 * MiB  # torch warns and keeps its default
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    assert cublaslt_workspace_bytes((9, 0)) == 4 * MiB
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "1")
+    assert cublaslt_workspace_bytes((9, 0)) == 0  # cuBLASLt then uses cuBLAS's workspace
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_blas_workspaces_measured():
+    """On the device: a thread's first matmul allocates exactly cublas_workspace_bytes through the caching
+    allocator, and its first addmm with a bias (cuBLASLt's epilogue) cublaslt_workspace_bytes more; a second
+    matmul on that thread allocates nothing more. Each runs on a thread of its own (a new cuBLAS handle)."""
+    import threading
+
+    from autoremat.torch_internals import clear_blas_workspaces
+
+    cap = torch.cuda.get_device_capability()
+    a = torch.randn(256, 256, device="cuda")
+    bias = torch.randn(256, device="cuda")
+    grown: list[int] = []
+
+    def first_matmuls() -> None:
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        out = a @ a
+        del out
+        grown.append(torch.cuda.memory_allocated() - start)
+        out = torch.addmm(bias, a, a)
+        del out
+        grown.append(torch.cuda.memory_allocated() - start)
+        out = torch.addmm(bias, a, a) + (a @ a)
+        del out
+        grown.append(torch.cuda.memory_allocated() - start)
+
+    torch.cuda.synchronize()
+    clear_blas_workspaces()  # a handle a finished thread gave back keeps its workspace: start from none
+    thread = threading.Thread(target=first_matmuls)
+    thread.start()
+    thread.join()
+    assert grown[0] == cublas_workspace_bytes(cap), grown
+    assert grown[1] == cublas_workspace_bytes(cap) + cublaslt_workspace_bytes(cap), grown
+    assert grown[2] == grown[1], grown

@@ -2,6 +2,7 @@
 warnings, one plan per input shape, and BudgetError when even one example does not fit."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -184,10 +185,15 @@ def test_batchnorm_warns_when_accumulating():
     # CPU convolutions have kernel scratch that only the real trace measures: size the budget there.
     two = autoremat.optimize(model, 10**12, example_inputs=(x[:2], y[:2]), verify=False, compiler="eager")
     budget = two.plan.predicted_peak + 2048
-    with pytest.warns(UserWarning, match="BatchNorm") as record:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
         cfg = fit(model, budget, GLOBAL, sample, verify=False, compiler="eager")
     assert 1 < cfg.accumulation_steps and cfg.plan.predicted_peak <= budget
-    msg = next(str(r.message) for r in record if "BatchNorm" in str(r.message))
+    # Besides the BatchNorm warning, fit may say that a micro-batch that fitted on meta did not on the CPU
+    # (its convolutions' kernel scratch is measured only on a real trace): that is the one other warning allowed.
+    messages = [str(r.message) for r in record]
+    assert all("BatchNorm" in m or "fitted when planned on meta but not on cpu" in m for m in messages), messages
+    msg = next(m for m in messages if "BatchNorm" in m)
     assert "stem.1" in msg and "blocks.0.1" in msg and "GroupNorm" in msg and "SyncBatchNorm" in msg
     assert "BatchNorm" in cfg.report()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import autoremat
+from autoremat import lp
 from autoremat.ilp import IlpModel
 from autoremat.ilp_choice import ChoiceModel
 from autoremat.passes import loss_chunks as LC
@@ -42,8 +43,8 @@ def alternatives() -> dict[int, list]:
     return traces()
 
 
-def solver() -> pulp.LpSolver:
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=30, gapRel=0, threads=1)
+def solver() -> lp.Solver:
+    return lp.highs(time_limit=30, gap=0)
 
 
 def each_alone(alternatives: dict, budget: int) -> dict[int, float]:

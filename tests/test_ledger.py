@@ -311,3 +311,27 @@ def test_format():
     assert "8.00 GB" in lines[-1]
     assert "master weights" not in ledger_for_count(10).format()
     assert "zero1" in ledger_for_count(10, world_size=2, sharding="zero1").format()
+
+
+def test_gpu_step_holds_blas_workspaces_and_a_cpu_step_none(monkeypatch):
+    """Issue 36: a plan for a GPU counts cuBLAS's workspaces among the fixed bytes (two threads x (32 MiB cuBLAS
+    + 1 MiB cuBLASLt) on an H200: devices.blas_workspace_bytes); the same model run on the CPU, whose op times are
+    modelled on an H200, holds none. The budget left to activations is the same in both cases once that is added."""
+    import autoremat
+
+    for name in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASLT_UNIFIED_WORKSPACE"):
+        monkeypatch.delenv(name, raising=False)
+    workspaces = 2 * (32 + 1) * 2**20
+    plans = {}
+    for where in ("meta", "cpu"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)).to(where)
+        x = torch.randn(32, 64, device=where)
+        om = autoremat.optimize(model, budget="1GB", example_inputs=(x,), optimizer=None, device="h200",
+                                compiler="eager", progress=False)
+        plans[where] = om.plan
+    meta, cpu = (Ledger.from_dict(plans[w].ledger) for w in ("meta", "cpu"))
+    assert meta.workspaces == workspaces and cpu.workspaces == 0
+    assert meta.fixed - cpu.fixed == workspaces
+    assert plans["meta"].predicted_peak - plans["cpu"].predicted_peak == workspaces
+    assert "cuBLAS workspaces" in meta.format() and "cuBLAS workspaces" not in cpu.format()

@@ -387,6 +387,36 @@ def test_scratch_that_cannot_be_measured_is_estimated_and_said() -> None:
     assert "already active" in gp.notes[0], gp.notes
 
 
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.f(x)
+        return (h * torch.rand_like(h)).sum()  # a random op the graph keeps (not a replayed dropout draw)
+
+
+def test_calibration_leaves_the_random_stream_where_it_was() -> None:
+    """Issue 36: calibration runs each op once on real tensors, random ones too (rand_like here; on CUDA an
+    attention with dropout draws inside its kernel). Planning can run inside the user's call (a recompile, the
+    torch.compile backend), where an advanced generator would give the model's next draws other masks than
+    eager's. The generator state after calibrating is the one before."""
+    import autoremat.scratch as scratch_mod
+    from autoremat.capture import capture
+    from autoremat.profile import profile_graph
+    from autoremat.scratch import calibrate_scratch
+
+    (cg,) = capture(Noisy(), (torch.randn(4, 8),))
+    gp = profile_graph(cg)
+    scratch_mod._MEASURED.clear()  # run every kernel now
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    assert calibrate_scratch(cg, gp) > 0
+    assert any(n.target is torch.ops.aten.rand_like.default for n in cg.joint.graph.nodes)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_scratch_is_measured_once_per_process_and_reused_where_nothing_can_run() -> None:
     """Every distinct op is measured, with no clock involved, and kept for the process: the same
     shapes traced again (a loss-chunk candidate, a re-plan at the reported floor) get the same bytes

@@ -83,3 +83,36 @@ def test_progress_must_be_a_bool() -> None:
     with pytest.raises(TypeError, match="progress must be True"):
         autoremat.optimize(torch.nn.Linear(2, 2), budget="1GB", example_inputs=(torch.randn(1, 2),), progress="yes", compiler="eager")
     assert progress.AFTER_S == 2.0
+
+
+def test_a_silent_stage_is_repeated_with_how_far_it_is(caplog) -> None:
+    """Issue 38: no stage stays silent for long. While a stage runs past the pulse, it is repeated
+    with its seconds so far and what it last said of its progress; a new stage starts afresh."""
+    import logging
+    import time
+
+    from autoremat import planner
+
+    logger = logging.getLogger(progress.LOGGER)
+    with caplog.at_level(logging.INFO, logger=progress.LOGGER), progress.pulse(every_s=0.2):
+        logger.info("solving for 10 nodes")
+        planner.along("3 of 4 candidates")
+        time.sleep(0.9)
+        logger.info("compiling the planned step")
+        time.sleep(0.1)
+    messages = [r.getMessage() for r in caplog.records if r.name == progress.LOGGER]
+    pulses = [m for m in messages if "still running" in m]
+    assert pulses and all(m.startswith("solving for 10 nodes: still running") for m in pulses), messages
+    assert pulses[-1].endswith("s in this stage; 3 of 4 candidates"), messages
+    assert messages[-1] == "compiling the planned step", messages
+    assert planner.along_now() is None  # nothing carried into the next planning run
+    assert not [f for f in logger.filters if isinstance(f, progress._Pulse)]
+
+
+def test_no_pulse_when_nobody_listens() -> None:
+    import logging
+
+    logger = logging.getLogger(progress.LOGGER)
+    assert not logger.isEnabledFor(logging.INFO)
+    with progress.pulse(every_s=0.01):
+        assert not logger.filters

@@ -96,3 +96,24 @@ def test_dropout_mask_is_native_dropouts_draw():
     drawn = torch.ops.autoremat.dropout_mask(x, 0.3)
     assert drawn.dtype == torch.bool and drawn.stride() == torch.empty_like(x).stride()
     assert torch.equal(drawn, mask)
+
+
+def test_on_cuda_fake_tensors_dropout_is_the_fused_kernels_draw_not_bernoulli():
+    """Issue 36, traced with fake CUDA tensors (no GPU needed): eager's CUDA dropout is native_dropout's fused
+    Philox kernel, so the decomposition must draw the mask with that kernel (`autoremat::dropout_mask`, which
+    calls it) and never with bernoulli or rand, whose CUDA streams are other draws than eager's. The graph
+    then scales with the fused kernel's float scale, 1 / (1 - p) rounded to fp32 (Dropout.cu)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autoremat.torch_internals import FakeTensorMode, OpOverload
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(4, 16, 8, device="cuda")
+    gm = make_fx(lambda t: torch.nn.functional.dropout(t, 0.1, True), decomposition_table=decompositions.DECOMPOSITIONS,
+                 tracing_mode="fake")(x)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.autoremat.dropout_mask.default in targets, targets
+    random = [t for t in targets if isinstance(t, OpOverload) and torch.Tag.nondeterministic_seeded in t.tags]
+    assert random == [torch.ops.autoremat.dropout_mask.default], random
+    (scale,) = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert torch.tensor(scale, dtype=torch.float32) == torch.tensor(1.0, dtype=torch.float32) / torch.tensor(0.9)

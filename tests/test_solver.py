@@ -221,7 +221,7 @@ def test_a_real_tiny_time_limit_still_gives_a_plan_that_fits_and_says_how():
     gp = profile_graph(cg, "cpu")
     hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
     lo = solver.smallest_peak([gp]).peak
-    d = solver.solve([gp], (hi + lo) // 2, solver="cbc", time_limit=0.05)
+    d = solver.solve([gp], (hi + lo) // 2, solver="highs", time_limit=0.05)
     assert d.peak <= (hi + lo) // 2
     # Which path depends on the machine's speed; each is named. The block-mode walk is bounded by a count
     # of simulations, not by the time limit, so its plan is always in hand for the ILP to beat.

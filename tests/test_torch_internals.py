@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -94,6 +95,19 @@ def test_boxed_codegen_clears_its_argument_list():
     args = [torch.ones(3)]
     out = gm.forward(args)
     assert args == [] and torch.equal(out, torch.full((3,), 2.0))
+
+
+def test_copy_graph_copies_the_nodes_shares_the_codegen_and_does_not_warn(captured):
+    graph = captured.joint.graph
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Graph.__deepcopy__ would warn here (LeafSpec, from copying specs)
+        copied = ti.copy_graph(graph)
+    assert [n.name for n in copied.nodes] == [n.name for n in graph.nodes]
+    assert not set(map(id, copied.nodes)) & set(map(id, graph.nodes))
+    assert copied._codegen is graph._codegen
+    first = next(iter(copied.nodes))
+    first.meta["autoremat_test"] = 1  # editing the copy leaves the original alone
+    assert "autoremat_test" not in next(iter(graph.nodes)).meta
 
 
 def test_boxed_call_reaches_aot_autograd_with_one_list():
@@ -462,3 +476,19 @@ def test_accumulate_into_grad_adds_to_grad_and_fires_every_hook_as_backward_does
         torch.autograd.backward)
     assert torch.equal(ours[0], torch.full((4,), 3.0)) and ours[1], ours
     assert ours[2] == autograd[2] == ["node", "post-accumulate", "tensor"], (ours, autograd)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_clear_blas_workspaces_frees_them_and_the_next_matmul_allocates_them_again():
+    from autoremat.torch_internals import clear_blas_workspaces
+
+    a = torch.randn(64, 64, device="cuda")
+    a @ a  # this thread's cuBLAS workspace exists now
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    clear_blas_workspaces()
+    freed = held - torch.cuda.memory_allocated()
+    assert freed > 0
+    out = a @ a
+    del out
+    assert torch.cuda.memory_allocated() - (held - freed) > 0

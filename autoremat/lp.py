@@ -1,0 +1,92 @@
+"""The one place that speaks PuLP's API, so the ILP modules run on PuLP 3 and PuLP 4 alike.
+
+PuLP 4 (Python 3.12 and newer) rebuilt the modelling layer on a Rust core. Four things the ILP
+modules rely on changed, and this module gives each one spelling that works on both majors:
+
+- a variable is made by its problem (`prob.add_variable`); `LpVariable(name, lowBound=...)` is
+  gone. PuLP 3.3 already has `add_variable`, which is why the floor of the supported range is 3.3;
+- `LpAffineExpression()` no longer builds an empty expression: `zero()` and `of(var)` do;
+- `solve()` returns a statistics object instead of a status code, and `sol_status` is gone:
+  `solve()` here returns autoremat's own status words either way;
+- CBC is no longer bundled, so HiGHS (through `highspy`, a hard dependency) is the solver.
+
+Everything else the ILP modules use (`lpSum`, `value`, arithmetic and comparisons on variables
+and expressions, bounds set through `lowBound` / `upBound`) reads the same on both.
+"""
+
+from __future__ import annotations
+
+import pulp
+
+PULP_MAJOR = int(pulp.__version__.split(".")[0])
+
+Problem = pulp.LpProblem
+Variable = pulp.LpVariable
+Expression = pulp.LpAffineExpression
+Solver = pulp.LpSolver
+
+# The statuses `solve` reports. A solution exists only for the first two; "time_limit" means the
+# solver stopped early (time, node or gap limit) holding an incumbent that satisfies every row.
+OPTIMAL, TIME_LIMIT, INFEASIBLE, NOT_SOLVED = "optimal", "time_limit", "infeasible", "not solved"
+
+
+def problem(name: str) -> Problem:
+    """An empty minimisation problem."""
+    return pulp.LpProblem(name, pulp.LpMinimize)
+
+
+def binary(prob: Problem, name: str) -> Variable:
+    """A 0/1 variable of `prob`."""
+    return prob.add_variable(name, cat=pulp.LpBinary)
+
+
+def continuous(prob: Problem, name: str, low: float | None = None, up: float | None = None) -> Variable:
+    """A continuous variable of `prob`, free where a bound is None."""
+    return prob.add_variable(name, low, up, cat=pulp.LpContinuous)
+
+
+def zero() -> Expression:
+    """An empty expression, to add terms to."""
+    return pulp.lpSum([])
+
+
+def of(var: Variable) -> Expression:
+    """The expression 1 * var (a variable alone is not an expression in either major)."""
+    return pulp.lpSum([var])
+
+
+def highs(time_limit: float, gap: float) -> Solver:
+    """HiGHS through highspy, single-threaded (plans must not depend on the machine's core count),
+    silent, stopping at `time_limit` seconds or the relative `gap`."""
+    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+    if not solver.available():
+        raise RuntimeError("autoremat solves its ILP with HiGHS, but PuLP cannot load highspy: "
+                           "`pip install highspy` (a dependency of autoremat) and try again")
+    return solver
+
+
+def solve(prob: Problem, solver: Solver) -> str:
+    """Solve `prob` and return one of the statuses above (or the solver's own word for another
+    outcome without a solution, such as "unbounded")."""
+    result = prob.solve(solver)
+    if PULP_MAJOR >= 4:
+        status = result.status
+        if result.has_solution:
+            return OPTIMAL if status == pulp.LpSolveStatus.Optimal else TIME_LIMIT
+        if status == pulp.LpSolveStatus.Infeasible:
+            return INFEASIBLE
+        return NOT_SOLVED if status in (pulp.LpSolveStatus.NotSolved, pulp.LpSolveStatus.TimeLimit) \
+            else status.name.lower()
+    if prob.sol_status == pulp.LpSolutionOptimal:
+        return OPTIMAL
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        return TIME_LIMIT
+    return pulp.LpStatus[prob.status].lower()
+
+
+def has_solution(status: str) -> bool:
+    return status in (OPTIMAL, TIME_LIMIT)
+
+
+def constraint_count(prob: Problem) -> int:
+    return prob.numConstraints()

@@ -1,0 +1,333 @@
+"""Issue 38: where autoremat's planning time goes, stage by stage, against torch.compile's compile time.
+
+For each model at two sizes, in one process and side by side (the machine is shared: only ratios
+measured in the same run mean anything):
+
+  torch.compile (Inductor defaults) and torch.compile(backend="aot_eager"): the first forward +
+      backward call after `torch._dynamo.reset()` (what a user waits for before training starts);
+  autoremat.optimize cold (no plan cache) with compiler="eager" and with compiler="inductor", with
+      precision="auto" (eager), and once more from the plan cache (a hit).
+
+The budget is the issue's: parameters + gradients + inputs + 0.6 x eager's measured activation peak
+(optimizer=None, so nothing else is fixed). Each autoremat run is split into stages by `StageClock`,
+one timing hook: the `autoremat.progress` records the planner already emits set the outer stage
+(capture, loss-region tracing, solving, compile, verification, re-planning, ...), and a few wrapped
+functions (profiling a graph, building and solving an ILP, Inductor's compilers, measuring a real
+step) take their time out of whichever stage they run in, so every second lands in exactly one
+stage. The longest gap between two progress records is reported too (issue 38 (5): none over 5 s).
+
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py [--quick] [--models stack,gpt2,...] [--out NAME]
+
+Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+# A fresh Inductor cache per process: every run compiles cold, as a user's first run does (kernels
+# compiled earlier in this process are still reused: see the report's header).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="plan_time_inductor_"))
+
+import torch  # noqa: E402
+
+import autoremat
+from autoremat import capture, ilp, ilp_choice, pipeline, planner, solver
+from autoremat.compilers import inductor_problem
+from autoremat.measure import measure_peak
+from examples import models as ex
+
+RESULTS = Path(__file__).parent / "results"
+LOGGER = logging.getLogger("autoremat.progress")
+BUDGET_SHARE = 0.6  # issue 38's budget: fixed bytes + this share of eager's activation peak
+
+
+# --------------------------------------------------------------------------------------------
+# the timing hook
+
+
+def _outer(message: str) -> str:
+    """The stage a progress record starts (its first words name it)."""
+    for head, stage in (("capturing", "capture"), ("tracing the loss region", "loss-region tracing"),
+                        ("the ILP chose", "loss-region choice"), ("the chunk-count ILP", "loss-region choice"),
+                        ("choosing the chunk count", "loss-region choice"),
+                        ("planning the loss region", "loss-region full plans"),
+                        ("tracing the step again", "capture (one graph)"), ("solving for", "solve (heuristics, sim)"),
+                        ("compiling the planned", "compile"), ("verifying", "verification"),
+                        ("re-planning", "re-planning"), ("measuring the precision", "precision measure")):
+        if message.startswith(head):
+            return stage
+    return message.split(" (")[0][:40]
+
+
+class StageClock(logging.Handler):
+    """Exclusive wall time per stage, and the longest silence between progress records."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.stack = ["setup"]
+        self.t = self.last_record = self.t0 = time.perf_counter()
+        self.gap = (0.0, "setup")  # the longest time without any progress record (pulses included)
+        self.stage_start = self.t0
+        self.longest = (0.0, "setup")  # the longest stage, from its record to the next stage's
+
+    def _switch(self) -> float:
+        now = time.perf_counter()
+        self.seconds[self.stack[-1]] += now - self.t
+        self.t = now
+        return now
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = self._switch()
+        message = record.getMessage()
+        if now - self.last_record > self.gap[0]:
+            self.gap = (now - self.last_record, self.stack[0])
+        self.last_record = now
+        if getattr(record, "pulse", False):  # the stage repeated with its progress: no new stage
+            return
+        if now - self.stage_start > self.longest[0]:
+            self.longest = (now - self.stage_start, self.stack[0])
+        self.stage_start = now
+        self.stack[0] = _outer(message)
+        self.counts[self.stack[0]] += 1
+
+    def inner(self, name: str, fn):
+        def run(*args, **kwargs):
+            self._switch()
+            self.stack.append(name)
+            self.counts[name] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._switch()
+                self.stack.pop()
+        return run
+
+    def finish(self) -> float:
+        now = self._switch()
+        if now - self.last_record > self.gap[0]:
+            self.gap = (now - self.last_record, self.stack[0])
+        if now - self.stage_start > self.longest[0]:
+            self.longest = (now - self.stage_start, self.stack[0])
+        return now - self.t0
+
+
+CLOCK: StageClock | None = None
+
+
+def _hooked(name: str, fn):
+    """`fn`, its time charged to stage `name` while a StageClock runs."""
+    def run(*args, **kwargs):
+        return fn(*args, **kwargs) if CLOCK is None else CLOCK.inner(name, fn)(*args, **kwargs)
+    return run
+
+
+def install_hooks() -> None:
+    planner.profile_graph = _hooked("profile", planner.profile_graph)
+    planner.calibrate_scratch = _hooked("profile", planner.calibrate_scratch)
+    ilp.IlpModel.__init__ = _hooked("ILP build", ilp.IlpModel.__init__)
+    ilp.IlpModel.solve = _hooked("ILP solve", ilp.IlpModel.solve)
+    ilp_choice.ChoiceModel.__init__ = _hooked("ILP build", ilp_choice.ChoiceModel.__init__)
+    ilp_choice.ChoiceModel.solve = _hooked("ILP solve", ilp_choice.ChoiceModel.solve)
+    pipeline.measure_step = _hooked("verification", pipeline.measure_step)
+    timed = capture.CompileClock.timed
+    capture.CompileClock.timed = lambda self, fn: timed(self, _hooked("inductor compile", fn))
+
+
+def timed_optimize(model, inputs, budget: int, **kw) -> dict:
+    """One autoremat.optimize, cold unless `cache` is given: wall time, stages, longest silence."""
+    global CLOCK
+    torch._dynamo.reset()
+    solver._floor_memo.clear()  # a floor remembered from an earlier run would make this one warm
+    CLOCK = clock = StageClock()
+    LOGGER.addHandler(clock)
+    LOGGER.setLevel(logging.INFO)
+    try:
+        om = autoremat.optimize(model, budget, inputs, optimizer=None, progress=False, **kw)
+        error = None
+    except autoremat.BudgetError as e:
+        om, error = None, str(e).splitlines()[0]
+    finally:
+        total = clock.finish()
+        LOGGER.removeHandler(clock)
+        CLOCK = None
+    row = {"total_s": total, "stages": {k: round(v, 3) for k, v in clock.seconds.items() if v >= 5e-3},
+           "counts": dict(clock.counts), "silent_s": round(clock.gap[0], 2), "silent_in": clock.gap[1],
+           "longest_stage_s": round(clock.longest[0], 2), "longest_stage": clock.longest[1]}
+    if om is not None:
+        p = om.plan
+        row.update(predicted_peak=p.predicted_peak, chunks=(p.loss or {}).get("chunks"),
+                   compiler=p.compiler.get("used"), path=p.solver.get("path"))
+    else:
+        row["error"] = error
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# torch.compile, the reference
+
+
+def loss_of(out):
+    return ex.loss_of(out) if not isinstance(out, torch.Tensor) else out.float().sum()
+
+
+def step(fn, inputs) -> None:
+    out = fn(**inputs) if isinstance(inputs, dict) else fn(*inputs)
+    loss_of(out).backward()
+
+
+def first_call(model, inputs, backend: str) -> float:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend)
+    t = time.perf_counter()
+    step(compiled, inputs)
+    return time.perf_counter() - t
+
+
+def issue_budget(model, inputs) -> int:
+    """Parameters + gradients + inputs + BUDGET_SHARE x eager's activation peak (steady state)."""
+    step(model, inputs)  # .grad buffers exist, as in every micro-step after the first
+    _, m = measure_peak(lambda: step(model, inputs), baseline_bytes=0)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    leaves = inputs.values() if isinstance(inputs, dict) else inputs
+    ins = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    model.zero_grad(set_to_none=True)
+    return 2 * params + ins + int(BUDGET_SHARE * m.delta_peak_bytes)
+
+
+# --------------------------------------------------------------------------------------------
+# models
+
+
+def bert(batch, seq, n_layer, hidden, heads, vocab):
+    from floor import bert as make
+    return make(batch, seq, n_layer, hidden, heads, vocab)
+
+
+def models(quick: bool) -> dict:
+    """name -> [(size label, factory)] at two sizes (depth doubled; --quick halves everything)."""
+    d = (1, 2) if quick else (2, 4)
+    return {
+        "stack": [(f"{2 * n}L d128 4x64", lambda n=n: ex.transformer_stack(4, 64, 2 * n, 128, 4, 0.1)) for n in d],
+        "gpt2": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.gpt2(2, 64, n, 64, 4, 1024)) for n in d],
+        "llama": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.llama(2, 64, n, 64, 4, 1024)) for n in d],
+        "bert": [(f"{n}L d64 4x64 V1024", lambda n=n: bert(4, 64, n, 64, 4, 1024)) for n in d],
+    }
+
+
+def run_model(name: str, size: str, factory, variants: list[str]) -> dict:
+    torch.manual_seed(0)
+    model, inputs = factory()
+    budget = issue_budget(model, inputs)
+    row: dict = {"model": name, "size": size, "budget": budget}
+    for v in variants:
+        kw = {"eager": {"compiler": "eager"}, "inductor": {"compiler": "inductor"},
+              "auto-precision": {"compiler": "eager", "precision": "auto"}}.get(v)
+        if v == "cache-hit":
+            with tempfile.TemporaryDirectory() as tmp:
+                timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
+                row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
+        else:
+            row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
+        r = row[v]
+        print(f"  {name} {size} {v}: {r['total_s']:.1f} s, longest silence {r['silent_s']} s "
+              f"({r['silent_in']}); {r.get('error') or ''}", flush=True)
+    # torch.compile last: kernels autoremat's Inductor runs compiled are reused by it, not the reverse,
+    # so the ratios err against autoremat.
+    row["inductor_s"] = first_call(copy.deepcopy(model), inputs, "inductor")
+    row["aot_eager_s"] = first_call(copy.deepcopy(model), inputs, "aot_eager")
+    print(f"  {name} {size} torch.compile: Inductor {row['inductor_s']:.1f} s, aot_eager {row['aot_eager_s']:.1f} s",
+          flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# report
+
+STAGES = ["setup", "capture", "profile", "loss-region tracing", "loss-region choice", "loss-region full plans",
+          "capture (one graph)",
+          "solve (heuristics, sim)", "ILP build", "ILP solve", "compile", "inductor compile", "verification",
+          "re-planning", "precision measure"]
+
+
+def report(rows: list[dict], variants: list[str], command: str) -> str:
+    lines = ["# Planning time, stage by stage (issue 38)\n", f"`{command}`  ", f"{platform.processor() or 'cpu'}, "
+             f"torch {torch.__version__}, 1 thread, on a shared machine: compare ratios within this run only.\n",
+             "Budget: parameters + gradients + inputs + 0.6 x eager's activation peak, optimizer=None. "
+             "torch.compile columns: first forward+backward call after `torch._dynamo.reset()`, measured after "
+             "autoremat's runs of that model (one fresh Inductor cache directory per process; a kernel compiled "
+             "for autoremat's Inductor run is reused by torch.compile's, which errs against autoremat).\n",
+             "## Totals and ratios\n",
+             "| model | size | Inductor s | aot_eager s | " + " | ".join(f"{v} s" for v in variants)
+             + " | eager / Inductor | eager / aot_eager | inductor / Inductor | auto-prec / eager | longest silence s "
+             "| longest stage s |",
+             "|---|---|---|---|" + "---|" * len(variants) + "---|---|---|---|---|---|"]
+    for r in rows:
+        t = {v: r[v]["total_s"] for v in variants if v in r}
+
+        def ratio(a, b):
+            return f"{a / b:.1f}x" if a is not None and b else "-"
+        silence = max((r[v]["silent_s"], r[v]["silent_in"]) for v in variants if v in r)
+        longest = max((r[v].get("longest_stage_s", 0.0), r[v].get("longest_stage", "")) for v in variants if v in r)
+        lines.append(f"| {r['model']} | {r['size']} | {r['inductor_s']:.1f} | {r['aot_eager_s']:.1f} | "
+                     + " | ".join(f"{t[v]:.1f}" + (" (refused)" if "error" in r[v] else "") for v in variants)
+                     + f" | {ratio(t.get('eager'), r['inductor_s'])} | {ratio(t.get('eager'), r['aot_eager_s'])} | "
+                     f"{ratio(t.get('inductor'), r['inductor_s'])} | {ratio(t.get('auto-precision'), t.get('eager'))} "
+                     f"| {silence[0]} ({silence[1]}) | {longest[0]} ({longest[1]}) |")
+    lines += ["\n## Stages (seconds, each second in exactly one stage; xN: times entered)\n"]
+    for v in variants:
+        present = [s for s in STAGES if any(s in r.get(v, {}).get("stages", {}) for r in rows)]
+        present += sorted({s for r in rows for s in r.get(v, {}).get("stages", {})} - set(present))
+        lines += [f"### {v}\n", "| model | size | total | " + " | ".join(present) + " |",
+                  "|---|---|---|" + "---|" * len(present)]
+        for r in rows:
+            if v not in r:
+                continue
+            st, n = r[v]["stages"], r[v]["counts"]
+            cells = [f"{st[s]:.1f}" + (f" x{n[s]}" if n.get(s, 1) > 1 else "") if s in st else "" for s in present]
+            lines.append(f"| {r['model']} | {r['size']} | {r[v]['total_s']:.1f} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--models", default="stack,gpt2,llama,bert")
+    ap.add_argument("--variants", default="eager,inductor,auto-precision,cache-hit")
+    ap.add_argument("--sizes", default="0,1", help="which of each model's two sizes")
+    ap.add_argument("--out", default=None, help="results file stem (default plan_time_cpu[_quick])")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    install_hooks()
+    variants = a.variants.split(",")
+    inductor_problem("cpu")  # the probe and Inductor's imports, once per process, outside every timing
+    first_call(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "inductor")
+    table = models(a.quick)
+    rows = []
+    command = "PYTHONPATH=.:benchmarks python benchmarks/plan_time.py " + " ".join(sys.argv[1:])
+    stem = a.out or ("plan_time_cpu_quick" if a.quick else "plan_time_cpu")
+    for name in a.models.split(","):
+        for i in map(int, a.sizes.split(",")):
+            size, factory = table[name][i]
+            rows.append(run_model(name, size, factory, variants))
+            text = report(rows, variants, command)  # written after each model: a long run keeps what it measured
+            (RESULTS / f"{stem}.md").write_text(text + "\n")
+            (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
