@@ -37,7 +37,7 @@ def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int
     schedules = [make_schedule(g, s) for g, s in zip(graphs, saved)]
     timeline = simulate(list(zip(graphs, schedules)), granularity)
     cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
-    # values recomputed twice (again.py): each copy runs once more
+    # values recomputed twice (cuts.py): each copy runs once more
     cost += sum(g.nodes[base(n)].time_s for g, sc in zip(graphs, schedules) if sc.again for n in sc.backward
                 if n != base(n))
     return schedules, timeline, cost

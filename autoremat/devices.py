@@ -85,14 +85,10 @@ def dtype_key(dtype: str | torch.dtype) -> str:
     return "fp32"
 
 
-# One more graph per step, measured (benchmarks/launch_overhead.py `region_call`, 1 thread, this 2-core machine,
-# torch 2.13, 2026-12-03): a 16-block stack of tiny blocks run as 17 graphs against one, both planned with
-# nothing recomputed: 39.7 us per extra graph under Inductor, 49.6 us under compiler="eager"; Inductor's figure,
-# the default compiler's. Later runs: 34.6 us (forms timed one after another), then 56.7 us (forms timed
-# head-to-head, results/launch_overhead_cpu.json). These figures include the blocks' gradient hand-offs
-# (release_grads=True, the default). The head-to-head run also measured the hand-off apart: 7.0 us per parameter
-# under eager, and under Inductor -0.3 us directly or 4.7 us from the other two comparisons. That is not
-# resolved, so the hand-off is not a cost of its own here.
+# Host time of one more graph call per step (regions="auto" weighs it against recomputation). Measured by
+# benchmarks/launch_overhead.py's `region_call` rows (results/launch_overhead_cpu.json): a stack run as one
+# graph against one graph per block, nothing recomputed, so the difference is the calls and the gradient
+# hand-offs between them. The hand-off is not priced apart: the runs disagree on it, within their noise.
 REGION_CALL_S = 40e-6
 
 
@@ -127,18 +123,14 @@ _DEVICES: dict[str, DeviceSpec] = {
         mem_bandwidth=20e9,
         memory_bytes=0,
         alloc_granularity=1,
-        # Measured (benchmarks/launch_overhead.py, 1 thread, 2-core machines, torch 2.13): the slope of step
-        # time over op count, per kernel of Inductor-compiled code (chains of 2x2 matmuls, each a library call
-        # from Inductor's Python wrapper) and per op of an FX graph run as Python (compiler="eager"). The
-        # first run read 4.9 and 6.8 us; the three since (2026-12-02/03, results/launch_overhead_cpu.json the
-        # last) read 0.98, 0.85, 0.83 us per kernel and 1.7, 1.8, 1.9 us per op. One figure per device:
-        # Inductor's, the default compiler's, from the three runs that agree, rounded up. At 5 us the ILP
-        # priced recomputation on speed.py's GPT-2 (4 layers, d=32) at 0.52 ms a step, and regions="auto"
-        # cut it into 6 graphs to avoid that, where one graph measured faster (benchmarks/dropout_gap.py).
-        # An op fused into another kernel has none (DeviceSpec.fused_op_time).
+        # Per kernel of Inductor-compiled code, the default compiler (an op fused into another kernel costs
+        # none: DeviceSpec.fused_op_time). It is the slope of step time over op count in
+        # benchmarks/launch_overhead.py (results/launch_overhead_cpu.json), rounded up. It matters for small
+        # steps: priced too high, recomputation looks dear and regions="auto" cuts graphs apart that run
+        # faster whole (benchmarks/dropout_gap.py).
         launch_overhead_s=1e-6,
-        # aten.bernoulli.p into a 262,144-element bool tensor, 1 thread, this 2-core AVX-512 machine: 1.23 ms
-        # (a fp32 multiply of as many elements: 0.041 ms), ~4.7 ns per element.
+        # A dropout mask drawn again costs far more than the arithmetic it feeds (aten.bernoulli.p against a
+        # multiply of as many elements, 1 thread: about 30x), so replaying a mask is priced per element.
         random_draw_s_per_element=4.7e-9,
         region_call_s=REGION_CALL_S,
     ),

@@ -94,6 +94,30 @@ MIN_PEAK_TIME_WEIGHT = 1e-3
 
 
 @dataclass
+class Terms:
+    """What the objective weighs: recompute (and cast) time T, saved bytes, fp16 calls, and their scales."""
+
+    time_expr: lp.Expression
+    bytes_expr: lp.Expression
+    fp16_expr: lp.Expression
+    total_time: float
+    total_bytes: float
+
+
+def set_objective(prob: lp.Problem, cap: lp.Variable, budget: int | None, min_peak: bool, terms: Terms) -> None:
+    """The one objective of every model here (this one and ilp_choice's): under `budget`, the least
+    time, ties toward fewer saved bytes and bf16 over fp16; with `min_peak`, the least cap, ties toward
+    the least time. Written once so the two models cannot drift apart."""
+    if min_peak:
+        cap.lowBound, cap.upBound = 0, None
+        prob.setObjective(cap + MIN_PEAK_TIME_WEIGHT * terms.total_bytes / terms.total_time * terms.time_expr)
+    else:
+        cap.lowBound = cap.upBound = budget
+        prob.setObjective(terms.time_expr / terms.total_time + TIE_BYTES * terms.bytes_expr / terms.total_bytes
+                          + FP16_PENALTY * terms.fp16_expr)
+
+
+@dataclass
 class IlpResult:
     """One solve of the model."""
 
@@ -383,14 +407,8 @@ class IlpModel:
     # -- objective, error row, solve -----------------------------------------------------------
 
     def _objective(self, budget: int | None, min_peak: bool) -> None:
-        if min_peak:
-            self.cap.lowBound, self.cap.upBound = 0, None
-            self.prob.setObjective(self.cap + MIN_PEAK_TIME_WEIGHT * self.total_bytes / self.total_time
-                                   * self.time_expr)
-        else:
-            self.cap.lowBound = self.cap.upBound = budget
-            self.prob.setObjective(self.time_expr / self.total_time + TIE_BYTES * self.bytes_expr / self.total_bytes
-                                   + FP16_PENALTY * self.fp16_expr)
+        set_objective(self.prob, self.cap, budget, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
+                                                                   self.total_time, self.total_bytes))
 
     def _error(self) -> None:
         """error: the measured errors of the chosen 16-bit calls sum to at most the tolerance. Built with

@@ -10,9 +10,9 @@ autoremat.passes.loss_chunks) gives one trace of the step per setting. Each trac
   static_t * z_k + (variable bytes)_t <= cap       every memory row of trace k (ilp.py's families)
 
 and the objective prices each trace's own compute time (its ops run once, T0_k) beside the
-recomputation the plan adds:
+recomputation the plan adds (`ilp.set_objective`, the same objective as one trace's):
 
-  under a budget:   min (sum_k T0_k z_k + T) / T_all + TIE_BYTES * sum_v S_v / B_all
+  under a budget:   min (sum_k T0_k z_k + T) / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
   smallest peak:    min cap + MIN_PEAK_TIME_WEIGHT * (B_all / T_all) * (sum_k T0_k z_k + T)
 
 So more chunks (more, smaller projections) are chosen only where their memory buys back more
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import pulp
 
 from autoremat import lp
-from autoremat.ilp import MIN_PEAK_TIME_WEIGHT, TIE_BYTES, IlpModel, quiet_stdout
+from autoremat.ilp import IlpModel, Terms, quiet_stdout, set_objective
 from autoremat.profile import GraphProfile
 
 
@@ -79,6 +79,7 @@ class ChoiceModel:
         self.time_expr = pulp.lpSum(t * self.z[k] for k, t in self.base_time.items()) + pulp.lpSum(
             m.time_expr for m in self.models.values())
         self.bytes_expr = pulp.lpSum(m.bytes_expr for m in self.models.values())
+        self.fp16_expr = pulp.lpSum(m.fp16_expr for m in self.models.values())  # 0 while traces carry no dtype choices
         self.total_time = max(max(self.base_time.values()), 1e-12)
         self.total_bytes = max(m.total_bytes for m in self.models.values())
 
@@ -90,13 +91,8 @@ class ChoiceModel:
         """The trace and plan of least predicted time under `budget` bytes (or, `min_peak`, the least peak)."""
         if not min_peak and all(m.floor > budget or self.z[k].upBound == 0 for k, m in self.models.items()):
             return Choice("infeasible")
-        if min_peak:
-            self.cap.lowBound, self.cap.upBound = 0, None
-            self.prob.setObjective(self.cap + MIN_PEAK_TIME_WEIGHT * self.total_bytes / self.total_time
-                                   * self.time_expr)
-        else:
-            self.cap.lowBound = self.cap.upBound = budget
-            self.prob.setObjective(self.time_expr / self.total_time + TIE_BYTES * self.bytes_expr / self.total_bytes)
+        set_objective(self.prob, self.cap, budget, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
+                                                                   self.total_time, self.total_bytes))
         with quiet_stdout():
             status = lp.solve(self.prob, solver)
         if not lp.has_solution(status):

@@ -21,10 +21,13 @@ from autoremat.optimizers import (
 )
 from autoremat.units import format_bytes, round_up, storage_key
 
-__all__ = ["OPTIMIZER_NAMES", "Ledger", "ledger_for_count", "ledger_for_model", "optimizer_state_bytes",
+__all__ = ["OPTIMIZER_NAMES", "SLACK", "Ledger", "ledger_for_count", "ledger_for_model", "optimizer_state_bytes",
            "parameter_bytes", "storage_key"]
 
 SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
+# Bytes every budget keeps beyond the graphs' activations for what no graph holds: autograd's loss and
+# seed-gradient scalars.
+SLACK = 1024
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -68,6 +71,17 @@ class Ledger:
     @property
     def total(self) -> int:
         return self.fixed + max(self.activations, self.optimizer_step)
+
+    def needs(self, activations: int) -> int:
+        """The budget a step needs whose graphs peak at `activations` bytes: the fixed parts, the larger of
+        the activations and optimizer.step()'s temporaries (they never coexist), and SLACK. The one place
+        this sum is written: every floor, check and re-plan asks here."""
+        return self.fixed + max(activations, self.optimizer_step) + SLACK
+
+    def room(self, budget: int) -> int:
+        """What `budget` leaves the graphs' activations: the inverse of `needs` wherever the activations
+        outgrow optimizer.step()'s temporaries (`needs` checks the other case)."""
+        return budget - self.fixed - SLACK
 
     @property
     def headroom(self) -> int | None:

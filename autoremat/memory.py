@@ -44,9 +44,9 @@ class Schedule:
     backward: list[str]  # backward graph, recomputed nodes placed just before their first use
     saved: list[str]  # forward values handed to the backward
     recomputed: list[str]  # forward-side nodes that run again in the backward
-    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
-    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (again.py)
-    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (again.py), a writer's (below)
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (cuts.py)
+    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (cuts.py)
+    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (cuts.py), a writer's (below)
     written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
 
 

@@ -24,7 +24,6 @@ from autoremat.profile import GraphProfile
 from autoremat.units import format_bytes
 
 SCHEMA_VERSION = 1
-SLACK = 1024  # bytes added to the smallest feasible budget we report
 
 
 @dataclass
@@ -37,7 +36,7 @@ class GraphPlan:
     # per nn.Module path: node counts and owned bytes, {"saved": n, "saved_bytes": b, "recomputed": ..., ...}
     modules: dict[str, dict[str, int]] = field(default_factory=dict)
     num_nodes: int = 0
-    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (again.py)
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (cuts.py)
 
 
 @dataclass
@@ -83,7 +82,7 @@ class Plan:
         every plan keeps for autograd's scalars. `fixed + baseline_peak` alone is SLACK short of it, and
         a plan there recomputes something to free those bytes."""
         ledger = Ledger.from_dict(self.ledger)
-        return ledger.fixed + max(self.baseline_peak, ledger.optimizer_step) + SLACK
+        return ledger.needs(self.baseline_peak)
 
     # JSON ----------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -309,7 +308,7 @@ class BudgetError(ValueError):
         if smallest is not None:
             ledger.activations = smallest.peak
             # A little room for what no graph holds: autograd's loss and seed-gradient scalars.
-            need = ledger.fixed + max(smallest.peak, ledger.optimizer_step) + SLACK
+            need = ledger.needs(smallest.peak)
             why = (f"the smallest budget that fits is {format_bytes(need)} ({need} bytes): "
                    f"{format_bytes(ledger.fixed)} fixed + {format_bytes(smallest.peak)} activations at the "
                    f"most memory-frugal plan found")

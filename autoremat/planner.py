@@ -27,7 +27,7 @@ from autoremat.heuristics import save_all
 from autoremat.ledger import Ledger, optimizer_state_bytes
 from autoremat.memory import make_schedule
 from autoremat.passes import split
-from autoremat.plan import SLACK, BudgetError, Plan, build_plan
+from autoremat.plan import BudgetError, Plan, build_plan
 from autoremat.profile import GraphProfile, fingerprint, profile_graph
 from autoremat.scratch import calibrate_scratch
 from autoremat.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
@@ -160,7 +160,7 @@ class Planner:
 
         def need(fallback: set[str]) -> tuple[int, Ledger]:
             _, tl, _ = evaluate([gp], [fallback], dev.alloc_granularity)
-            return ledger.fixed + tl.peak + SLACK, ledger
+            return ledger.needs(tl.peak), ledger
 
         return self._split(cg, gp, set(saved), need, budget_or_memory(self.budget, dev))[0]
 
@@ -194,7 +194,7 @@ class Planner:
     def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
         matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
         for g in sorted(matches, key=lambda g: g.index != index):  # same position first
-            return set(g.saved) | set(g.again)  # a cut is named among the saved values (again.py)
+            return set(g.saved) | set(g.again)  # a cut is named among the saved values (cuts.py)
         raise PlanMismatch(
             f"the plan was made for graph(s) {[g.fingerprint for g in self.plan.graphs]}, but the model "
             f"traced to graph {gp.fingerprint} ({len(gp.nodes)} nodes): the model, its input shapes or "
@@ -241,7 +241,7 @@ def plan_graphs(
 
 def activation_budget(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
     """What `budget` (None: the device's memory) leaves the graphs' activations after the ledger's fixed part."""
-    return budget_or_memory(budget, device) - ledger.fixed - SLACK  # SLACK: autograd's loss and seed scalars
+    return ledger.room(budget_or_memory(budget, device))
 
 
 @contextlib.contextmanager
@@ -355,7 +355,7 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
         _, tl, cost = evaluate(profiles, [set(g.saved) | set(g.again) for g in cached.graphs], dev.alloc_granularity)
     except Exception:  # names that are not in the graph, a value nobody may recompute
         return None
-    if ledger.fixed + max(tl.peak, ledger.optimizer_step) + SLACK > budget:
+    if ledger.needs(tl.peak) > budget:
         return None
     plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
     plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}

@@ -25,7 +25,7 @@ import torch
 
 from autoremat import precision_plan
 from autoremat.pipeline import loss_of
-from autoremat.plan import SLACK, BudgetError, Plan
+from autoremat.plan import BudgetError, Plan
 from autoremat.planner import Restore, progress
 
 # precision="auto": tries of the joint dtype ILP before its other candidates decide alone.
@@ -90,7 +90,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
         fp32 = None
     candidates: dict[str, tuple] = {} if fp32 is None else {"fp32": fp32}
     why: dict[str, str] = {} if fp32 is not None else {"fp32": "does not fit the budget"}
-    cap = budget - ledger.fixed - SLACK
+    cap = ledger.room(budget)
     if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
         cap = min(cap, fp32[0].activation_peak)
     ilp_tol, ilp_dtypes = tol, None
@@ -103,7 +103,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
             why["ilp"] = "the joint ILP chose fp32 for every call"
             break
         try:
-            result = build(min(budget, ledger.fixed + cap + SLACK), dtypes, store, fields)
+            result = build(min(budget, ledger.needs(cap)), dtypes, store, fields)
         except BudgetError:
             why["ilp"] = "the ILP's dtypes did not fit once traced"
             cap = int(cap * AUTO_CAP_SHRINK)

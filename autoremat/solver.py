@@ -235,8 +235,7 @@ def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_
 
 # The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in
 # `smallest_peak` stop on time, so a later call on a busier machine can find a worse plan than the one
-# whose peak a BudgetError reported, and planning at exactly that floor would then be refused (seen: a
-# 2-layer bf16 Llama's floor query said 2,193,604 B; optimize at that budget found 2,263,236 B at best).
+# whose peak a BudgetError reported, and planning at exactly that floor would then be refused.
 # Remembering the best plan makes the floor a process reports reachable, and never rising, in it.
 # Bounded: the least recently used step is forgotten first.
 FLOOR_MEMO_SIZE = 32

@@ -25,7 +25,7 @@ from autoremat.decision import Decision, evaluate
 from autoremat.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.heuristics import checkpoint_blocks, save_all
 from autoremat.ledger import Ledger, parameter_bytes, storage_key
-from autoremat.plan import SLACK, BudgetError, Plan, build_plan
+from autoremat.plan import BudgetError, Plan, build_plan
 from autoremat.planner import Planner, budget_or_memory, plan_graphs
 from autoremat.profile import GraphProfile
 from autoremat.solver import smallest_peak
@@ -317,7 +317,7 @@ class StepPlanner(Planner):
         ledger = self._ledger(calls)
         profiles = [c.use.gp if current or c.gp is None else c.gp for c in calls]
         _, tl, _ = evaluate(profiles, [set(s) for s in saved], self._dev.alloc_granularity)
-        return ledger.fixed + tl.peak + SLACK, ledger, tl
+        return ledger.needs(tl.peak), ledger, tl
 
     def _ledger(self, calls: list[GraphCall]) -> Ledger:
         params = {k: v for c in calls for k, v in c.params.items()}  # a parameter read twice is held once

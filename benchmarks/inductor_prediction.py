@@ -39,10 +39,9 @@ import speed  # noqa: E402
 
 import autoremat  # noqa: E402
 from autoremat.devices import get_device  # noqa: E402
-from autoremat.ledger import Ledger  # noqa: E402
+from autoremat.ledger import SLACK, Ledger  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
 from autoremat.pipeline import loss_of  # noqa: E402
-from autoremat.plan import SLACK  # noqa: E402
 from autoremat.solver import evaluate  # noqa: E402
 
 MiB = 2**20

@@ -10,7 +10,7 @@ from autoremat.measure import measure_peak
 from autoremat.passes import fused_linear_loss as fll
 from autoremat.passes import loss_chunks
 from tests.models import tiny_llama
-from tests.test_again import SEED_BYTES
+from tests.test_twice_and_reuse import SEED_BYTES
 from tests.tolerances import assert_close_for, tol
 
 

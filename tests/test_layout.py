@@ -81,3 +81,34 @@ def test_the_check_sees_a_later_import(tmp_path):
     source.write_text("from typing import TYPE_CHECKING\nfrom autoremat.plan import Plan\nfrom autoremat import api\n"
                       "if TYPE_CHECKING:\n    from autoremat.cli import main\n")
     assert _imports(source) == [("plan", 2), ("api", 3)]
+
+
+def _private_torch_uses(path: Path) -> list[str]:
+    """Where `path` reaches a private torch name: an import from a `_`-module of torch, or `torch._x`."""
+    uses = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            if any(part.startswith("_") for part in node.module.split(".")):
+                uses.append(f"{path.name}:{node.lineno} from {node.module}")
+        elif isinstance(node, ast.Import):
+            uses += [f"{path.name}:{node.lineno} import {a.name}" for a in node.names
+                     if a.name.split(".")[0] == "torch" and any(p.startswith("_") for p in a.name.split("."))]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
+              and node.attr.startswith("_") and not node.attr.startswith("__")):
+            uses.append(f"{path.name}:{node.lineno} torch.{node.attr}")
+    return uses
+
+
+def test_private_torch_is_reached_only_through_torch_internals():
+    """One module holds every private torch API, so a torch release that moves one breaks one file."""
+    uses = [u for path in sorted(PACKAGE.rglob("*.py")) if path.name != "torch_internals.py"
+            for u in _private_torch_uses(path)]
+    assert uses == []
+
+
+def test_the_private_torch_check_sees_every_form(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import torch\nimport torch._dynamo\nfrom torch._ops import OpOverload\n"
+                      "x = torch._guards.detect_fake_mode\ny = torch.__version__\nz = torch.ops.aten._to_copy\n")
+    assert _private_torch_uses(source) == ["m.py:2 import torch._dynamo", "m.py:3 from torch._ops",
+                                           "m.py:4 torch._guards"]

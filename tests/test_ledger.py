@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from autoremat.ledger import (
+    SLACK,
     Ledger,
     ledger_for_count,
     ledger_for_model,
@@ -335,3 +336,13 @@ def test_gpu_step_holds_blas_workspaces_and_a_cpu_step_none(monkeypatch):
     assert meta.fixed - cpu.fixed == workspaces
     assert plans["meta"].predicted_peak - plans["cpu"].predicted_peak == workspaces
     assert "cuBLAS workspaces" in meta.format() and "cuBLAS workspaces" not in cpu.format()
+
+
+def test_needs_and_room_are_the_one_budget_sum_optimizer_step_included():
+    """fixed = 100 + 100 + 200 = 400 B. A step whose graphs peak at 1,000 B needs 400 + 1,000 + SLACK; when
+    optimizer.step()'s 3,000 B of temporaries outgrow the activations, those count instead (never both)."""
+    ledger = Ledger(parameters=100, gradients=100, optimizer_state=200, optimizer_step=3000)
+    assert ledger.needs(1000) == 400 + 3000 + SLACK
+    assert ledger.needs(5000) == 400 + 5000 + SLACK
+    assert ledger.room(10_000) == 10_000 - 400 - SLACK
+    assert ledger.needs(ledger.room(10_000)) == 10_000  # inverse where the activations are the larger

@@ -12,7 +12,7 @@ import autoremat
 import autoremat.memory as memory_mod
 from autoremat.decision import evaluate
 from examples import models
-from tests.test_again import SEED_BYTES, _floor, _grads_and_peak
+from tests.test_twice_and_reuse import SEED_BYTES, _floor, _grads_and_peak
 from tests.tolerances import assert_close_for
 
 

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import autoremat
 from autoremat import heuristics, solver
 from autoremat.capture import capture
-from autoremat.plan import SLACK, Ledger, build_plan
+from autoremat.ledger import SLACK
+from autoremat.plan import Ledger, build_plan
 from autoremat.profile import profile_graph
 from examples import models
 

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import mm_flop, register_flop_formula
 
 from autoremat.passes.joint import backward_side
+from autoremat.torch_internals import detect_fake_mode
 
 _MM = torch.ops.aten.mm.default
 _CAST = torch.ops.aten._to_copy.default
@@ -52,7 +53,7 @@ def _mm_upcast_flops(a_shape, b_shape, *args, **kwargs) -> int:
 def _fake(fn, *args):
     """`fn(*args)` on traced values, in their fake mode."""
     vals = [a.meta["val"] if isinstance(a, fx.Node) else a for a in args]
-    mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     with mode if mode is not None else contextlib.nullcontext():
         return fn(*vals)
 

@@ -111,7 +111,7 @@ def reorder(gm: fx.GraphModule, order: list[str], what: str) -> fx.GraphModule:
         if name == n.name:
             env[n] = graph.node_copy(n, env.__getitem__)
             continue
-        # a value recomputed again after a cut (autoremat/again.py): a copy of the node, under the
+        # a value recomputed again after a cut (autoremat/cuts.py): a copy of the node, under the
         # schedule's name; every later reader reads the copy
         copy = graph.create_node(n.op, n.target, fx.node.map_arg(n.args, env.__getitem__),
                                  fx.node.map_arg(n.kwargs, env.__getitem__), name=name)

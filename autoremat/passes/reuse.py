@@ -22,9 +22,8 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._ops import OpOverload
 
-from autoremat.torch_internals import is_tangent, out_kernel_copies
+from autoremat.torch_internals import OpOverload, is_tangent, out_kernel_copies
 
 
 def out_variant(op: OpOverload) -> tuple[OpOverload, str] | None:

@@ -23,14 +23,14 @@ import torch
 import torch.fx as fx
 
 from autoremat.passes.joint import backward_side
-from autoremat.torch_internals import is_primal
+from autoremat.torch_internals import OpOverload, detect_fake_mode, is_primal
 
 _CAST = torch.ops.aten._to_copy.default
 _LOW = (torch.bfloat16, torch.float16)
 
 
 def _is_view(n: fx.Node) -> bool:
-    return n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.is_view
+    return n.op == "call_function" and isinstance(n.target, OpOverload) and n.target.is_view
 
 
 def _fresh_value(n: fx.Node) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _fresh_value(n: fx.Node) -> torch.Tensor:
     allocation for a cast, a view of that allocation for a view."""
     args = fx.node.map_arg(n.args, lambda a: a.meta["val"])
     kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta["val"])
-    mode = torch._guards.detect_fake_mode([a.meta.get("val") for a in n.all_input_nodes])
+    mode = detect_fake_mode([a.meta.get("val") for a in n.all_input_nodes])
     with mode if mode is not None else contextlib.nullcontext():
         return n.target(*args, **kwargs)
 
