@@ -1,10 +1,16 @@
 """autoremat: fit a model's training step into a byte budget by choosing what to recompute.
 
-Pipeline, each stage importing only earlier ones:
-capture (+ regions) -> profile -> memory (+ lifetimes, ledger, optimizers) -> decision -> heuristics -> ilp -> solver -> plan
--> planner -> pipeline -> faces: api / fit / backend / cli
-The graph passes (passes/) and torch_internals import no stage (passes/dtypes.py reads precision's
-call helpers), so any stage may use them: capture applies the decompositions, the planner the split.
+The pipeline, one folder per stage; each imports only the stages above it (tests/test_layout.py):
+
+    capture/   the step as AOTAutograd joint graphs, a graph per repeated block   (aot, regions, tracing)
+    model/     bytes, FLOPs and time per node; the exact memory schedule of a plan; the ledger
+    solve/     save or recompute (and dtypes): the ILP, its heuristics, the simulator's checks
+    planning/  the pipeline the faces call: capture -> model -> solve -> passes -> compile -> verify -> Plan
+    faces      api (optimize), remat_module, fit, backend, cli, plots, progress: at the top of the package
+
+passes/ holds the graph rewrites, a library every stage may call (it imports no stage but a few helpers
+of model/); measure, units and torch_internals (every private torch API) sit at the top, used by all.
+docs/architecture.md follows the data, and the budget, from a face to the ILP and back.
 
 The public names below are imported on first use (PEP 562), so that `import autoremat` and
 `autoremat --help` do not pay for importing torch.
@@ -18,12 +24,12 @@ import types
 _EXPORTS = {
     "format_bytes": "autoremat.units",
     "parse_budget": "autoremat.units",
-    "BudgetError": "autoremat.plan",
-    "Plan": "autoremat.plan",
-    "CaptureError": "autoremat.planner",
+    "BudgetError": "autoremat.planning.plan",
+    "Plan": "autoremat.planning.plan",
+    "CaptureError": "autoremat.planning.planner",
     "RematModule": "autoremat.remat_module",
     "optimize": "autoremat.api",
-    "PlanMismatch": "autoremat.planner",
+    "PlanMismatch": "autoremat.planning.planner",
     "backend": "autoremat.backend",
     "FitConfig": "autoremat.fit",
     "fit": "autoremat.fit",

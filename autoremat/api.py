@@ -22,27 +22,27 @@ from typing import Any
 
 import torch
 
-from autoremat import precision_plan
-from autoremat.cache import PlanCache, precision_mode
-from autoremat.capture import COMPILE_CLOCK
-from autoremat.compilers import CompilerChoice, check_compiler, choose_compiler, run_with_fallback
-from autoremat.devices import DeviceSpec, blas_workspace_bytes, get_device
-from autoremat.ledger import Ledger, ledger_for_model
+from autoremat.capture.aot import COMPILE_CLOCK
+from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
+from autoremat.model.ledger import Ledger, ledger_for_model
+from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
-from autoremat.pipeline import build
-from autoremat.plan import Plan
-from autoremat.planner import (
+from autoremat.planning import precision_plan
+from autoremat.planning.cache import PlanCache, precision_mode
+from autoremat.planning.compilers import CompilerChoice, check_compiler, choose_compiler, run_with_fallback
+from autoremat.planning.pipeline import build
+from autoremat.planning.plan import Plan
+from autoremat.planning.planner import (
     CapturePlanner,
     PlanMismatch,
     compile_and_trace,
     describe,
     require_graphs,
 )
-from autoremat.precision_auto import plan_precision
-from autoremat.precision_measure import FP32_KEPT
+from autoremat.planning.precision_auto import plan_precision
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
-from autoremat.solver import DEFAULT_GAP, check_solver
+from autoremat.solve.solver import DEFAULT_GAP, check_solver
 from autoremat.torch_internals import tree_leaves
 from autoremat.units import parse_budget
 
@@ -124,7 +124,7 @@ def optimize(
         is planned once more, on its own).
     optimizer: a torch.optim.Optimizer, or a name ("adamw", "adam", "sgd", "sgd_momentum",
         "adafactor", "adam8bit", ...) or None, to size its state.
-    device: a name from `autoremat.devices.known_devices()` for the roofline; by default the
+    device: a name from `autoremat.model.devices.known_devices()` for the roofline; by default the
         model's device.
     plan: a Plan (e.g. `Plan.load("plan.json")`) to re-apply instead of solving.
     precision: "fp32" (default), "bf16" or "fp16" (every matmul-class call in that dtype; fp16 only

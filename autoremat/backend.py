@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoremat.devices import DeviceSpec
-from autoremat.solver import DEFAULT_GAP
-from autoremat.step_planner import GraphUse, StepPlanner
+from autoremat.model.devices import DeviceSpec
+from autoremat.planning.step_planner import GraphUse, StepPlanner
+from autoremat.solve.solver import DEFAULT_GAP
 from autoremat.torch_internals import dynamo_compile_id, recompile_limit
+from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
 
@@ -108,7 +109,8 @@ def backend(
     with one warning; "inductor"; "eager"), chosen when the first graph runs, on its inputs' device;
     `.planner.compiler` then says which and why.
     """
-    return _Backend(StepPlanner(budget, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit,
+    budget_bytes = parse_budget(budget) if budget is not None else None  # parsed here, once
+    return _Backend(StepPlanner(budget_bytes, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit,
                                 gap=gap, compiler=compiler))
 
 

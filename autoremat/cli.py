@@ -167,7 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from autoremat.plots import plot_pareto
 
         with Progress("solving at other budgets"):
-            from autoremat.pipeline import pareto_points
+            from autoremat.planning.pipeline import pareto_points
 
             points = pareto_points(opt_model._planner.profiles, plan, args.device or "cpu", solver=args.solver,
                                    time_limit=args.time_limit)
@@ -216,7 +216,7 @@ def check_outputs(args: argparse.Namespace) -> None:
 
 
 def _check_device(name: str) -> None:
-    from autoremat.devices import get_device, known_devices
+    from autoremat.model.devices import get_device, known_devices
 
     try:
         get_device(name)
@@ -246,7 +246,7 @@ def format_pareto(points: list[tuple[int, float]], plan: Any) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from autoremat.plan import Plan
+    from autoremat.planning.plan import Plan
 
     try:
         plan = Plan.load(args.file)
@@ -265,7 +265,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ledger(args: argparse.Namespace) -> int:
-    from autoremat.ledger import ledger_for_count
+    from autoremat.model.ledger import ledger_for_count
     from autoremat.units import parse_budget
 
     n = parse_count(args.params)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     if args.debug:
         logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from autoremat.plan import BudgetError
+    from autoremat.planning.plan import BudgetError
 
     try:
         return args.run(args)

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from autoremat.api import _model_device, optimize
-from autoremat.devices import DeviceSpec, get_device
-from autoremat.ledger import Ledger
-from autoremat.plan import BudgetError, Plan
+from autoremat.model.devices import DeviceSpec, get_device
+from autoremat.model.ledger import Ledger
+from autoremat.planning.plan import BudgetError, Plan
 from autoremat.progress import LOGGER, muted, stages_on_stderr
 from autoremat.remat_module import RematModule
 from autoremat.torch_internals import tree_map

@@ -13,8 +13,8 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from autoremat.ledger import Ledger
-from autoremat.plan import Plan
+from autoremat.model.ledger import Ledger
+from autoremat.planning.plan import Plan
 
 FORMATS = (".png", ".svg", ".pdf")
 MISSING = "install autoremat[plot] (matplotlib) to draw plots"

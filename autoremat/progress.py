@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from autoremat import planner
+from autoremat.planning import planner
 
 LOGGER = "autoremat.progress"
 AFTER_S = 2.0  # planning shorter than this prints nothing

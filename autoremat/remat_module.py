@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from autoremat.plan import Plan
-from autoremat.planner import Planner, describe, own_errors
+from autoremat.planning.plan import Plan
+from autoremat.planning.planner import Planner, describe, own_errors
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.torch_internals import recompile_limit, tree_flatten
 from autoremat.units import format_bytes

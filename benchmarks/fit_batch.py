@@ -33,8 +33,8 @@ sys.path.append(str(REPO))
 
 import autoremat  # noqa: E402
 from autoremat.fit import fit  # noqa: E402
-from autoremat.ledger import optimizer_state_bytes  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
+from autoremat.model.ledger import optimizer_state_bytes  # noqa: E402
 from examples.models import gpt2  # noqa: E402
 
 FRACTIONS = (0.6, 0.35)

@@ -54,7 +54,7 @@ highspy import numpy, which the machine has):
     typing_inspection-0.4.5-py3-none-any.whl
     typing_extensions-4.16.0-py3-none-any.whl
     highspy-1.16.0-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl  (needs numpy)
-autoremat speaks both PuLP 3 and PuLP 4 (autoremat/lp.py), so this set, which is what pip gives Python
+autoremat speaks both PuLP 3 and PuLP 4 (autoremat/solve/lp.py), so this set, which is what pip gives Python
 3.12, is what the machine's Python runs; `.ci/run` runs the solver and end-to-end planning tests on
 Python 3.12 with it. The sanity check tells within seconds if a wheel is missing.
 
@@ -146,15 +146,15 @@ def sanity(dev: torch.device) -> dict:
     peers = importlib.import_module("remat_vs_peers")
     live_at_peak = importlib.import_module("live_at_peak").live_at_peak
     autoremat = importlib.import_module("autoremat")
-    get_device = importlib.import_module("autoremat.devices").get_device
+    get_device = importlib.import_module("autoremat.model.devices").get_device
     measure_peak = importlib.import_module("autoremat.measure").measure_peak
     loss_of = importlib.import_module("examples.models").loss_of
     # autoremat's own solver path on a 2-block stack traced on meta: the ILP (PuLP model, HiGHS) must
     # produce the plan; PuLP 4's changed API failed exactly here on the last GPU run
     try:
-        from autoremat import solver
-        from autoremat.capture import capture
-        from autoremat.profile import profile_graph
+        from autoremat.capture.aot import capture
+        from autoremat.model.profile import profile_graph
+        from autoremat.solve import solver
         from examples.models import transformer_stack
 
         model, ex = transformer_stack(n_layer=2, d=16, seq=8, batch=2)
@@ -397,7 +397,7 @@ def simulated_live_at_peak(om) -> dict:
     plan, profiles = om.plan, om._planners[0].profiles
     best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs],
                         get_device(plan.device).alloc_granularity)
-    from autoremat.cuts import base
+    from autoremat.model.cuts import base
 
     live = []
     for (scope, name), size in sorted(best["live"].items(), key=lambda kv: -kv[1]):

@@ -91,9 +91,9 @@ def main() -> None:
     from torch._inductor.graph import GraphLowering
 
     import autoremat
-    from autoremat.decision import evaluate
-    from autoremat.devices import get_device
     from autoremat.measure import measure_peak
+    from autoremat.model.devices import get_device
+    from autoremat.solve.decision import evaluate
 
     codes: list[str] = []
     config.force_disable_caches = True

@@ -38,11 +38,11 @@ import remat_vs_peers as peers  # noqa: E402  # benchmarks/ is this script's fol
 import speed  # noqa: E402
 
 import autoremat  # noqa: E402
-from autoremat.devices import get_device  # noqa: E402
-from autoremat.ledger import SLACK, Ledger  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
-from autoremat.pipeline import loss_of  # noqa: E402
-from autoremat.solver import evaluate  # noqa: E402
+from autoremat.model.devices import get_device  # noqa: E402
+from autoremat.model.ledger import SLACK, Ledger  # noqa: E402
+from autoremat.planning.pipeline import loss_of  # noqa: E402
+from autoremat.solve.solver import evaluate  # noqa: E402
 
 MiB = 2**20
 

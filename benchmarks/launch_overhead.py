@@ -1,4 +1,4 @@
-"""The per-op launch overhead of the CPU device table (autoremat.devices, `launch_overhead_s`), and the
+"""The per-op launch overhead of the CPU device table (autoremat.model.devices, `launch_overhead_s`), and the
 cost of one more graph call per step (`region_call_s`) and of one gradient hand-off, measured.
 
 Two figures, each the slope of step time over op count, so that fixed per-call costs cancel:

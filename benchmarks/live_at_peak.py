@@ -23,11 +23,11 @@ import remat_vs_peers as peers
 import torch
 
 import autoremat
-from autoremat import memory
-from autoremat.cuts import base
-from autoremat.decision import evaluate
-from autoremat.devices import get_device
 from autoremat.measure import measure_peak
+from autoremat.model import memory
+from autoremat.model.cuts import base
+from autoremat.model.devices import get_device
+from autoremat.solve.decision import evaluate
 
 MiB = 2**20
 
@@ -89,7 +89,7 @@ def one(cfg: dict, top: int) -> str:
     _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
     plan = om.plan
     profiles = om._planners[0].profiles
-    # a cut (recompute again from here, autoremat/cuts.py) is named among the saved values
+    # a cut (recompute again from here, autoremat/model/cuts.py) is named among the saved values
     best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs], get_device("cpu").alloc_granularity)
     g = profiles[best["graph"]]
     where = g.nodes[base(best["node"])]
@@ -131,7 +131,7 @@ def main() -> None:
     head = ["# Live at the floor's peak (issue #11) on cpu", "",
             f"Command: `python {' '.join(sys.argv)}`, {datetime.datetime.now().isoformat(timespec='seconds')}, "
             f"torch {torch.__version__}, repo {floor.git_state()}, wall {time.perf_counter() - t0:.0f} s. The heap "
-            "is the memory model's (autoremat.memory.simulate) replaying the plan; the measured peak says it is "
+            "is the memory model's (autoremat.model.memory.simulate) replaying the plan; the measured peak says it is "
             f"the real one. Sizes of the benchmark's rows (benchmarks/floor.py). autoremat from {autoremat.__file__}. "
             f"{a.note}", ""]
     text = "\n".join(head + parts)

@@ -42,9 +42,11 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="plan_t
 import torch  # noqa: E402
 
 import autoremat
-from autoremat import capture, ilp, ilp_choice, pipeline, planner, solver
-from autoremat.compilers import inductor_problem
+from autoremat.capture.aot import aot as capture
 from autoremat.measure import measure_peak
+from autoremat.planning import pipeline, planner
+from autoremat.planning.compilers import inductor_problem
+from autoremat.solve import ilp, ilp_choice, solver
 from examples import models as ex
 
 RESULTS = Path(__file__).parent / "results"

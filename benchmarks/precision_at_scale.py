@@ -4,7 +4,7 @@
     python benchmarks/precision_at_scale.py --models gpt2-small   # one model
 
 Nothing runs on a GPU: each step is captured on the meta device and timed by autoremat's H100 roofline
-(autoremat/devices.py), AdamW, fp32 master weights and gradients in every row. Rows:
+(autoremat/model/devices.py), AdamW, fp32 master weights and gradients in every row. Rows:
 
   fp32              autoremat.optimize(precision="fp32")
   bf16              autoremat.optimize(precision="bf16"): every matmul-class call in bf16
@@ -42,11 +42,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))
 
 import autoremat  # noqa: E402
-from autoremat.decision import evaluate  # noqa: E402
-from autoremat.devices import get_device  # noqa: E402
-from autoremat.heuristics import checkpoint_blocks  # noqa: E402
-from autoremat.ledger import Ledger  # noqa: E402
+from autoremat.model.devices import get_device  # noqa: E402
+from autoremat.model.ledger import Ledger  # noqa: E402
 from autoremat.passes import loss_chunks  # noqa: E402
+from autoremat.solve.decision import evaluate  # noqa: E402
+from autoremat.solve.heuristics import checkpoint_blocks  # noqa: E402
 
 GiB = 2**30
 TINY = 10**9  # 1 GB: below every floor here, so optimize reports the smallest budget that fits

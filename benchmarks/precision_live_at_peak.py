@@ -17,7 +17,7 @@ import precision_at_scale as scale
 import torch
 from live_at_peak import live_at_peak
 
-from autoremat.devices import get_device
+from autoremat.model.devices import get_device
 from autoremat.passes import loss_chunks
 
 MiB = 2**20

@@ -13,7 +13,7 @@ Per row: measured peak of one training step (forward + backward, optimizer=None)
 step; for autoremat rows the plan's predicted peak; loss and gradient relative error vs fp32 eager
 (gradients as one vector over all parameters; torch.manual_seed before every forward); how many
 calls ran in bf16 / fp16 / fp32; and the *predicted* GPU step time on an H100 and an H200 from
-autoremat's roofline table (autoremat.devices), as a ratio to fp32 eager's predicted time. On CUDA
+autoremat's roofline table (autoremat.model.devices), as a ratio to fp32 eager's predicted time. On CUDA
 the step time is also measured (median of paired steps); on CPU it is not (bf16 is emulated there).
 
     python benchmarks/precision_vs_autocast.py            # 4 layers, d=64 (~2 min on a 2-core CPU)
@@ -138,7 +138,7 @@ def plan_call_counts(plan) -> dict | None:
 
 
 # --------------------------------------------------------------------------------------------
-# predicted times (roofline, autoremat.devices), never measured
+# predicted times (roofline, autoremat.model.devices), never measured
 
 
 def predicted_reference_times(pristine, ex, dev_name: str, log) -> dict:
@@ -521,7 +521,7 @@ def main() -> None:
         f"zero gradients. Calls bf16/fp16/fp32: autoremat rows count the castable calls of the traced graphs "
         f"(plan.precision['calls'] and ['dtypes']); the eager rows count matmul-class ATen ops of one forward "
         f"by the dtype they compute in (autocast's own op list decides there).\n\n"
-        f"**Predicted times are not measured**: they come from autoremat's roofline table (autoremat.devices, "
+        f"**Predicted times are not measured**: they come from autoremat's roofline table (autoremat.model.devices, "
         f"datasheet peaks). fp32 eager = `plan.forward_time_s` of an fp32 plan at budget 10**12 (no recompute); "
         f"autoremat rows = `forward_time_s + recompute_time_s` of the row planned for that device at budget B "
         f"(the {a.plan_device} column is the measured row's own plan; the other device is planned again at the same "

@@ -1,6 +1,6 @@
 """PuLP 3 against PuLP 4 on autoremat's own ILP: build time and solve times, side by side in one run.
 
-Python 3.12 and newer get PuLP 4 (a Rust modelling core, a different API, bridged by autoremat/lp.py);
+Python 3.12 and newer get PuLP 4 (a Rust modelling core, a different API, bridged by autoremat/solve/lp.py);
 3.10 and 3.11 get PuLP 3. This script decides whether either major costs planning time. It runs in a
 Python that has PuLP 4 installed and takes PuLP 3 from a separate folder:
 
@@ -38,9 +38,9 @@ def worker(depth: int) -> None:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from autoremat import lp, solver
-    from autoremat.capture import capture
-    from autoremat.profile import profile_graph
+    from autoremat.capture.aot import capture
+    from autoremat.model.profile import profile_graph
+    from autoremat.solve import lp, solver
     from examples.models import TransformerStack
 
     torch.set_num_threads(1)

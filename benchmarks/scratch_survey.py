@@ -22,8 +22,8 @@ import floor
 import torch
 
 import autoremat
-import autoremat.planner as planner
-from autoremat import scratch
+import autoremat.planning.planner as planner
+from autoremat.model import scratch
 
 SIXTEEN_BIT = ("stack", "gpt2", "llama", "resnet")  # the models whose 16-bit step runs in seconds on this CPU
 

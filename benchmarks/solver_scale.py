@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pulp  # noqa: E402
 
-from autoremat import lp, solver  # noqa: E402
-from autoremat.capture import capture  # noqa: E402
-from autoremat.profile import profile_graph  # noqa: E402
+from autoremat.capture.aot import capture  # noqa: E402
+from autoremat.model.profile import profile_graph  # noqa: E402
+from autoremat.solve import lp, solver  # noqa: E402
 from examples.models import TransformerStack  # noqa: E402
 
 

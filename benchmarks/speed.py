@@ -69,8 +69,8 @@ from remat_vs_peers import (  # noqa: E402
 )
 
 import autoremat  # noqa: E402
-from autoremat.ledger import Ledger  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
+from autoremat.model.ledger import Ledger  # noqa: E402
 from examples.models import gpt2, transformer_stack  # noqa: E402
 
 AMB = (1.0, 0.5, 0.1)

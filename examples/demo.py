@@ -15,8 +15,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import autoremat  # noqa: E402
-from autoremat.ledger import Ledger  # noqa: E402
 from autoremat.measure import measure_peak  # noqa: E402
+from autoremat.model.ledger import Ledger  # noqa: E402
 from examples import models  # noqa: E402
 
 parser = argparse.ArgumentParser()

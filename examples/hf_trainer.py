@@ -96,7 +96,7 @@ def budget_between(model: torch.nn.Module, example: dict, fraction: float,
                    compiler: str = "auto") -> tuple[int, int, int]:
     """(budget, smallest budget that fits, step total with nothing recomputed): the budget sits at
     `fraction` of the way from the first to the second."""
-    from autoremat.ledger import Ledger
+    from autoremat.model.ledger import Ledger
 
     big = autoremat.optimize(model, 10**12, example_inputs=example, verify=False, progress=False,
                              compiler=compiler)

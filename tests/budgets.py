@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat.ledger import Ledger
+from autoremat.model.ledger import Ledger
 from examples import models
 
 

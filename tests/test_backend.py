@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 
 import autoremat
-from autoremat.ledger import Ledger
 from autoremat.measure import measure_peak
+from autoremat.model.ledger import Ledger
 from autoremat.torch_internals import profiler_enabled
 
 torch.set_num_threads(1)
@@ -343,7 +343,7 @@ def test_auto_tries_eager_when_a_call_does_not_fit_under_inductor_and_names_both
     """compiler="auto" chose Inductor; a call of the first step does not fit: the backend compiles that call
     again with eager (StepPlanner._eager_instead). Here it does not fit under eager either, so one BudgetError
     names both floors, and the planner is back on Inductor; an explicit "inductor" raises its own."""
-    from autoremat.compilers import inductor_problem
+    from autoremat.planning.compilers import inductor_problem
 
     if inductor_problem("cpu") is not None:
         pytest.skip(f"this machine cannot run Inductor on CPU: {inductor_problem('cpu')}")
@@ -371,7 +371,7 @@ def test_auto_compiles_with_eager_where_only_eagers_step_fits() -> None:
     """A 4-block transformer stack with dropout: its first step at frugal plans needs 13,149,768 B under
     Inductor and 12,500,484 B under eager (measured). Between the two, compiler="auto" recompiles with eager,
     says why once, and every step runs; an explicit "inductor" raises BudgetError at that budget."""
-    from autoremat.compilers import inductor_problem
+    from autoremat.planning.compilers import inductor_problem
     from examples.models import loss_of, transformer_stack
 
     if inductor_problem("cpu") is not None:

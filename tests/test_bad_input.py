@@ -159,7 +159,7 @@ def test_custom_ops_are_saved_never_recomputed_and_listed_in_the_plan():
     gp = small._planner.profiles[0]
     banned = {n: p.recompute_ban for n, p in gp.nodes.items() if p.target.startswith("autoremat_test")}
     assert banned and all(r.startswith("custom op") for r in banned.values())
-    fixed = autoremat.plan.Ledger.from_dict(small.plan.ledger).fixed
+    fixed = autoremat.planning.plan.Ledger.from_dict(small.plan.ledger).fixed
     with pytest.raises(autoremat.BudgetError) as err:  # the tightest budget: recompute all it may
         autoremat.optimize(model, budget=fixed + 1, example_inputs=(x,), verify=False, compiler="eager")
     om = autoremat.optimize(model, budget=err.value.smallest_budget, example_inputs=(x,), compiler="eager")
@@ -179,7 +179,7 @@ def test_new_input_shapes_are_planned_once_each():
 
 def test_a_new_shape_that_does_not_fit_raises_budget_error_itself():
     model, ex = _mlp()
-    lo = autoremat.plan.Ledger.from_dict(autoremat.optimize(model, 10**9, ex, verify=False, compiler="eager").plan.ledger).fixed
+    lo = autoremat.planning.plan.Ledger.from_dict(autoremat.optimize(model, 10**9, ex, verify=False, compiler="eager").plan.ledger).fixed
     om = autoremat.optimize(model, budget=lo + 64 * 1024, example_inputs=ex, verify=False, compiler="eager")
     with pytest.raises(autoremat.BudgetError, match="smallest budget that fits"):
         om(torch.randn(4096, 32)).backward()

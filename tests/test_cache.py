@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat.cache import PlanCache
+from autoremat.planning.cache import PlanCache
 from examples import models
 from tests.tolerances import assert_close_for, batch_depth
 
@@ -21,9 +21,9 @@ def _no_solver(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the solver ran although the plan was cached")
 
-    # plan_graphs (autoremat.planner) is where every face calls the solver; smallest_peak too.
-    monkeypatch.setattr(importlib.import_module("autoremat.planner"), "solve", refuse)
-    monkeypatch.setattr(importlib.import_module("autoremat.planner"), "smallest_peak", refuse)
+    # plan_graphs (autoremat.planning.planner) is where every face calls the solver; smallest_peak too.
+    monkeypatch.setattr(importlib.import_module("autoremat.planning.planner"), "solve", refuse)
+    monkeypatch.setattr(importlib.import_module("autoremat.planning.planner"), "smallest_peak", refuse)
 
 
 def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
@@ -105,7 +105,7 @@ def test_damaged_entries_are_ignored_and_rewritten(tmp_path, damage):
 
 
 def _too_big(tmp_path, model, ex, good):
-    ledger = autoremat.plan.Ledger.from_dict(good.ledger)
+    ledger = autoremat.planning.plan.Ledger.from_dict(good.ledger)
     with pytest.raises(autoremat.BudgetError) as err:
         autoremat.optimize(model, budget=ledger.fixed + 1, example_inputs=ex, verify=False, compiler="eager")
     budget = (err.value.smallest_budget + ledger.fixed + good.baseline_peak) // 2  # forces recomputation

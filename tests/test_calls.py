@@ -1,11 +1,11 @@
-"""A graph break inside a loop: dynamo compiles the loop body once and calls it per block (autoremat/calls.py)."""
+"""A graph break inside a loop: dynamo compiles the loop body once and calls it per block (autoremat/planning/calls.py)."""
 
 import pytest
 import torch
 
 import autoremat
-from autoremat.compilers import inductor_problem
 from autoremat.measure import measure_peak
+from autoremat.planning.compilers import inductor_problem
 
 
 class _Block(torch.nn.Module):

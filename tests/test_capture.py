@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import autoremat.capture
-from autoremat.capture import capture
+import autoremat.capture.aot
+from autoremat.capture.aot import capture
+from autoremat.model.profile import profile_graph
+from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import rng_replay
 from autoremat.passes.decompositions import LAYOUT_DECOMPOSITIONS, _native_dropout
-from autoremat.profile import profile_graph
-from autoremat.scratch import calibrate_scratch
 from examples import models
 
 
@@ -49,7 +49,7 @@ def test_meta_models_trace_their_loss_backward():
     with torch.device("meta"):
         model, batch = models.gpt2(n_layer=1, n_embd=32, n_head=2, seq=16)
     real_model, real_batch = models.gpt2(n_layer=1, n_embd=32, n_head=2, seq=16)
-    from autoremat.capture import aot_backend, compile_fresh, default_split
+    from autoremat.capture.aot import aot_backend, compile_fresh, default_split
 
     sizes = []
     for m, b in ((model, batch), (real_model, real_batch)):
@@ -76,7 +76,7 @@ class NormOverChannels(torch.nn.Module):
 
 
 def _relaid_notes(monkeypatch, layout_decompositions: dict) -> list[str]:
-    monkeypatch.setattr(autoremat.capture, "LAYOUT_DECOMPOSITIONS", layout_decompositions)
+    monkeypatch.setattr(autoremat.capture.aot, "LAYOUT_DECOMPOSITIONS", layout_decompositions)
     torch.manual_seed(0)
     (cg,) = capture(NormOverChannels(16), (torch.randn(2, 8, 16),))
     gp = profile_graph(cg)

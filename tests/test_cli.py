@@ -237,7 +237,7 @@ def test_package_exports_are_lazy_and_the_functions_win():
 
 
 def test_parser_names_match_the_library():
-    from autoremat import devices, ledger
+    from autoremat.model import devices, ledger
 
     assert cli.OPTIMIZER_NAMES == ledger.OPTIMIZER_NAMES
     assert cli.SHARDINGS == ledger.SHARDINGS

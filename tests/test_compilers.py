@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import autoremat
-from autoremat.compilers import choose_compiler, inductor_problem
+from autoremat.planning.compilers import choose_compiler, inductor_problem
 from autoremat.torch_internals import inductor_cpp_compiler
 from tests.tolerances import assert_close_for
 
@@ -163,7 +163,7 @@ def test_auto_falls_back_when_inductors_own_kernel_does_not_build(tmp_path: Path
 
 def test_a_compile_failure_at_plan_time_falls_back_for_auto_and_is_an_error_for_inductor(tmp_path: Path) -> None:
     script = CHILD + """
-from autoremat.compilers import InductorFailed
+from autoremat.planning.compilers import InductorFailed
 try:
     autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(8, 16),), verify=False, progress=False,
                        compiler="inductor")

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from autoremat.devices import (
+from autoremat.model.devices import (
     BLAS_THREADS,
     DeviceSpec,
     blas_workspace_bytes,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import autoremat
-from autoremat.ledger import ledger_for_count, ledger_for_model
+from autoremat.model.ledger import ledger_for_count, ledger_for_model
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # examples/ is not an installed package

@@ -12,7 +12,7 @@ from transformers import T5Config, T5ForConditionalGeneration
 
 import autoremat
 from autoremat.measure import measure_peak
-from autoremat.plan import Ledger
+from autoremat.planning.plan import Ledger
 from tests.budgets import budget_range
 
 D_FF, ENCODER_TOKENS = 64, 2 * 12

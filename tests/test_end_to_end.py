@@ -55,7 +55,7 @@ def test_budgets_hold_and_gradients_are_exact(name):
             models.loss_of(out).backward()
 
         _, m = measure_peak(step, baseline_objs=(model, ex))  # grads exist: the accumulation steady state
-        ledger = autoremat.plan.Ledger.from_dict(om.plan.ledger)
+        ledger = autoremat.planning.plan.Ledger.from_dict(om.plan.ledger)
         measured_total = ledger.fixed + m.delta_peak_bytes
         assert measured_total <= budget, (frac, measured_total, budget)
         assert abs(m.delta_peak_bytes - om.plan.activation_peak) <= 0.10 * m.delta_peak_bytes, (
@@ -240,4 +240,4 @@ def test_inductor_on_request():
         _call(om, ex).backward()
 
     _, m = measure_peak(step, baseline_objs=(model, ex))
-    assert autoremat.plan.Ledger.from_dict(om.plan.ledger).fixed + m.delta_peak_bytes <= budget
+    assert autoremat.planning.plan.Ledger.from_dict(om.plan.ledger).fixed + m.delta_peak_bytes <= budget

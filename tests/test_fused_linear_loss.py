@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 import autoremat
-from autoremat.decision import evaluate
 from autoremat.measure import measure_peak
 from autoremat.passes import fused_linear_loss as fll
 from autoremat.passes import loss_chunks
+from autoremat.solve.decision import evaluate
 from tests.models import tiny_llama
 from tests.test_twice_and_reuse import SEED_BYTES
 from tests.tolerances import assert_close_for, tol

@@ -1,4 +1,4 @@
-"""Inductor's pointwise fusion in the memory model (autoremat/fusion.py): which values own no bytes,
+"""Inductor's pointwise fusion in the memory model (autoremat/model/fusion.py): which values own no bytes,
 that plans never save them, and that the predicted peak matches what Inductor's code measures."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autoremat
-from autoremat.capture import capture
-from autoremat.compilers import inductor_problem
-from autoremat.fusion import concat_writes, fused_nodes
-from autoremat.heuristics import save_all
+from autoremat.capture.aot import capture
 from autoremat.measure import measure_peak
-from autoremat.memory import make_schedule, simulate
-from autoremat.profile import profile_graph
+from autoremat.model.fusion import concat_writes, fused_nodes
+from autoremat.model.memory import make_schedule, simulate
+from autoremat.model.profile import profile_graph
+from autoremat.planning.compilers import inductor_problem
+from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import inductor_realize_reads_threshold
 from tests.tolerances import assert_close_for, batch_depth
 
@@ -106,7 +106,7 @@ def test_the_ilps_lifetimes_hold_a_fused_readers_inputs_until_the_kernels_it_is_
     the forward value it reads (the sigmoid) is read by each kernel it is inlined into, later in the
     backward. The ILP's bound on that value's last read (lifetimes.last_read) must reach those kernels,
     as memory.simulate does; it stopped at the fused node, two backward steps early here."""
-    from autoremat.lifetimes import lifetimes
+    from autoremat.model.lifetimes import lifetimes
 
     (cg,) = capture(_mlp(), (torch.randn(128, 64),))
     g = profile_graph(dataclasses.replace(cg, compiler="inductor"))
@@ -152,7 +152,7 @@ def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
     """The backward reads a view of a fused value and a fused value read through that view (softmax's
     output and its alias, in attention). Neither is handed over: the matmul feeding them is. Eight
     such chains, so a result that depended on the saved set's (hash-seeded) order would show."""
-    from autoremat.profile import GraphProfile, NodeProfile
+    from autoremat.model.profile import GraphProfile, NodeProfile
 
     nodes: dict[str, NodeProfile] = {}
     chains = [f"c{i}" for i in range(8)]
@@ -169,7 +169,7 @@ def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
     sched = make_schedule(g, {n for c in chains for n in (f"view_{c}", f"mul_{c}")})
     assert sched.saved == [f"mm_{c}" for c in chains]
     assert set(sched.recomputed) == {n for c in chains for n in (f"exp_{c}", f"view_{c}", f"mul_{c}")}
-    from autoremat.ilp import IlpModel
+    from autoremat.solve.ilp import IlpModel
 
     ilp = IlpModel([g], 1, block_drag=False)  # the ILP may not save the view either (it would cost no bytes)
     assert all(ilp.s[0][f"view_{c}"].upBound == 0 for c in chains)
@@ -178,8 +178,8 @@ def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
 def test_the_exact_start_ilp_accepts_fused_chains():
     """Fused values are always recomputed where they are read, so a fused reader drags its inputs in
     every model (lifetimes.follows): the local ILP, which forbids other drags, must stay feasible."""
-    from autoremat.ilp import IlpModel
-    from autoremat.solver import _pick_solver, evaluate
+    from autoremat.solve.ilp import IlpModel
+    from autoremat.solve.solver import _pick_solver, evaluate
 
     model, x = _mlp(), torch.randn(128, 64)
     (cg,) = capture(model, (x,))

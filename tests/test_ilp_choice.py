@@ -1,4 +1,4 @@
-"""One ILP over alternative traces of the step (autoremat.ilp_choice): the loss region's chunk count.
+"""One ILP over alternative traces of the step (autoremat.solve.ilp_choice): the loss region's chunk count.
 
 The joint model must give what solving each trace's own ILP and keeping the fastest would give, and
 the planner must let it choose: more chunks as the budget shrinks, none when memory is plentiful.
@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import autoremat
-from autoremat import lp
-from autoremat.ilp import IlpModel
-from autoremat.ilp_choice import ChoiceModel
 from autoremat.passes import loss_chunks as LC
 from autoremat.passes.loss_chunks import LossOption
-from autoremat.planner import CapturePlanner, compile_and_trace
+from autoremat.planning.planner import CapturePlanner, compile_and_trace
+from autoremat.solve import lp
+from autoremat.solve.ilp import IlpModel
+from autoremat.solve.ilp_choice import ChoiceModel
 from examples.models import gpt2
 
 BATCH, SEQ, VOCAB = 2, 32, 2048

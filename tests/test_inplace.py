@@ -1,4 +1,4 @@
-"""The memory model follows Inductor's kernels (autoremat/inplace.py): a kernel writes its output into an
+"""The memory model follows Inductor's kernels (autoremat/model/inplace.py): a kernel writes its output into an
 input that dies there, fused values keep their inputs alive until the kernel that reads them, and the
 kernels run in the least-peak-first order Inductor's scheduler picks when it is lower."""
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import autoremat
-from autoremat.compilers import inductor_problem
-from autoremat.inplace import kernel_last_use, least_peak_first
 from autoremat.measure import measure_peak
-from autoremat.memory import make_schedule, simulate
-from autoremat.profile import GraphProfile, NodeProfile
+from autoremat.model.inplace import kernel_last_use, least_peak_first
+from autoremat.model.memory import make_schedule, simulate
+from autoremat.model.profile import GraphProfile, NodeProfile
+from autoremat.planning.compilers import inductor_problem
 from examples.models import gpt2, loss_of, transformer_stack
 
 KB = 1024

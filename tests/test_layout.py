@@ -1,7 +1,8 @@
-"""The package's layout, as README.md's stage table states it: every module sits in one stage, and a
-module imports only modules of its own stage or earlier ones (data flows one way). The passes are a
-library every stage may call; they import only precision's call helpers, the naming of values
-recomputed twice and the private-torch module. Imports under `TYPE_CHECKING` are type hints only.
+"""The package's layout, as README.md's stage table states it: one folder per stage, every module in the
+folder the table names, and a module imports only modules of its own stage or earlier ones (data flows one
+way). The passes are a library every stage may call; they import only precision's call helpers, the naming
+of values recomputed twice and the private-torch module. Imports under `TYPE_CHECKING` are type hints only.
+Also: no import cycles, and private torch only in `torch_internals.py`.
 """
 
 import ast
@@ -12,75 +13,130 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "autoremat"
 USED_BY_EVERY_STAGE = {"measure", "units", "torch_internals"}  # README: "used by every stage"
 NOT_A_STAGE = {"__init__", "__main__"}  # the lazy public namespace and `python -m autoremat`
-PASSES_MAY_IMPORT = {"precision_measure", "cuts", "torch_internals", "passes"}
+PASSES_MAY_IMPORT = {"model.precision_measure", "model.cuts", "torch_internals"}
 
 
-def _stages() -> dict[str, int]:
-    """{module: position of its stage} from the table under README's "| stage | module | job |"."""
+def _table() -> dict[str, tuple[int, str]]:
+    """{module: (position of its stage, its folder)} from README's "| stage | folder | modules | job |" table.
+    Modules are named as dotted paths under the package: `solve.ilp`, `api` (a face, at the top)."""
     lines = (ROOT / "README.md").read_text().splitlines()
-    start = lines.index("| stage | module | job |")
-    rank: dict[str, int] = {}
+    start = lines.index("| stage | folder | modules | job |")
+    table: dict[str, tuple[int, str]] = {}
     for position, line in enumerate(lines[start + 2:]):
         if not line.startswith("|"):
             break
-        modules_cell = line.split("|")[2]
-        for name in re.findall(r"`([\w/]+?)(?:\.py|/)?`", modules_cell):
-            assert name not in rank, f"{name} is listed in two stages"
-            rank[name] = position
-    return rank
+        _, _, folder_cell, modules_cell, *_ = line.split("|")
+        folder = folder_cell.strip().strip("`").rstrip("/")
+        prefix = "" if folder == "autoremat" else folder + "."
+        for name in re.findall(r"`(\w+)\.py`", modules_cell):
+            assert prefix + name not in table, f"{prefix}{name} is listed twice"
+            table[prefix + name] = (position, folder)
+    return table
 
 
 def _module(path: Path) -> str:
-    first = path.relative_to(PACKAGE).with_suffix("").parts[0]
-    return first
+    """The dotted name of a module under the package; a folder's `__init__` is the folder."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
 def _imports(path: Path) -> list[tuple[str, int]]:
-    """The autoremat modules `path` imports at run time: (module, line)."""
+    """The autoremat modules `path` imports at run time: (dotted module under the package, line)."""
     tree = ast.parse(path.read_text())
     hints = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
              for n in ast.walk(node)}
     found = []
     for node in ast.walk(tree):
-        if id(node) in hints or not isinstance(node, ast.ImportFrom) or not node.module:
+        if id(node) in hints:
             continue
-        parts = node.module.split(".")
-        if parts[0] != "autoremat":
+        if isinstance(node, ast.Import):
+            found += [(a.name.split(".", 1)[1], node.lineno) for a in node.names if a.name.startswith("autoremat.")]
+        if not isinstance(node, ast.ImportFrom) or not node.module or node.module.split(".")[0] != "autoremat":
             continue
-        targets = [parts[1]] if len(parts) > 1 else [alias.name for alias in node.names]
-        found += [(t, node.lineno) for t in targets]
+        under = node.module.split(".")[1:]
+        for alias in node.names:  # `from autoremat.solve import ilp` imports the module solve.ilp
+            as_module = PACKAGE.joinpath(*under, alias.name)
+            if as_module.with_suffix(".py").exists() or (as_module / "__init__.py").exists():
+                found.append((".".join([*under, alias.name]), node.lineno))
+            elif under:
+                found.append((".".join(under), node.lineno))
     return found
 
 
-def test_every_module_is_in_one_stage_of_the_readme_table():
-    rank = _stages()
-    modules = {_module(p) for p in PACKAGE.rglob("*.py")} - NOT_A_STAGE - USED_BY_EVERY_STAGE
-    assert modules - rank.keys() == set(), "modules missing from README's stage table"
-    assert rank.keys() - modules == set(), "README's stage table names modules that do not exist"
+def _stage_of(module: str, table: dict) -> int | None:
+    """A module's stage position; None for the shared modules and the passes' library."""
+    if module in USED_BY_EVERY_STAGE or module.split(".")[0] == "passes":
+        return None
+    return table[module][0] if module in table else table[module.split(".")[0]][0]
+
+
+def _modules() -> dict[str, Path]:
+    return {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_module_is_in_the_folder_the_readme_table_names():
+    table = _table()
+    folders = {folder for _, folder in table.values()} - {"autoremat"}
+    assert folders == {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}, "one folder per stage"
+    listed = set(table)
+    on_disk = {m for m in _modules() if m not in NOT_A_STAGE | USED_BY_EVERY_STAGE and m not in folders}
+    assert on_disk - listed == set(), "modules missing from README's stage table"
+    assert listed - on_disk == set(), "README's stage table names modules that are not where it says"
 
 
 def test_no_module_imports_a_later_stage():
-    rank = _stages()
+    table = _table()
+    stage_rank = {folder: rank for rank, folder in table.values()}
     later = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        me = _module(path)
-        if me in NOT_A_STAGE or me in USED_BY_EVERY_STAGE:
+    for me, path in _modules().items():
+        if me in NOT_A_STAGE:
             continue
+        mine = None if me in USED_BY_EVERY_STAGE else (stage_rank[me] if me in stage_rank else _stage_of(me, table))
         for target, line in _imports(path):
-            if me == "passes":
-                if target not in PASSES_MAY_IMPORT:
-                    later.append(f"{path.relative_to(ROOT)}:{line} imports {target} (passes may not)")
-            elif target not in USED_BY_EVERY_STAGE and target != "passes" and rank[target] > rank[me]:
-                later.append(f"{path.relative_to(ROOT)}:{line} imports {target}, a later stage")
+            if target in NOT_A_STAGE or target == me:
+                continue
+            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            if me.split(".")[0] == "passes":
+                if target.split(".")[0] != "passes" and target not in PASSES_MAY_IMPORT:
+                    later.append(f"{where} (the passes may not)")
+            elif me in USED_BY_EVERY_STAGE:
+                if target not in USED_BY_EVERY_STAGE:
+                    later.append(f"{where} (a shared module imports no stage)")
+            else:
+                theirs = target in stage_rank and stage_rank[target] or _stage_of(target, table)
+                if theirs is not None and theirs > mine:
+                    later.append(f"{where}, a later stage")
     assert later == []
+
+
+def test_no_import_cycles():
+    """Run-time imports between modules form no cycle (a folder's `__init__` counts as a module)."""
+    modules = _modules()
+    graph = {m: {t for t, _ in _imports(p) if t in modules and t != m} for m, p in modules.items()}
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        assert m not in path, "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+        if m in done:
+            return
+        path.append(m)
+        for t in sorted(graph[m]):
+            visit(t)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
 
 
 def test_the_check_sees_a_later_import(tmp_path):
     """The import reader finds run-time imports of every form and skips type hints."""
     source = tmp_path / "m.py"
-    source.write_text("from typing import TYPE_CHECKING\nfrom autoremat.plan import Plan\nfrom autoremat import api\n"
+    source.write_text("from typing import TYPE_CHECKING\nfrom autoremat.planning.plan import Plan\n"
+                      "from autoremat.solve import ilp\nimport autoremat.model.memory as memory\nfrom autoremat import api\n"
                       "if TYPE_CHECKING:\n    from autoremat.cli import main\n")
-    assert _imports(source) == [("plan", 2), ("api", 3)]
+    assert _imports(source) == [("planning.plan", 2), ("solve.ilp", 3), ("model.memory", 4), ("api", 5)]
 
 
 def _private_torch_uses(path: Path) -> list[str]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from autoremat.ledger import (
+from autoremat.model.ledger import (
     SLACK,
     Ledger,
     ledger_for_count,

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import autoremat
-from autoremat.capture import aot_backend, compile_fresh, default_split
+from autoremat.capture.aot import aot_backend, compile_fresh, default_split
 from autoremat.measure import allocation_deltas, measure_peak
 from autoremat.passes import loss_chunks as LC
-from autoremat.plan import Plan
+from autoremat.planning.plan import Plan
 from examples.models import gpt2
 from tests.tolerances import assert_close_for
 
@@ -244,8 +244,8 @@ def test_bad_outputs_value() -> None:
 def test_chunked_after_the_bf16_rewrite() -> None:
     """precision="bf16" casts the projection's inputs first (nodes without dynamo metadata): the pattern is
     still found, the chunks' matmuls run in bf16 and the loss in fp32, as the unchunked bf16 graph does."""
+    from autoremat.model.precision_measure import castable
     from autoremat.passes.dtypes import apply_dtypes
-    from autoremat.precision_measure import castable
 
     torch.manual_seed(0)
     model = Head("view")

@@ -1,4 +1,4 @@
-"""autoremat.lp, the one module that speaks PuLP: the same answers on whichever major is installed
+"""autoremat.solve.lp, the one module that speaks PuLP: the same answers on whichever major is installed
 (PuLP 3 on Python 3.10-3.11, PuLP 4 on 3.12+; CI runs this file on both)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pulp
 import pytest
 
-from autoremat import lp
+from autoremat.solve import lp
 
 
 def knapsack(capacity: float) -> tuple[lp.Problem, dict[str, lp.Variable]]:

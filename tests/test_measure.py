@@ -309,13 +309,13 @@ def test_cuda_mlp_hand_count() -> None:
     assert abs(mp.delta_peak_bytes - m.delta_peak_bytes) <= 4096, (m, mp)
 
 
-# --- per-op scratch calibration (autoremat.scratch.calibrate_scratch), which measures with measure_peak
+# --- per-op scratch calibration (autoremat.model.scratch.calibrate_scratch), which measures with measure_peak
 
 
 def _calibrated(model: nn.Module, x: torch.Tensor, **kwargs):
-    from autoremat.capture import capture
-    from autoremat.profile import profile_graph
-    from autoremat.scratch import calibrate_scratch
+    from autoremat.capture.aot import capture
+    from autoremat.model.profile import profile_graph
+    from autoremat.model.scratch import calibrate_scratch
 
     (cg,) = capture(model, (x,))
     gp = profile_graph(cg)
@@ -368,8 +368,8 @@ class Stochastic(nn.Module):
 
 
 def test_scratch_that_cannot_be_measured_is_estimated_and_said() -> None:
-    import autoremat.scratch as scratch_mod
-    from autoremat.scratch import scratch_estimate
+    import autoremat.model.scratch as scratch_mod
+    from autoremat.model.scratch import scratch_estimate
 
     # bernoulli rejects the made-up normal floats calibration feeds it as probabilities
     cg, gp, scratch, _ = _calibrated(Stochastic(), torch.randn(4, 8))
@@ -402,10 +402,10 @@ def test_calibration_leaves_the_random_stream_where_it_was() -> None:
     attention with dropout draws inside its kernel). Planning can run inside the user's call (a recompile, the
     torch.compile backend), where an advanced generator would give the model's next draws other masks than
     eager's. The generator state after calibrating is the one before."""
-    import autoremat.scratch as scratch_mod
-    from autoremat.capture import capture
-    from autoremat.profile import profile_graph
-    from autoremat.scratch import calibrate_scratch
+    import autoremat.model.scratch as scratch_mod
+    from autoremat.capture.aot import capture
+    from autoremat.model.profile import profile_graph
+    from autoremat.model.scratch import calibrate_scratch
 
     (cg,) = capture(Noisy(), (torch.randn(4, 8),))
     gp = profile_graph(cg)
@@ -421,7 +421,7 @@ def test_scratch_is_measured_once_per_process_and_reused_where_nothing_can_run()
     """Every distinct op is measured, with no clock involved, and kept for the process: the same
     shapes traced again (a loss-chunk candidate, a re-plan at the reported floor) get the same bytes
     without running a kernel, even inside someone's profiler, where nothing could be measured."""
-    import autoremat.scratch as scratch_mod
+    import autoremat.model.scratch as scratch_mod
 
     model, x = Attention(32, 2), torch.randn(2, 24, 32)
     scratch_mod._MEASURED.clear()

@@ -2,15 +2,15 @@
 
 optimizer.step() allocates temporaries after the backward has freed the activations (foreach Adam:
 a parameter-sized set); with tiny activations they are the step's peak. The ledger models them per
-implementation (`autoremat.optimizers`), and these tests hold real steps to it."""
+implementation (`autoremat.model.optimizers`), and these tests hold real steps to it."""
 
 import pytest
 import torch
 
 import autoremat
-from autoremat.ledger import ledger_for_model
 from autoremat.measure import measure_peak
-from autoremat.optimizers import optimizer_step_bytes
+from autoremat.model.ledger import ledger_for_model
+from autoremat.model.optimizers import optimizer_step_bytes
 from examples import models
 
 NEAR = 1.02  # the issue's "within 2% of the floor"

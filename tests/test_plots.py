@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat.ledger import Ledger
+from autoremat.model.ledger import Ledger
 from autoremat.plots import plot_timeline, shared_x
 from examples import models
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import autoremat
 from autoremat.measure import measure_peak
-from autoremat.plan import Ledger, Plan
+from autoremat.planning.plan import Ledger, Plan
 from examples import models
 from tests.tolerances import as_accurate, as_accurate_with_extra_roundings, tol
 
@@ -260,7 +260,7 @@ def test_fp16_on_meta_asks_for_real_inputs_and_auto_plans_with_estimated_errors(
 def test_fp32_ops_override_makes_softmax_castable(stack):
     model, ex = stack
     default = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False, compiler="eager")
-    kept = [op for op in autoremat.precision_measure.FP32_KEPT if op != "softmax"]
+    kept = [op for op in autoremat.model.precision_measure.FP32_KEPT if op != "softmax"]
     unlocked = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False,
                                   fp32_ops=kept, compiler="eager")
     assert not any("softmax" in c for c in default.plan.precision["dtypes"][0])
@@ -339,8 +339,8 @@ def test_bf16_attention_and_casts_are_stored_and_recomputed_in_16_bits():
     # Issue 14: the bf16 rewrite raised the floor. The math attention traced on CPU/meta kept its seq x seq
     # scores and probabilities in fp32, and the casts it inserted had no module path, so checkpointing saved
     # every one of them. Planned on meta (no values needed), a 2-layer HF GPT-2.
-    from autoremat.heuristics import checkpoint_blocks
-    from autoremat.regions import block_of
+    from autoremat.capture.regions import block_of
+    from autoremat.solve.heuristics import checkpoint_blocks
 
     with torch.device("meta"):
         model, ex = models.gpt2(batch=2, seq=64, n_layer=2, n_embd=64, n_head=4, vocab=256)
@@ -369,7 +369,7 @@ def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floo
     # its backward use (a 7B Llama layer's 300 MiB of copies at the floor's peak). passes/weight_casts.py
     # gives the backward its own cast: a floor not above the one without it, gradients as accurate as the
     # plan that recomputes nothing, and the measured peak within the budget.
-    from autoremat import capture
+    from autoremat.capture.aot import aot as capture
     from tests.models import tiny_llama
 
     model, ex = tiny_llama()

@@ -91,7 +91,7 @@ def test_a_silent_stage_is_repeated_with_how_far_it_is(caplog) -> None:
     import logging
     import time
 
-    from autoremat import planner
+    from autoremat.planning import planner
 
     logger = logging.getLogger(progress.LOGGER)
     with caplog.at_level(logging.INFO, logger=progress.LOGGER), progress.pulse(every_s=0.2):

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import autoremat
-from autoremat.capture import capture
+from autoremat.capture.aot import capture
 from autoremat.measure import measure_peak
-from autoremat.plan import Ledger
-from autoremat.profile import profile_graph
+from autoremat.model.profile import profile_graph
+from autoremat.planning.plan import Ledger
 from tests.budgets import budget_range
 
 # No shrinking in CI: a failure is reported as drawn (shrinking costs minutes); regression cases are below.

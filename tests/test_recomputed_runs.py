@@ -1,7 +1,7 @@
 """Below checkpointing (issue #11): recomputed forward values written into dying recomputed inputs.
 
 A recomputed forward pointwise op writes its result into a recomputed input that dies at it
-(`autoremat.recomputed_writes`). Checked on a real CPU step at the floor: gradients are eager's
+(`autoremat.model.recomputed_writes`). Checked on a real CPU step at the floor: gradients are eager's
 (dropout on), the plan predicts the measured peak, and the writes lower the floor plan's simulated
 peak (against the same plan without them).
 """
@@ -9,8 +9,8 @@ peak (against the same plan without them).
 import torch
 
 import autoremat
-import autoremat.memory as memory_mod
-from autoremat.decision import evaluate
+import autoremat.model.memory as memory_mod
+from autoremat.solve.decision import evaluate
 from examples import models
 from tests.test_twice_and_reuse import SEED_BYTES, _floor, _grads_and_peak
 from tests.tolerances import assert_close_for

@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import autoremat
-from autoremat import handoffs, regions, solver
-from autoremat.devices import get_device
-from autoremat.ledger import Ledger
+from autoremat.capture.aot import regions
 from autoremat.measure import measure_peak
-from autoremat.plan import Plan
+from autoremat.model import handoffs
+from autoremat.model.devices import get_device
+from autoremat.model.ledger import Ledger
+from autoremat.planning.plan import Plan
+from autoremat.solve import solver
 from examples import models
 from tests.budgets import seeded_grads
 from tests.tolerances import assert_close_for

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat.capture import capture
+from autoremat.capture.aot import capture
 from autoremat.passes import decompositions, rng_replay
 from examples import models
 from tests.budgets import budget_range

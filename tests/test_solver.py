@@ -17,14 +17,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autoremat
-from autoremat import heuristics, solver
-from autoremat.capture import capture
-from autoremat.ledger import SLACK
-from autoremat.plan import Ledger, build_plan
-from autoremat.profile import profile_graph
+from autoremat.capture.aot import capture
+from autoremat.model.ledger import SLACK
+from autoremat.model.profile import profile_graph
+from autoremat.planning.plan import Ledger, build_plan
+from autoremat.solve import heuristics, solver
 from examples import models
 
-planner_module = importlib.import_module("autoremat.planner")  # where every face calls the solver
+planner_module = importlib.import_module("autoremat.planning.planner")  # where every face calls the solver
 
 
 @pytest.fixture(scope="module")

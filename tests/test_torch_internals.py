@@ -21,9 +21,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
 import autoremat.torch_internals as ti
-from autoremat.capture import _composite_ops_with_meta_kernels, boxed_eager, capture, default_split
-from autoremat.heuristics import save_all
-from autoremat.profile import profile_graph
+from autoremat.capture.aot import _composite_ops_with_meta_kernels, boxed_eager, capture, default_split
+from autoremat.model.profile import profile_graph
+from autoremat.solve.heuristics import save_all
 
 VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 

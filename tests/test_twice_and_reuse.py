@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import autoremat
+import autoremat.model.profile as profile_mod
 import autoremat.passes.remat as remat_pass
-import autoremat.profile as profile_mod
-import autoremat.solver as solver_mod
-from autoremat.cuts import MARK, base, cut_backward
+import autoremat.solve.solver as solver_mod
 from autoremat.measure import measure_peak
+from autoremat.model.cuts import MARK, base, cut_backward
 from examples import models
 from tests.budgets import seeded_grads
 from tests.tolerances import assert_close_for
@@ -84,7 +84,7 @@ def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(mon
 
 
 def test_a_cut_recomputes_what_its_node_reads_and_later_readers_read_the_copy():
-    from autoremat.profile import NodeProfile
+    from autoremat.model.profile import NodeProfile
 
     def node(name, kind, *inputs):
         return NodeProfile(name=name, kind=kind, target="t", inputs=tuple(inputs), storage=name, nbytes=4)

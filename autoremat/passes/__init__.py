@@ -21,7 +21,7 @@
   its running-stat update, and the forward draws each random value once.
 
 The passes take graphs and plans as arguments and import no pipeline stage but precision's call
-helpers and the naming of values recomputed twice (`autoremat.cuts`), so every stage may use them:
+helpers and the naming of values recomputed twice (`autoremat.model.cuts`), so every stage may use them:
 capture applies the decompositions, the profile reads which draws replay and which buffers are
 reused, the planner applies the split.
 """

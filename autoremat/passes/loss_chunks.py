@@ -30,7 +30,7 @@ and the caller holds it); "loss" declares that only the loss is used, and the lo
 None, so the full logits are never allocated.
 
 This module imports nothing from later pipeline stages; `choose` takes the planning step as a
-function, so that the planner decides the chunk count (autoremat.pipeline).
+function, so that the planner decides the chunk count (autoremat.planning.pipeline).
 """
 
 from __future__ import annotations

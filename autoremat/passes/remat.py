@@ -13,15 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx as fx
 
-from autoremat.cuts import base as again_base
-from autoremat.passes import fused_linear_loss
+from autoremat.model.cuts import base as again_base
+from autoremat.passes.fused_linear_loss import write_gradient_into_h
 from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
 
 if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage (capture imports passes)
-    from autoremat.capture import CapturedGraph
-    from autoremat.memory import Schedule
+    from autoremat.capture.aot import CapturedGraph
+    from autoremat.model.memory import Schedule
 
 
 def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -41,10 +41,10 @@ def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.Gra
     batch_norm_without_running_stats(fw, bw, cg.num_fwd_outputs)
     forward_draws_once(fw)
     if cg.compiler != "inductor":  # as the profile assumed (profile.py): Inductor reuses buffers itself
-        # recomputed forward values written into a dying recomputed input (autoremat/recomputed_writes.py),
+        # recomputed forward values written into a dying recomputed input (autoremat/model/recomputed_writes.py),
         # backward values into a dying backward input (reuse.py)
         write_into_dying(bw, {**schedule.written, **dying_inputs(joint)})
-        fused_linear_loss.write_gradient_into_h(bw, schedule.written)  # dh over h (recomputed_writes.py)
+        write_gradient_into_h(bw, schedule.written)  # dh over h (recomputed_writes.py)
     return fw, bw
 
 
@@ -111,7 +111,7 @@ def reorder(gm: fx.GraphModule, order: list[str], what: str) -> fx.GraphModule:
         if name == n.name:
             env[n] = graph.node_copy(n, env.__getitem__)
             continue
-        # a value recomputed again after a cut (autoremat/cuts.py): a copy of the node, under the
+        # a value recomputed again after a cut (autoremat/model/cuts.py): a copy of the node, under the
         # schedule's name; every later reader reads the copy
         copy = graph.create_node(n.op, n.target, fx.node.map_arg(n.args, env.__getitem__),
                                  fx.node.map_arg(n.kwargs, env.__getitem__), name=name)

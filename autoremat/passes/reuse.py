@@ -111,7 +111,7 @@ def forward_writable(joint: fx.GraphModule) -> dict[str, tuple[str, ...]]:
     Whether a forward value dies at a reader depends on the plan (what is saved, what recomputed, where
     recomputation is cut), so this lists only what the structure allows (an out= variant, an input of
     the result's shape, dtype and strides, computed by an op and not a tuple's part); the schedule
-    decides which recomputed copies do write (`autoremat.recomputed_writes`).
+    decides which recomputed copies do write (`autoremat.model.recomputed_writes`).
     """
     backward: set[fx.Node] = set()
     found: dict[str, tuple[str, ...]] = {}

@@ -1,0 +1,428 @@
+"""The memory model: the order a plan will run in, and the live bytes at every step of it.
+
+A plan is, per graph, the set of forward values saved for the backward; every other forward value
+the backward reads is recomputed just before its first backward use (`make_schedule`). The graph
+passes build the forward and backward modules in exactly this order, so `simulate` replays what
+will run: each op allocates its output, a value dies after its last use in its graph (boxed code
+generation makes this true of saved tensors too), a storage is freed when the last value that
+aliases it dies, forward outputs live to the end of the step, and gradients live until their
+backward graph returns (a tied weight's, until the other region that reads the weight returns its own:
+`handoffs.tied_waits`).
+
+Bytes that are fixed for the whole step (parameters, gradient buffers, optimizer state, inputs)
+are not simulated here; they come from the ledger.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+from autoremat.model.cuts import MARK, base, cut_backward
+from autoremat.model.handoffs import handed_over, region_handoffs, tied_waits
+from autoremat.model.inplace import donor, kernel_last_use, least_peak_first
+from autoremat.model.profile import GraphProfile
+from autoremat.model.recomputed_writes import write_over_dying_input, write_recomputed
+from autoremat.torch_internals import TANGENTS_BOXED
+
+INF = math.inf
+# The gradients a compiled backward receives for the forward's outputs (its tangents): torch 2.13
+# boxes them (autograd.Function.boxed_grads_call), so each dies after its last use in the graph;
+# torch 2.11 keeps them in the argument tuple until the backward returns (measured: a held [2,64,256]
+# logits tangent added 128 KiB to a Llama step's peak on 2.11, none on 2.13).
+TANGENTS_HELD = not TANGENTS_BOXED
+
+
+class PlanError(ValueError):
+    """A saved set that cannot be executed (the backward needs a value nobody may recompute)."""
+
+
+@dataclass
+class Schedule:
+    forward: list[str]  # forward graph, in execution order
+    backward: list[str]  # backward graph, recomputed nodes placed just before their first use
+    saved: list[str]  # forward values handed to the backward
+    recomputed: list[str]  # forward-side nodes that run again in the backward
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (cuts.py)
+    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (cuts.py)
+    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (cuts.py), a writer's (below)
+    written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
+
+
+@dataclass
+class Step:
+    graph: int
+    phase: str  # "forward" | "backward"
+    node: str
+    during: int  # live bytes while the node runs (inputs, output and its temporaries)
+
+
+@dataclass
+class Timeline:
+    steps: list[Step] = field(default_factory=list)
+    boundary: int = 0  # live bytes between the last forward and the first backward graph
+
+    @property
+    def peak(self) -> int:
+        return max((s.during for s in self.steps), default=self.boundary)
+
+    @property
+    def peak_step(self) -> Step | None:
+        return max(self.steps, key=lambda s: s.during, default=None)
+
+
+def _round(n: int, granularity: int) -> int:
+    return -(-n // granularity) * granularity if granularity > 1 else n
+
+
+def forward_ancestors(g: GraphProfile, seeds) -> set[str]:
+    """The forward-side nodes among `seeds` and everything they read, transitively."""
+    found: set[str] = set()
+    stack = list(seeds)
+    while stack:
+        name = stack.pop()
+        if name in found or g.nodes[name].kind != "forward":
+            continue
+        found.add(name)
+        stack.extend(g.nodes[name].inputs)
+    return found
+
+
+def forward_slots(g: GraphProfile) -> tuple[list[str], dict[str, int]]:
+    """The core forward (what the forward outputs need, in joint order) and a slot for every
+    forward-side node: its index in the core, or, for a node only the backward reads (a detach, a
+    transposed weight, a mask cast), the index of the core step after which all its inputs exist.
+
+    The joint graph places those backward-only nodes late, among the backward ops; computed there
+    in the forward they would keep their inputs alive to its end. Run as soon as their inputs
+    exist they cost nothing extra, so the forward runs them there (`make_schedule`).
+    """
+    hit = _SLOTS.get(id(g))
+    if hit is not None and hit[0]() is g:  # every evaluate() asks again: 3 s of 400 on a 7B graph
+        return hit[1]
+    nodes = g.nodes
+    core = forward_ancestors(g, g.fw_outputs)
+    order = [n for n, p in nodes.items() if p.kind == "forward" and n in core]
+    slot = {n: i for i, n in enumerate(order)}
+    for n, p in nodes.items():  # joint order is topological
+        if p.kind == "forward" and n not in slot:
+            slot[n] = max((slot[i] for i in p.inputs if i in slot), default=-1)
+    key = id(g)
+    _SLOTS[key] = (weakref.ref(g, lambda _: _SLOTS.pop(key, None)), (order, slot))
+    return order, slot
+
+
+# forward_slots per graph, by id while the graph lives (a graph's structure never changes once profiled)
+_SLOTS: dict[int, tuple[weakref.ref, tuple[list[str], dict[str, int]]]] = {}
+
+
+def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
+    """Execution order of the forward and backward graphs for one graph's saved set."""
+    nodes = g.nodes
+    order = {name: i for i, name in enumerate(nodes)}
+    # a backward node marks a cut, its name + MARK a narrow one (cuts.py)
+    cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}
+    narrow = {base(s) for s in saved if s not in nodes and base(s) in nodes and nodes[base(s)].kind == "backward"}
+    saved = {s for s in saved if s in nodes}
+    # A tuple (multi-output op) is not a tensor: its getitems are what gets saved.
+    saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
+    # Hand over storages, not views: a saved view (a detach, a transpose) is replaced by its base,
+    # and the backward re-derives the view for free. The autograd runtime keeps a saved view's
+    # base alive past the view's last use (measured: a ReLU output held to the end of its
+    # backward), so saving the base is both cheaper to model and what actually frees memory.
+    for v in list(saved):
+        root = nodes[v].storage
+        if root and root != v:
+            saved.discard(v)
+            if nodes[root].kind == "forward" and not nodes[v].recompute_ban:
+                saved.add(root)
+            elif nodes[v].recompute_ban:
+                saved.add(v)
+    # A fused value (Inductor inlines it: fusion.py) is never handed over: its inputs are, and the
+    # backward recomputes it inside the loop that reads it.
+    stack = [v for v in saved if nodes[v].fused]
+    seen: set[str] = set()
+    while stack:
+        v = stack.pop()
+        saved.discard(v)
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in nodes[v].inputs:
+            q = nodes[u]
+            if q.kind != "forward" or q.is_tuple or u in saved:
+                continue
+            root = q.storage if q.storage and nodes[q.storage].kind == "forward" else u
+            if q.fused or nodes[root].fused:  # a view of a fused value unwinds to the value's own inputs
+                stack.append(root)
+            else:
+                saved.add(root)
+
+    recomputed: set[str] = set()
+    needed_bw: set[str] = set()
+    stack = [*g.grad_outputs, *g.released]
+    while stack:
+        name = stack.pop()
+        p = nodes[name]
+        if p.kind in ("param", "input", "tangent", "constant") or name in needed_bw or name in recomputed:
+            continue
+        if p.kind == "forward":
+            if name in saved:
+                continue
+            if p.recompute_ban:
+                raise PlanError(f"the backward needs {name} ({p.target}), which is not saved and {p.recompute_ban}")
+            recomputed.add(name)
+        else:
+            needed_bw.add(name)
+        stack.extend(p.inputs)
+
+    used_saved = set()
+    for name in needed_bw | recomputed:
+        used_saved.update(i for i in nodes[name].inputs if i in saved)
+
+    # Forward graph: whatever the forward outputs and the saved values need.
+    in_fw = forward_ancestors(g, [*g.fw_outputs, *used_saved])
+    core, slot = forward_slots(g)
+    in_core = set(core)
+    forward = sorted(in_fw, key=lambda n: (slot[n], n not in in_core, order[n]))
+
+    # Backward graph: backward nodes in joint order (the autograd engine's order), each preceded
+    # by the recomputed values it needs that are not there yet: just-in-time recomputation.
+    backward: list[str] = []
+    emitted: set[str] = set()
+    # A multi-output op's outputs all exist from the moment it runs until its last getitem: emit
+    # the recomputed getitems right after it, so the unused parts die at once (and we know when).
+    getitems: dict[str, list[str]] = {}
+    for n in recomputed:
+        if nodes[n].tuple_parent:
+            getitems.setdefault(nodes[n].tuple_parent, []).append(n)
+
+    def emit_recomputed(name: str) -> None:
+        todo, seen = [name], set()
+        while todo:
+            n = todo.pop()
+            if n in seen or n in emitted or n not in recomputed:
+                continue
+            seen.add(n)
+            todo.extend(nodes[n].inputs)
+            todo.extend(getitems.get(n, ()))
+        for n in sorted(seen, key=order.__getitem__):
+            emitted.add(n)
+            backward.append(n)
+
+    for name in sorted(needed_bw, key=order.__getitem__):
+        for i in nodes[name].inputs:
+            emit_recomputed(i)
+        backward.append(name)
+    for name in g.grad_outputs:
+        emit_recomputed(name)
+    cuts &= set(backward)
+    narrow &= set(backward)
+    backward, reads, copy_storage = cut_backward(nodes, backward, recomputed, cuts, order, frozenset(narrow))
+    held = {*g.fw_outputs, *g.grad_outputs}
+    written = write_recomputed(nodes, backward, reads, copy_storage, recomputed, held)
+    written.update(write_over_dying_input(nodes, backward, reads, copy_storage, held))
+    return Schedule(
+        forward=forward,
+        backward=backward,
+        saved=sorted(used_saved, key=order.__getitem__),
+        recomputed=sorted(recomputed, key=order.__getitem__),
+        again=sorted(cuts, key=order.__getitem__) + [n + MARK for n in sorted(narrow, key=order.__getitem__)],
+        reads=reads,
+        storage=copy_storage,
+        written=written,
+    )
+
+
+class _Heap:
+    """Live storages, reference-counted by the values that alias them.
+
+    Node names repeat across the graphs of one step (every graph has an `addmm`), so a storage is
+    keyed by the graph it belongs to (`scope`, set before each graph runs) as well as by its name.
+    """
+
+    def __init__(self, granularity: int) -> None:
+        self.refs: dict[tuple[int, str], int] = {}
+        self.size: dict[tuple[int, str], int] = {}
+        self.live = 0
+        self.granularity = granularity
+        self.scope = 0
+
+    def add(self, name: str, nbytes: int) -> None:
+        storage = (self.scope, name)
+        if storage not in self.refs:
+            self.refs[storage] = 0
+            self.size[storage] = _round(nbytes, self.granularity)
+            self.live += self.size[storage]
+        self.refs[storage] += 1
+
+    def sole_bytes(self, name: str) -> int | None:
+        return self.size[(self.scope, name)] if self.refs.get((self.scope, name)) == 1 else None
+
+    def drop(self, name: str) -> None:
+        storage = (self.scope, name)
+        self.refs[storage] -= 1
+        if self.refs[storage] == 0:
+            self.live -= self.size.pop(storage)
+            del self.refs[storage]
+
+
+def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str]) -> list[str]:
+    """The order a graph runs in: its own, or for a graph Inductor runs, the one its scheduler picks
+    (inplace.py): the least-peak-first one where its peak is lower than the graph's own order's, both
+    estimated as Inductor does, before it decides which outputs to write in place (a tie keeps the
+    graph's order)."""
+    if not any(p.fused or p.inplace for p in g.nodes.values()):
+        return order
+    other = least_peak_first(g, order, held, inputs, heap.granularity)
+    if other == order:
+        return order
+    trial = []
+    for o in (order, other):
+        copy = _Heap(heap.granularity)
+        copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
+        steps: list[Step] = []
+        _run(g, o, copy, held, inputs, "", steps, in_place=False)
+        trial.append(max((s.during for s in steps), default=0))
+    return other if trial[1] < trial[0] else order
+
+
+def _run(
+    g: GraphProfile,
+    order: list[str],
+    heap: _Heap,
+    held: set[str],
+    inputs: list[str],
+    phase: str,
+    steps: list[Step],
+    reads: dict[str, tuple[str, ...]] | None = None,
+    storage: dict[str, str] | None = None,
+    in_place: bool = True,
+) -> None:
+    """Execute `order` on `heap`: allocate outputs, free values after their last use here.
+
+    `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
+    """
+    nodes = g.nodes
+    reads, storage = reads or {}, storage or {}
+
+    def inputs_of(name: str) -> tuple[str, ...]:
+        return reads[name] if name in reads else nodes[base(name)].inputs
+
+    def storage_of(name: str) -> str:
+        if name in storage:
+            return storage[name]
+        p = nodes[base(name)]
+        # Computed into a cat's buffer (fusion.concat_writes); Inductor's own estimate of an order does not
+        # see this (in_place=False: _kernel_order's trial runs)
+        return p.into if p.into and in_place else p.storage
+
+    if any(p.fused or p.inplace for p in nodes.values()):
+        last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
+    else:  # eager: each op reads its inputs (copies recomputed twice read copies: cuts.py)
+        last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
+    # A multi-output op's outputs written over a dying input (recomputed_writes.write_over_dying_input)
+    # are not allocated while it runs; the input's buffer is kept for them from the op to their getitem.
+    overwritten: dict[str, list[str]] = {}
+    for out, r in storage.items():
+        p = nodes.get(out)
+        if p is not None and p.tuple_parent and p.storage == out and r != out:
+            overwritten.setdefault(p.tuple_parent, []).append(out)
+    pinned: dict[str, str] = {}  # such an output -> the buffer kept for it until it takes its own reference
+    dies: dict[int, list[str]] = {}
+    for a, i in last_use.items():
+        dies.setdefault(i, []).append(a)
+    alive: set[str] = set()
+
+    def release(name: str) -> None:
+        if name in alive and name not in held:
+            alive.discard(name)
+            heap.drop(storage_of(name))
+
+    for name in inputs:
+        if nodes[name].storage:
+            alive.add(name)
+    for name in list(alive):
+        if name not in last_use:  # handed over but never read here
+            release(name)
+
+    for i, name in enumerate(order):
+        p = nodes[base(name)]
+        if in_place and p.inplace and p.storage == name and not p.into:  # writes into an input dying here (inplace.py)
+            dying = [a for a in dies.get(i, ()) if a in alive and a not in held]
+            reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, heap.granularity))
+            if reused:
+                release(reused)
+        if p.storage:
+            root = storage_of(name)
+            # the first value computed into a cat's buffer allocates all of it
+            heap.add(root, p.nbytes if root == name else nodes[root].nbytes if root == p.into else 0)
+            alive.add(name)
+        # A multi-output op's outputs are counted by its getitems, one step later; while it runs
+        # they exist together with its scratch.
+        outs = p.tuple_out_bytes
+        for out in overwritten.get(name, ()):
+            outs -= nodes[out].nbytes
+            pinned[out] = storage[out]
+            heap.add(pinned[out], 0)
+        during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(outs, heap.granularity)
+        for a in dies.get(i, ()):
+            release(a)
+        if name not in last_use:
+            release(name)
+        if name in pinned:
+            heap.drop(pinned.pop(name))
+        steps.append(Step(g.index, phase, name, during))
+
+
+def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> Timeline:
+    """Live bytes over one training step: every forward graph in order, then the backwards reversed."""
+    heap = _Heap(granularity)
+    tl = Timeline()
+    saved_alive: list[list[str]] = []
+    handoffs = region_handoffs([g for g, _ in graphs])
+    release = handed_over(graphs, handoffs)
+    passed_on: list[set[str]] = [set() for _ in graphs]  # outputs only later regions read: no caller holds them
+    for k, name in handoffs:
+        passed_on[k].add(name)
+    n = len(graphs)
+    meets = tied_waits([g for g, _ in graphs])  # freed when the backward of the region they wait for ends
+    waiting = {held for grads in meets.values() for held in grads}
+
+    def release_at(moment: int) -> None:
+        for k, name in release.get(moment, ()):
+            heap.scope = k
+            heap.drop(graphs[k][0].nodes[name].storage)
+
+    for scope, (g, sched) in enumerate(graphs):
+        heap.scope = scope
+        # Values that cross into the backward, and forward outputs (held by the caller), stay.
+        held = set(sched.saved) | set(g.fw_outputs)
+        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl.steps)
+        saved_alive.append(list(sched.saved))
+        release_at(scope)
+    tl.boundary = heap.live
+    for scope in reversed(range(n)):
+        (g, sched), saved = graphs[scope], saved_alive[scope]
+        heap.scope = scope
+        tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
+        for t in tangents:
+            heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
+        # Saved values were counted once each by the forward; the backward now owns those
+        # references, and gradients are held until the graph returns them.
+        # A forward output that only later regions read (not the caller) is theirs, not held: if this
+        # backward saved it, it dies at its last use here, after those regions' backwards.
+        caller_held = set(g.fw_outputs) - passed_on[scope]
+        held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
+        order = _kernel_order(g, sched.backward, heap, held, saved + tangents)
+        _run(g, order, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage)
+        for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
+            p = g.nodes[name]
+            if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:
+                heap.drop(p.storage)
+        release_at(2 * n - 1 - scope)
+        for k, name in meets.get(scope, ()):
+            heap.scope = k
+            heap.drop(graphs[k][0].nodes[name].storage)
+    return tl

@@ -1,0 +1,459 @@
+"""Profile every node of a captured joint graph: bytes, FLOPs, time, and whether it may be recomputed.
+
+The result is a `GraphProfile`, a plain description of the graph by node name that the memory model
+and the solver read without touching FX again. Each node also gets ``node.meta["autoremat"]``.
+
+    >>> import torch
+    >>> from autoremat.capture.aot import capture
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    >>> graphs = capture(model, (torch.randn(4, 8),))
+    >>> prof = profile_graph(graphs[0])
+    >>> prof.nodes["relu"].kind, prof.nodes["relu"].nbytes
+    ('forward', 128)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
+
+from autoremat.capture.aot import CapturedGraph
+from autoremat.capture.regions import accumulate_grad
+from autoremat.model.devices import DeviceSpec, get_device
+from autoremat.model.fusion import concat_writes, fused_nodes, own_kernel
+from autoremat.passes import fused_linear_loss
+from autoremat.passes.remat import BATCH_NORM_WITH_STATS
+from autoremat.passes.reuse import dying_inputs, forward_writable
+from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
+from autoremat.torch_internals import (
+    OpOverload,
+    StorageWeakRef,
+    arg_tree_leaves,
+    is_mutable_op,
+    is_primal,
+    is_tangent,
+    mutated_input_indices,
+    tree_map,
+)
+
+# Namespaces whose ops we know to be pure functions of their inputs.
+PURE_NAMESPACES = {"aten", "prims", "autoremat"}  # autoremat ops: pure unless tagged random
+# Ops that are never worth saving: recomputing them costs nothing (metadata only).
+_VIEW_COST = 0.0
+
+
+@dataclass
+class NodeProfile:
+    name: str
+    kind: str  # "param" | "input" | "tangent" | "constant" | "forward" | "backward"
+    target: str
+    inputs: tuple[str, ...]  # names of the graph nodes this node reads
+    storage: str  # name of the node whose allocation holds this value ("" for non-tensors)
+    nbytes: int  # bytes this node allocates (0 for aliases and tuple containers)
+    transient_bytes: int = 0  # allocated and freed inside this node's step (unused tuple parts)
+    flops: float = 0.0
+    bytes_moved: float = 0.0
+    time_s: float = 0.0
+    recompute_ban: str = ""  # why this node may not be recomputed ("" = it may)
+    module: str = ""  # nn.Module path, from nn_module_stack
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    is_tuple: bool = False  # a multi-output op; its getitem users own the storages
+    tuple_out_bytes: int = 0  # for a multi-output op: its used outputs, which exist while it runs
+    tuple_parent: str = ""  # for getitem nodes: the multi-output node
+    fused: bool = False  # Inductor inlines it into its readers: owns no bytes, never saved (fusion.py)
+    inplace: bool = False  # Inductor's own kernel computes it: it may write into an input that dies there (inplace.py)
+    writes_into: str = ""  # eager: the dying input whose buffer its out= variant writes (passes/reuse.py)
+    writable: tuple[str, ...] = ()  # inputs a recomputed copy may write into if they die at it (recomputed_writes.py)
+    # eager: (its output, an input) that a variant of this backward op writes the output over, where the
+    # input dies at it (recomputed_writes.write_over_dying_input; the fused LM head's dh over h)
+    overwrites: tuple[str, str] = ()
+    # Inductor computes it straight into its slice of this backward cat's buffer, which exists from the
+    # first such write on (fusion.concat_writes): it owns no buffer of its own (memory._run)
+    into: str = ""
+
+
+@dataclass
+class GraphProfile:
+    nodes: dict[str, NodeProfile]  # in the joint graph's order
+    fw_outputs: list[str]  # what the forward returns to the user (incl. buffer updates)
+    grad_outputs: list[str]  # gradient outputs of the backward (None entries dropped)
+    # backward nodes that hand a parameter's gradient to autograd as soon as it exists (regions.accumulate_grad)
+    released: list[str] = field(default_factory=list)
+    index: int = 0  # position among the graphs of one step (graph breaks)
+    fingerprint: str = ""
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+    # A region (autoremat.capture.regions): its inputs that an earlier region returned, as primal name ->
+    # (that region's index, its output number); its outputs by number; those the user sees.
+    sources: dict[str, tuple[int, int]] = field(default_factory=dict)
+    user_outputs: list[str | None] = field(default_factory=list)
+    exported: list[str] = field(default_factory=list)
+    # Gradients of inputs another region of the same step reads too (a tied embedding / LM head, or an
+    # earlier region's output two regions read): gradient output -> a key naming the input, the same in
+    # every region that reads it. Autograd sums such gradients in the input's one buffer (AccumulateGrad,
+    # or the producing region's backward), so the one computed first waits for the others.
+    tied: dict[str, str] = field(default_factory=dict)
+
+    def forward_side(self) -> list[str]:
+        return [n for n, p in self.nodes.items() if p.kind == "forward"]
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [t for v in val for t in _tensors(v)]
+    return []
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def _dense_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _target_name(node: fx.Node) -> str:
+    if node.op != "call_function":
+        return node.op
+    t = node.target
+    if t is operator.getitem:
+        return "getitem"
+    if not isinstance(t, OpOverload) and hasattr(t, "__qualname__"):
+        return f"{t.__module__}.{t.__qualname__}"  # a Python function: no address in the fingerprint
+    return str(t)
+
+
+def _module_path(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        # Backward nodes carry the forward node they came from in "fwd_nn_module_stack".
+        stack = node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = str(list(stack.values())[-1][0])
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)  # "L['self'].blocks.0" -> "blocks.0"
+    return re.sub(r"^__self__\.?", "", path)  # a compiled bound method's module: "__self__.0" -> "0"
+
+
+def recompute_ban(node: fx.Node) -> str:
+    """Why `node` must not be recomputed in the backward, or "" when recomputing it is safe."""
+    t = node.target
+    if t is operator.getitem:
+        return ""
+    if is_draw(t):
+        return "random op: recomputing it would draw fresh randomness (its draw is replayed instead)"
+    if is_replay(t):
+        return ""  # replays a saved generator state: the same draw every time
+    if not isinstance(t, OpOverload):
+        return f"unsupported op {t!r} (not an ATen op): saved, never recomputed"
+    ns = t.namespace
+    if ns in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
+        return "collective: recomputing it would communicate again"
+    if ns not in PURE_NAMESPACES:
+        return f"custom op {t}: saved, never recomputed"
+    if _is_random(t):
+        return "random op: recomputing it would draw fresh randomness"
+    if is_mutable_op(t):
+        return "mutates an input"
+    if torch.Tag.nondeterministic_bitwise in t.tags and "index_put" in t.name():
+        return "nondeterministic: recomputation may differ bitwise"
+    return ""
+
+
+def recomputes_without_buffers(node: fx.Node) -> bool:
+    """A training-mode batch norm reads the running stats only to update them: its output, mean and
+    rstd come from the batch alone. `passes.split` recomputes it as `_native_batch_norm_legit.no_stats`
+    on the same input, the same kernel minus the update, so the recomputed output is the forward's bit
+    for bit and the running stats are still updated once, by the forward."""
+    return node.target is BATCH_NORM_WITH_STATS and bool(node.args[5])
+
+
+def _is_random(t: object) -> bool:
+    return isinstance(t, OpOverload) and torch.Tag.nondeterministic_seeded in t.tags
+
+
+def _drawn_elements(val: object) -> int:
+    """Elements a draw produces: its largest output (the generator state saved beside it is a copy)."""
+    return max((t.numel() for t in _tensors(val)), default=0)
+
+
+def _flops(node: fx.Node) -> tuple[float, bool]:
+    t = node.target
+    if not isinstance(t, OpOverload):
+        return 0.0, False
+    fn = flop_registry.get(t.overloadpacket) or flop_registry.get(t)
+    if fn is None:
+        return 0.0, False
+    args, kwargs = pytree_map_vals((node.args, node.kwargs))
+    try:
+        return float(fn(*args, out_val=node.meta.get("val"), **kwargs)), True
+    except Exception:  # a formula that does not fit this overload: treat as elementwise
+        return 0.0, False
+
+
+def pytree_map_vals(tree):
+    return tree_map(
+        lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree
+    )
+
+
+def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> GraphProfile:
+    """Describe every node of a captured joint graph (see the module docstring)."""
+    dev = get_device(device if device is not None else cg.device)
+    gm = cg.joint
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    primals = [n for n in placeholders if is_primal(n)]
+    static = {primals[i].name for i in cg.static_input_indices if i < len(primals)}
+
+    # Backward = everything downstream of a tangent; the rest is computable from the primals.
+    backward: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if is_tangent(n):
+            backward.add(n)
+        elif any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(arg_tree_leaves(*out_node.args))
+    fw_outputs = [o.name for o in outs[: cg.num_fwd_outputs] if isinstance(o, fx.Node)]
+    grad_outputs = [o.name for o in outs[cg.num_fwd_outputs :] if isinstance(o, fx.Node)]
+
+    mutated = _mutated_primals(out_node, primals, static, grad_outputs_all=outs[cg.num_fwd_outputs :])
+
+    owner: dict[StorageWeakRef, str] = {}
+    nodes: dict[str, NodeProfile] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        val = n.meta.get("val")
+        if n.op == "placeholder":
+            kind = "tangent" if is_tangent(n) else ("param" if n.name in static else "input")
+        elif n.op == "get_attr":
+            # A lifted tensor constant (`_tensor_constant0`): an attribute of the graph module, held
+            # from compilation on. Like a parameter it is never computed, always there, and not part
+            # of the step's activations (the forward and backward modules share the one tensor).
+            kind = "constant"
+        else:
+            kind = "backward" if n in backward else "forward"
+        prof = NodeProfile(
+            name=n.name,
+            kind=kind,
+            target=_target_name(n),
+            inputs=tuple(a.name for a in n.all_input_nodes),
+            storage="",
+            nbytes=0,
+            module=_module_path(n),
+        )
+        if isinstance(val, torch.Tensor):
+            prof.dtype = str(val.dtype).replace("torch.", "")
+            prof.shape = tuple(int(s) for s in val.shape)
+            key = StorageWeakRef(val.untyped_storage())
+            if key in owner:  # a view or an in-place result: shares an earlier allocation
+                prof.storage = owner[key]
+            else:
+                owner[key] = n.name
+                prof.storage = n.name
+                prof.nbytes = _nbytes(val) if kind in ("forward", "backward", "tangent") else 0
+        elif isinstance(val, (tuple, list)) and n.op == "call_function":
+            prof.is_tuple = True
+            used = {u.args[1] for u in n.users if u.target is operator.getitem}
+            prof.transient_bytes = sum(
+                _nbytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used
+            )
+        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+            prof.tuple_parent = n.args[0].name
+        if n.op == "call_function":
+            prof.recompute_ban = recompute_ban(n)
+            if not prof.recompute_ban and mutated & set(prof.inputs) and not recomputes_without_buffers(n):
+                # The runtime writes the new value into the buffer after the forward, so a
+                # backward recomputation would read the updated buffer (and trip autograd's
+                # version check).
+                prof.recompute_ban = "reads a buffer the forward updates"
+            flops, matmul = _flops(n)
+            moved = sum(_dense_bytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+            moved += sum(_dense_bytes(t) for t in _tensors(val))
+            is_alias = prof.storage and prof.storage != n.name
+            if n.target is operator.getitem or (is_alias and not flops):
+                prof.flops, prof.bytes_moved, prof.time_s = 0.0, 0.0, _VIEW_COST
+            else:
+                # a matmul runs at its inputs' rate (a 16-bit one may write fp32, or a tuple)
+                ins = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val")) if t.is_floating_point()]
+                rate = str(ins[0].dtype).replace("torch.", "") if matmul and ins else prof.dtype
+                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(rate, "fp32")
+                prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
+                prof.bytes_moved = float(moved)
+                prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
+                if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
+                    prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
+                    prof.transient_bytes += draw_scratch(n)
+        n.meta["autoremat"] = prof
+        nodes[n.name] = prof
+
+    if cg.compiler == "inductor":
+        _mark_inductor_code(gm, nodes, dev, {*fw_outputs, *grad_outputs})
+    else:  # the backward module writes these pointwise results into a dying input (passes/reuse.py)
+        moved: dict[str, str] = {}
+        for name, into in dying_inputs(gm).items():  # in graph order: a chain ends at the first buffer
+            moved[name] = nodes[name].storage = nodes[into].storage
+            nodes[name].nbytes = 0
+            nodes[name].writes_into = into
+        for prof in nodes.values():  # views of a moved result view the buffer it wrote into
+            prof.storage = moved.get(prof.storage, prof.storage)
+        for name, into in forward_writable(gm).items():
+            nodes[name].writable = into
+        for name, pair in fused_linear_loss.overwritable(gm).items():
+            nodes[name].overwrites = pair
+    for prof in nodes.values():
+        if prof.tuple_parent and prof.storage == prof.name:
+            nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes
+        elif prof.tuple_parent and prof.storage and not nodes[prof.tuple_parent].storage:
+            # A multi-output view op (split, chunk, unbind): the tuple itself keeps the viewed
+            # storage alive until its last getitem, so it holds a reference too.
+            nodes[prof.tuple_parent].storage = prof.storage
+
+    return GraphProfile(
+        nodes=nodes,
+        fw_outputs=fw_outputs,
+        grad_outputs=grad_outputs,
+        released=[n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is accumulate_grad],
+        index=cg.index,
+        fingerprint=fingerprint(gm),
+        device=dev.name,
+        notes=_constant_notes(gm),
+        **_region_links(cg, primals, outs[: cg.num_fwd_outputs], outs[cg.num_fwd_outputs:]),
+    )
+
+
+_aten = torch.ops.aten
+# The attention kernels Inductor runs as fallbacks under `sdpa_constraint` (torch/_inductor/lowering.py, torch 2.11
+# to 2.13), and for each the argument position of the attention mask (bias) that CUDA's efficient forward keeps
+# expanded.
+SDPA_CONSTRAINED = {
+    _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_efficient_attention_backward.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_backward.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_cudnn_attention_backward.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+_KEPT_EXPANDED = (_aten._scaled_dot_product_efficient_attention.default, 3)
+
+
+def _expanded(val: object) -> bool:
+    """A view that repeats elements (a zero stride on a dimension of size > 1): an attention mask broadcast to
+    every head, as CUDA's SDPA hands its kernels one (attention.cpp preprocess_mask)."""
+    return isinstance(val, torch.Tensor) and any(st == 0 and sz > 1 for st, sz in zip(val.stride(), val.shape))
+
+
+def _sdpa_dense_copies(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec) -> None:
+    """An expanded argument of an attention kernel under Inductor: copied densely, or kept as a view only when
+    its base is a buffer of its own (issue 36).
+
+    Inductor's `sdpa_constraint` gives the kernel its arguments in a dense layout. On a CPU it copies every
+    expanded one; measured: an additive mask broadcast from (2, 1, 128, 128) to 8 heads cost a 1 MiB copy the
+    plan did not have. On CUDA it keeps the efficient forward's mask expanded, and any other expanded argument
+    whose base is a realized buffer (a value the forward handed over, an input: a view with strides), but copies
+    one whose base is computed in the same kernel graph: a mask recomputed in the backward (its `where`) reached
+    the efficient backward as a (4, 16, 2048, 2048) fp32 copy, 1 GiB on the H200 for Qwen2, not in the plan.
+    So: on a CPU the copy is the kernel's scratch; on CUDA the base is never recomputed (the plan saves it, the
+    backward reads a buffer, and no copy is made)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in SDPA_CONSTRAINED or n.name not in nodes:
+            continue
+        for i, a in enumerate([*n.args, *n.kwargs.values()]):
+            val = a.meta.get("val") if isinstance(a, fx.Node) else None
+            if not _expanded(val):
+                continue
+            on_cuda = val.device.type == "cuda" or (val.device.type == "meta" and dev.kind == "cuda")
+            if not on_cuda:
+                nodes[n.name].transient_bytes += _dense_bytes(val)
+            elif (n.target, i) != _KEPT_EXPANDED:
+                root = nodes[a.name].storage or a.name
+                if root in nodes and nodes[root].kind == "forward" and not nodes[root].recompute_ban:
+                    nodes[root].recompute_ban = ("Inductor would copy its view expanded for an attention kernel "
+                                                 "densely if it were recomputed (sdpa_constraint): saved instead")
+
+
+def _mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
+    """What Inductor's code does that the graph does not show: a fused node allocates nothing and costs its
+    arithmetic only; a backward kernel may write into a dying input (inplace.py); a backward cat's inputs
+    may be computed into its buffer (fusion.concat_writes)."""
+    _sdpa_dense_copies(gm, nodes, dev)
+    aliases = {name: p.storage for name, p in nodes.items() if p.storage}
+    banned = {name for name, p in nodes.items() if p.recompute_ban}
+    fused = fused_nodes(gm, outputs, aliases, banned)
+    for name in fused:
+        p = nodes[name]
+        p.fused, p.nbytes = True, 0
+        p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
+    for n in gm.graph.nodes:
+        if n.name in nodes:
+            p = nodes[n.name]
+            p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
+    backward = {name for name, p in nodes.items() if p.kind == "backward"}
+    into, cats = concat_writes(gm, backward, aliases, outputs)
+    for name, cat in into.items():
+        nodes[name].into = cat
+    for cat in cats:
+        nodes[cat].inplace = False  # its buffer exists before it runs: no input's to take
+
+
+def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list, grads: list) -> dict:
+    """A region's links (capture.CapturedGraph.links) in this graph's names. AOTAutograd keeps the
+    region's inputs in order as its primals and returns its outputs last, after any mutated
+    buffers; if the counts disagree (an output aliasing an input is returned outside the graph),
+    the region is treated like a graph of its own."""
+    links = cg.links
+    if links is None or len(primals) != len(links.sources) or len(fw_outs) < links.outputs:
+        return {}
+    user = [o.name if isinstance(o, fx.Node) else None for o in fw_outs[len(fw_outs) - links.outputs:]]
+    sources = {p.name: (cg.index - links.position + src[0], src[1])
+               for p, src in zip(primals, links.sources) if src is not None}
+    first = cg.index - links.position  # the index of the dynamo graph's first region: keys are per dynamo graph
+    tied = {grads[i].name: f"{first}:{key}" for i, key in links.shared.items()
+            if len(grads) == len(primals) and isinstance(grads[i], fx.Node)}
+    return {"sources": sources, "user_outputs": user, "exported": [user[i] for i in links.exported if user[i]],
+            "tied": tied}
+
+
+def _constant_notes(gm: fx.GraphModule) -> list[str]:
+    """Lifted tensor constants are not activations, and the ledger counts only the model's own tensors."""
+    constants = {StorageWeakRef(n.meta["val"].untyped_storage()): (n.target, _nbytes(n.meta["val"]))
+                 for n in gm.graph.nodes if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)}
+    held = sum(nbytes for _, nbytes in constants.values())
+    if not held:
+        return []
+    names = ", ".join(sorted(name for name, _ in constants.values()))
+    return [f"{len(constants)} lifted tensor constant(s) ({names}) hold {held} B for as long as the compiled step "
+            "lives, outside the activations and the ledger"]
+
+
+def _mutated_primals(out_node: fx.Node, primals: list[fx.Node], static: set[str], grad_outputs_all: list) -> set[str]:
+    """Names of the primals the forward mutates (returned as extra outputs, copied back by the runtime)."""
+    idx = mutated_input_indices(out_node)
+    if idx is not None:
+        return {primals[i].name for i in idx if i < len(primals)}
+    # No descriptors: assume every buffer (a static input without a gradient) may be mutated.
+    return {p.name for i, p in enumerate(primals)
+            if p.name in static and (i >= len(grad_outputs_all) or grad_outputs_all[i] is None)}
+
+
+def fingerprint(gm: fx.GraphModule) -> str:
+    """A structural hash of a joint graph: ops, wiring, shapes and dtypes (not values, not names)."""
+    h = hashlib.sha256()
+    index = {}
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        val = n.meta.get("val")
+        shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(val)]
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, -1))
+        h.update(repr((n.op, _target_name(n), args, shapes)).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,8 @@
+"""Planning: the pipeline every face calls.
+
+`pipeline.build` captures every graph (`planner`, `calls`), chooses the loss region's chunk count
+(`loss_region`) and the dtypes (`precision_plan`, `precision_auto`), solves under the one budget,
+compiles (`compilers`), verifies on a real step, and returns a `Plan` (`plan`, cached by `cache`).
+`step_planner` and `window` plan the torch.compile backend's steps as they run. Imports every stage
+below it; no stage below imports it.
+"""

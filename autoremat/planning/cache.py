@@ -1,0 +1,116 @@
+"""An on-disk cache of plans, so that planning the same step twice skips the solver.
+
+    optimize(model, budget="20GB", example_inputs=(x,), cache=True)        # ~/.cache/autoremat
+    optimize(model, budget="20GB", example_inputs=(x,), cache="/tmp/plans")
+
+A plan is only valid for the graphs it was made for, so the key is a hash of everything that can
+change the decision: the first graph's structural fingerprint (ops, wiring, shapes, dtypes), the
+budget, the ledger (optimizer state, sharding, inputs), the device, precision settings, solver
+options, and the autoremat and torch versions. Fingerprints exist only after tracing, so the
+planner asks the cache once the first joint graph is in hand (see `planner.CapturePlanner`).
+
+Nothing read from disk is trusted: an entry that does not parse, was written for another key,
+or whose plan no longer simulates to what it claims is ignored and overwritten by a fresh plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autoremat.planning.plan import Plan, _version
+
+log = logging.getLogger("autoremat")
+
+MAX_ENTRIES = 512  # oldest entries beyond this are dropped on every store: the directory stays small
+
+
+def default_dir() -> Path:
+    return Path(os.environ.get("AUTOREMAT_CACHE_DIR") or Path.home() / ".cache" / "autoremat")
+
+
+def precision_mode(device: str) -> dict:
+    """The ambient numeric settings a traced graph depends on but its fingerprint may not show."""
+    kind = torch.device(device).type
+    autocast = torch.is_autocast_enabled(kind) if kind in ("cpu", "cuda") else False
+    return {
+        "default_dtype": str(torch.get_default_dtype()),
+        "autocast": str(torch.get_autocast_dtype(kind)) if autocast else "off",
+        "matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+class PlanCache:
+    """Plans on disk, one JSON file per key, written atomically."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    @classmethod
+    def open(cls, cache: bool | str | Path | None) -> PlanCache | None:
+        """`cache` as `optimize` takes it: True (default location), False/None (off) or a directory."""
+        if cache is None or cache is False:
+            return None
+        if cache is True:
+            return cls(default_dir())
+        if isinstance(cache, (str, os.PathLike)):
+            return cls(Path(cache))
+        raise TypeError(f"cache must be True, False or a directory path, got {type(cache).__name__}")
+
+    @staticmethod
+    def key(fingerprint: str, fields: dict[str, Any]) -> str:
+        """Hash of the first graph's fingerprint and every option that shapes the plan."""
+        blob = json.dumps({"fingerprint": fingerprint, "autoremat": _version(), "torch": torch.__version__,
+                           **fields}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    def path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def load(self, key: str) -> Plan | None:
+        """The plan stored under `key`, or None if there is none or it cannot be trusted."""
+        path = self.path(key)
+        if not path.exists():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            if entry.get("key") != key:  # renamed or copied from another key
+                raise ValueError(f"entry is for key {entry.get('key')!r}")
+            plan = Plan.from_dict(entry["plan"])
+            if plan.versions.get("torch") != torch.__version__ or plan.versions.get("autoremat") != _version():
+                raise ValueError(f"entry was made with {plan.versions}")
+        except Exception as e:  # any way a file can be broken: it is a miss, never an error
+            log.warning("autoremat: ignoring unusable plan cache entry %s (%s: %s)", path, type(e).__name__, e)
+            return None
+        return plan
+
+    def store(self, key: str, plan: Plan, fields: dict[str, Any]) -> Path | None:
+        """Write `plan` under `key`. A cache that cannot be written is only worth a warning."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"key": key, "fields": fields, "plan": plan.to_dict()}, sort_keys=True, default=str)
+            # Write then rename: a reader never sees half a file, even with two processes planning.
+            fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, self.path(key))
+            self._prune()
+        except OSError as e:
+            log.warning("autoremat: could not write the plan cache at %s: %s", self.root, e)
+            return None
+        return self.path(key)
+
+    def discard(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        entries = sorted(self.root.glob("*.json"), key=lambda p: p.stat().st_mtime)
+        for old in entries[:-MAX_ENTRIES]:
+            old.unlink(missing_ok=True)

@@ -1,0 +1,385 @@
+"""The pipeline `optimize` runs for one input shape: trace, plan jointly, compile, verify.
+
+    capture every graph of the step -> plan them jointly under one budget -> compile with the plan
+    -> run one real step in the accumulation steady state and measure it -> re-plan with the
+    measured gap, or refuse with BudgetError: the budget never passes silently.
+
+`build` is that pipeline for given compute dtypes; `precision_auto.plan_precision` chooses the dtypes
+first (precision="bf16" / "fp16" / "auto") and checks the result against fp32 and torch.autocast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from autoremat.model.devices import get_device
+from autoremat.model.ledger import Ledger
+from autoremat.passes.loss_chunks import LossOption, compose
+from autoremat.planning import precision_plan
+from autoremat.planning.cache import PlanCache
+from autoremat.planning.loss_region import Candidate, choose_chunks, fits_unchunked, loss_region_matters
+from autoremat.planning.plan import BudgetError, Plan
+from autoremat.planning.planner import (
+    CapturePlanner,
+    Restore,
+    StaleCache,
+    activation_budget,
+    along,
+    check_cached,
+    compile_and_trace,
+    log,
+    plan_graphs,
+    plan_jointly,
+    progress,
+    require_graphs,
+)
+from autoremat.solve.decision import Decision
+from autoremat.solve.heuristics import save_all_peak
+from autoremat.solve.solver import smallest_peak
+from autoremat.torch_internals import tree_leaves
+from autoremat.units import format_bytes
+
+
+def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
+           opts, compiler, args, kwargs, verify, where, fp32_ops, regions, release_grads: bool = True,
+           outputs: str | None = None,
+           chunks: int | None = None, first: Candidate | None = None) -> tuple[Plan, Any, CapturePlanner]:
+    """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
+
+    outputs ("all" or "loss"; None: no loss rewrite at all): the loss region is chunked into
+    `chunks` pieces (autoremat.passes.loss_chunks), or, with chunks=None, into the count `choose_chunks`
+    finds best once the first trace has shown a projection -> cross-entropy pattern.
+    first: the step already traced with these dtypes and `chunks` (the loss-region candidate
+    `choose_chunks` chose), and its plan at the budget if one was solved: neither is done again
+    (without a plan cache: a cached plan is looked up by a trace's first graph as it arrives).
+    """
+    loss = LossOption(outputs, chunks) if outputs is not None else None
+    if loss is not None:
+        fields = {**fields, "outputs": outputs, "loss_chunks": chunks}
+    pre = compose(precision_plan.pre_pass(dtypes, fp32_ops) if any(dtypes) else None, loss.pre_pass() if loss else None)
+    if first is not None and loss is not None:
+        loss.reports = list(first.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
+    key: list[str] = []
+    lookup = None
+    if store is not None:
+        def lookup(fp: str) -> Plan | None:
+            key.append(store.key(fp, fields))
+            return store.load(key[-1])
+
+    split = regions if isinstance(regions, bool) else True  # "auto" captures per block first
+
+    def make(lookup: Callable | None = None, split: bool = split) -> CapturePlanner:
+        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=split,
+                              release_grads=release_grads, **opts)
+
+    def trace(split: bool) -> Traced:
+        """Capture the step (a cached plan, if any, is looked up by its first graph), with the cache key used."""
+        looked = len(key)
+        planner = make(lookup, split)
+        try:
+            compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+        except StaleCache as e:
+            log.warning("autoremat: ignoring cached plan %s (%s)", store.path(key[-1]), e)
+            store.discard(key[-1])
+            planner = make(None, split)
+            compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+        require_graphs(model, planner)
+        return Traced(planner, compiled, key[-1] if len(key) > looked else None)
+
+    if first is not None and store is None:
+        traced = Traced(first.planner, first.compiled, None, decision=first.decision)
+    else:
+        progress.info("capturing the training step")
+        traced = trace(split)
+    planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
+    chunks_note = None
+    if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
+        chunks_note = fits_unchunked(planner, budget, ledger, dev)
+        if chunks_note is None:
+            return choose_chunks(model, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build,
+                                 ledger=ledger,
+                                 dev=dev, opts=opts, compiler=compiler, args=args, kwargs=kwargs, verify=verify,
+                                 where=where, fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
+    regions_note, cut_step = None, None
+    checked = verify and where.type != "meta"
+    if regions == "auto" and planner.cached is None and planner.cut:
+        traced, cut_step = one_graph_if_free(traced, trace, budget, ledger, dev, compiler, checked, opts)
+        planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
+    if planner.cached is not None:
+        hit = check_cached(planner, budget, ledger, dev)
+        if hit is not None:
+            hit.notes.append(f"plan loaded from the cache ({store.path(store_key)}); re-simulated, not solved")
+            return hit, compiled, planner
+        log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(store_key))
+        store.discard(store_key)
+        planner = make(None, planner.regions)
+        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+    plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts,
+                                           decision=traced.decision)
+    measured: Any = UNMEASURED
+    if cut_step is not None and checked:
+        progress.info("verifying the plan on a real step")  # and whether one graph is kept
+        _first_backward(compiler)
+        measured = measure_step(model, compiled, planner, args, kwargs, where)
+        # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
+        # planned and verified as usual.
+        if measured is not None and (ledger.fixed + measured > budget or measured > WHOLE_HELD * plan.activation_peak):
+            store_key = cut_step.store_key
+            regions_note = f"{cut_step.note} ({measured} B of activations measured, {plan.activation_peak} B predicted)"
+            plan, compiled, planner = plan_jointly(model, cut_step.planner, budget, ledger, dev, compiler, args,
+                                                   kwargs, opts)
+            measured = UNMEASURED
+    if checked:  # one graph kept: the step just measured is its verification
+        plan, compiled, planner = verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler,
+                                                 args, kwargs, opts, where, measured=measured)
+    elif where.type == "meta":
+        plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
+    plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
+    plan.regions = planner.regions
+    if regions_note:
+        plan.notes.append(regions_note)
+    if loss is not None and loss.found:
+        kept = max(r.logits_kept for r in loss.reports)
+        plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
+                     "fused": max(r.fused for r in loss.reports),
+                     "skipped": list(dict.fromkeys(w for r in loss.reports for w in r.skipped))}
+        if chunks_note:
+            plan.loss.update(candidates={"1": chunks_note}, chosen_by="everything saved fits unchunked")
+        if outputs == "loss" and kept:
+            plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "
+                              "the model, or an output derived from them): they are still computed whole")
+    if dtypes:
+        plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
+        plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
+    if store is not None and store_key:
+        store.store(store_key, plan, fields)
+    return plan, compiled, planner
+
+
+# regions="auto" keeps one graph only if a real step of it measured at most this much over its prediction.
+WHOLE_HELD = 1.05
+
+
+@dataclass
+class Traced:
+    """The step as traced in one form (one graph per block, or one graph): what planning starts from."""
+
+    planner: CapturePlanner
+    compiled: Any
+    store_key: str | None  # the plan cache's key for it, if the cache was looked up
+    note: str = ""  # why this form (regions="auto")
+    decision: Decision | None = None  # its plan at the budget, where one_graph_if_free already solved it
+
+
+def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int, ledger: Ledger, dev, compiler: str,
+                      checked: bool, opts: dict) -> tuple[Traced, Traced | None]:
+    """regions="auto": the step as one graph when that costs less time than the graph calls it saves.
+
+    Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
+    soon as its backward ends, which is what lowers the floor; but each region is one more
+    AOTAutograd call per step (`DeviceSpec.region_call_s`), which a step of small kernels pays for
+    (benchmarks/speed.py --with-cut compares both forms at equal budgets). So when the cut step's
+    save-everything peak fits the budget (it recomputes nothing), the step is traced once more
+    uncut. If that one's save-everything peak fits too, nothing is recomputed either way and one graph
+    (no region calls; gradients at the end of the backward, as the memory model sees) is used. If it
+    does not, one graph is planned at the budget, and used when its predicted recomputation costs
+    less than the graph calls it saves.
+
+    Under Inductor the one-graph prediction can be low: the model runs the backward's kernels in the
+    least-peak-first order where that peaks lower, as Inductor's reorder_for_peak_memory does by its
+    own estimate, but where that estimate ties two orders Inductor keeps the graph's, which may peak
+    higher (tests/test_fusion.py's MLP is such a case; the cut step's prediction stays exact). So under
+    Inductor one graph is taken only when a real step will be measured (`checked`: verify on a real
+    device), and `build` goes back to the cut step if that step is over the budget or over its
+    prediction by more than WHOLE_HELD.
+
+    Returns the form to plan, its `note` saying why, and the cut step to fall back on (its `note`
+    saying why) when one graph was taken, else None.
+    """
+    room = activation_budget(budget, ledger, dev)
+    cut_graphs = cut.planner.sequence()
+    saved_cut, n_cut = save_all_peak(cut_graphs, dev.alloc_granularity), len(cut_graphs)
+    per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
+    if saved_cut > room:
+        cut.note = (f"{per_block}, so that gradients leave the backward as blocks finish: with everything saved the "
+                    f"step would need {format_bytes(saved_cut)} of activations, over the {format_bytes(room)} the "
+                    "budget leaves")
+        return cut, None
+    if compiler == "inductor" and not checked:
+        cut.note = (f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not "
+                    "predicted exactly and no real step will measure it (verify=False, or the meta device)")
+        return cut, None
+    progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
+    whole = trace(False)
+    graphs = whole.planner.sequence()
+    saved_whole, calls = save_all_peak(graphs, dev.alloc_granularity), n_cut - len(graphs)
+    calls_s = calls * dev.region_call_s
+    over = (f"with everything saved one graph would need {format_bytes(saved_whole)}, over the {format_bytes(room)} "
+            "the budget leaves")
+    if saved_whole > room:
+        progress.info("solving for %d nodes in one graph (time limit %g s per solve)",
+                      sum(len(g.nodes) for g in graphs), opts["time_limit"])
+        try:
+            whole.decision = plan_graphs(graphs, budget, ledger, dev, one_set=True, **opts)
+            recompute_s = whole.decision.recompute_time_s
+        except BudgetError:
+            recompute_s = None
+        if recompute_s is None or recompute_s >= calls_s:
+            why = ("planned at the budget it does not fit" if recompute_s is None else
+                   f"planned at the budget it would recompute {1e3 * recompute_s:.3f} ms a step, not less than the "
+                   f"{1e3 * calls_s:.3f} ms of the {calls} graph calls it saves")
+            cut.note = (f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
+                        f"everything saved), but {over}; {why}")
+            return cut, None
+        whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): {over}, and "
+                      f"its plan recomputes {1e3 * recompute_s:.3f} ms a step, less than the {1e3 * calls_s:.3f} ms of "
+                      f"the {calls} AOTAutograd calls per step it saves (the cut step recomputes nothing)")
+    else:
+        whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
+                      f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, "
+                      f"within the {format_bytes(room)} the budget leaves), and one graph saves {calls} AOTAutograd "
+                      "calls per step")
+    cut.note = (f"{per_block}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over "
+                "its prediction on a real step")
+    return whole, cut
+
+
+def _first_backward(compiler: str) -> None:
+    """What a long verification is doing: AOTAutograd compiles the backward at its first call."""
+    if compiler == "inductor":
+        along("Inductor compiles the backward graphs on this first backward")
+
+
+UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
+
+
+def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where,
+                   measured: Any = UNMEASURED):
+    """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
+
+    The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
+    the real peak pass the budget. The measured gap is reserved, the graphs (all of them: they share
+    the step) are planned again, and the new plan is measured too. A plan that still does not fit
+    is never returned: BudgetError says what was measured. `measured`: what measure_step already
+    returned for this plan, if it ran.
+    """
+    if measured is UNMEASURED:
+        progress.info("verifying the plan on a real step")
+        _first_backward(compiler)
+        measured = measure_step(model, compiled, planner, args, kwargs, where)
+    if measured is None:
+        # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
+        # counter): the measurement includes tracing and says nothing about the plan.
+        plan.notes.append("the model recompiled on its second call (it changes Python state that dynamo guards "
+                          "on, e.g. a global); not verified, and later calls recompile too")
+        return plan, compiled, planner
+    plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
+                      f"peak {measured} B, predicted {plan.activation_peak} B")
+    if ledger.fixed + measured <= budget:
+        return plan, compiled, planner
+    gap = measured - plan.activation_peak
+    reserve = Ledger.from_dict(dict(ledger.to_dict(),
+                                    notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
+    reserve.inputs += gap
+    progress.info("re-planning with %d bytes the memory model did not predict", gap)
+    new, compiled, applier = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts,
+                                          reserve=reserve)
+    new.notes += [n for n in plan.notes if n not in new.notes]
+    new.notes.append(f"re-planned with {gap} B reserved for memory the model did not predict")
+    again = measure_step(model, compiled, applier, args, kwargs, where)
+    if again is not None and ledger.fixed + again > budget:
+        raise BudgetError(
+            f"budget {format_bytes(budget)} ({budget} bytes) was not met on a real step: the plan predicted "
+            f"{format_bytes(ledger.fixed + plan.activation_peak)} but measured {format_bytes(ledger.fixed + measured)}; "
+            f"re-planned with the {format_bytes(gap)} difference reserved, it measured "
+            f"{format_bytes(ledger.fixed + again)}. The memory model misses something this model allocates; a "
+            f"budget of {format_bytes(ledger.needs(again))} holds the re-planned step.\n{ledger.format()}",
+            ledger, None)
+    if again is not None:
+        new.notes.append(f"verified the re-planned step: measured activation peak {again} B")
+    return new, compiled, applier
+
+
+def measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
+    """Activation bytes of one real step in the accumulation steady state, state restored after.
+
+    Every trainable parameter has a `.grad` already (zeros), as on every micro-step after the
+    first, so what autograd allocates on top of the gradient buffers is what is measured. The step
+    measured runs the artefact the user's next call runs: if a call traces again (dynamo guards on
+    Python state the forward changes), the call after it runs what that trace compiled, so that one
+    is measured. None if every call traces again.
+    """
+    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
+
+    def step() -> None:
+        out = compiled(*args, **kwargs)  # held through the backward, as a training loop holds it
+        loss_of(out).backward()
+
+    measured = None
+    with Restore(model), torch.enable_grad():
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        if where.type == "cuda":
+            # cuBLAS allocates its workspaces on a thread's first matmul and keeps them (the ledger holds them:
+            # devices.blas_workspace_bytes); autograd's device thread may not have run one yet. One step first, so
+            # that the one measured is the steady state of the user's loop and the workspaces are not counted twice.
+            step()
+        for _ in range(2):
+            traced = len(planner.profiles)
+            _, m = measure_peak(step, device=where, baseline_bytes=0)
+            if len(planner.profiles) == traced:
+                measured = m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
+                break
+    return _agreed(measured, where)
+
+
+def _agreed(measured: int | None, where: torch.device) -> int | None:
+    """Under torch.distributed every rank must take the same decision (keep, re-plan or refuse): one
+    rank refusing while the others train would leave them waiting in a collective (seen: FSDP2 on a
+    loaded CPU, where the two ranks measured differently). The largest measurement decides for all."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return measured
+    if torch.distributed.get_world_size() == 1:
+        return measured
+    value = torch.tensor([-1 if measured is None else measured], dtype=torch.int64,
+                         device=where if where.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return None if value.item() < 0 else int(value.item())
+
+
+def loss_of(out: Any) -> torch.Tensor:
+    """Something to call backward on: the output if scalar, else the sum of every float output."""
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if len(leaves) == 1 and leaves[0].numel() == 1:
+        return leaves[0]
+    if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
+        return out["loss"]
+    return sum(t.float().sum() for t in leaves)
+
+
+def pareto_points(profiles: list, plan: Plan, device: str, *, solver: str = "auto", time_limit: float = 10.0,
+                  count: int = 8) -> list[tuple[int, float]]:
+    """(budget, predicted recompute overhead) at `count` budgets from the smallest that fits to none."""
+    dev = get_device(device)
+    fixed = Ledger.from_dict(plan.ledger).fixed
+    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=solver, time_limit=time_limit)
+    low = fixed + smallest.peak
+    high = max(plan.no_recompute_budget, fixed + plan.activation_peak)
+    budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
+    forward = plan.forward_time_s or 1.0
+    points = []
+    for b in budgets:
+        try:
+            # A fresh ledger each time: plan_graphs records the budget it was given in it.
+            decision = plan_graphs(profiles, b, Ledger.from_dict(plan.ledger), dev, solver=solver,
+                                   time_limit=time_limit)
+        except BudgetError:
+            if b != low:
+                continue
+            decision = smallest  # at the very edge the search can miss what the min-peak plan reached
+        points.append((b, decision.recompute_time_s / forward))
+    return points

@@ -1,0 +1,413 @@
+"""The planning machinery every face uses: from AOTAutograd's joint graphs to a plan and a compiled step.
+
+`Planner` is AOTAutograd's partition callback: it profiles each joint graph and either applies a
+given plan to it or solves for it on its own. `plan_graphs` solves the graphs of one step jointly
+under what the ledger leaves of the budget. `CapturePlanner` is `optimize`'s: its first trace only
+profiles (a graph cannot know the ones after it), then `plan_jointly` plans every graph of the step
+together and `compile_and_trace` compiles the step with that plan (autoremat.planning.pipeline runs these
+stages and verifies the result on a real step). The torch.compile face (autoremat.backend) builds
+its own step planner on `Planner`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from autoremat.capture.aot import CapturedGraph, aot_backend, compile_fresh, default_split
+from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
+from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
+from autoremat.model.ledger import Ledger, optimizer_state_bytes
+from autoremat.model.memory import make_schedule
+from autoremat.model.profile import GraphProfile, fingerprint, profile_graph
+from autoremat.model.scratch import calibrate_scratch
+from autoremat.passes import split
+from autoremat.planning.calls import CallLog, one_set_per_graph, repeats
+from autoremat.planning.plan import BudgetError, Plan, build_plan
+from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.heuristics import save_all
+from autoremat.solve.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.torch_internals import (
+    BackendCompilerFailed,
+    arg_tree_leaves,
+    graph_break_reasons,
+    is_primal,
+)
+from autoremat.units import format_bytes
+
+log = logging.getLogger("autoremat")
+# One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
+# and the CLI's spinner does (planning a large model takes seconds to minutes).
+progress = logging.getLogger("autoremat.progress")
+_along: str | None = None  # how far the running stage is, as it last said (`along`)
+
+
+def along(text: str | None) -> None:
+    """How far the running stage is ("12 graph(s) traced"), shown when the faces' pulse repeats a stage
+    silent for seconds (autoremat.progress.pulse). Cheap: nothing is logged here, so a stage may call it
+    per graph or per candidate."""
+    global _along
+    _along = text
+
+
+def along_now() -> str | None:
+    return _along
+
+
+class PlanMismatch(ValueError):
+    """A saved plan was applied to a graph it was not made for."""
+
+
+def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int, workspaces: int = 0) -> Ledger:
+    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state, and
+    `workspaces` (the matmul libraries' on a GPU: devices.blas_workspace_bytes)."""
+    nodes = list(cg.joint.graph.nodes)
+    primals = [n for n in nodes if is_primal(n)]
+    outs = list(arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
+    grads = outs[cg.num_fwd_outputs:]
+    static = set(cg.static_input_indices)
+
+    def nbytes(n: fx.Node) -> int:
+        v = n.meta.get("val")
+        size = v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
+        return -(-size // granularity) * granularity
+
+    params = [p for i, p in enumerate(primals) if i in static]
+    trainable = [p for i, p in enumerate(primals) if i in static and i < len(grads) and grads[i] is not None]
+    inputs = [p for i, p in enumerate(primals) if i not in static]
+    notes: list[str] = []
+    state = optimizer_state_bytes(optimizer, [p.meta["val"] for p in trainable], granularity=granularity,
+                                  notes=notes)
+    return Ledger(
+        parameters=sum(map(nbytes, params)),
+        gradients=sum(map(nbytes, trainable)),
+        optimizer_state=state,
+        inputs=sum(map(nbytes, inputs)),
+        workspaces=workspaces,
+        notes=notes,
+    )
+
+
+def budget_or_memory(budget: int | None, device: DeviceSpec) -> int:
+    """The budget in bytes; without one, the device's memory, or no limit at all on a CPU."""
+    return budget if budget is not None else device.memory_bytes or 2**62
+
+
+class Planner:
+    """Partition callback: plan (or re-apply a plan to) every joint graph AOTAutograd produces."""
+
+    def __init__(
+        self,
+        budget: int | None,
+        *,
+        optimizer: Any = "adamw",
+        device: DeviceSpec | str | torch.device | None = None,
+        ledger: Ledger | None = None,
+        plan: Plan | None = None,
+        solver: str = "auto",
+        time_limit: float = 10.0,
+        gap: float = DEFAULT_GAP,
+        calibrate: bool = True,
+    ) -> None:
+        self.calibrate = calibrate
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)):
+            raise TypeError(f"Planner takes the budget in bytes (an int, parsed by the face), got {budget!r}")
+        self.budget = budget
+        self.optimizer = optimizer
+        self.device = get_device(device) if device is not None else None
+        self.ledger = ledger
+        self.plan = plan
+        self.solver = solver
+        self.time_limit = time_limit
+        self.gap = gap
+        self.profiles: list[GraphProfile] = []
+        self.plans: list[Plan] = []  # one per graph planned on its own
+        self._reported: set[str] = set()  # graphs whose internal error was logged already
+
+    def _device(self, cg: CapturedGraph) -> DeviceSpec:
+        return self.device or get_device("cpu" if cg.device == "meta" else cg.device)
+
+    def _profile(self, cg: CapturedGraph) -> GraphProfile:
+        gp = profile_graph(cg, self._device(cg))
+        if self.calibrate:
+            try:
+                calibrate_scratch(cg, gp)
+            except RuntimeError as e:  # the caller runs a torch profiler, and profilers cannot nest
+                if "already active" not in str(e):
+                    raise
+                gp.notes.append("op scratch not measured: a torch profiler was running while this graph compiled")
+        self.profiles.append(gp)
+        along(f"{len(self.profiles)} graph(s) traced and profiled, the last of {len(gp.nodes)} nodes")
+        return gp
+
+    def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        dev = self._device(cg)
+        gp = self._profile(cg)
+        ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity,
+                                                  blas_workspace_bytes(dev, cg.device))
+        if self.plan is not None:
+            saved = self._saved_from_plan(gp, cg.index)
+        else:
+            decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
+                                   gap=self.gap)
+            plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
+            self.plans.append(plan)
+            log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
+            saved = decision.saved[0]
+
+        def need(fallback: set[str]) -> tuple[int, Ledger]:
+            _, tl, _ = evaluate([gp], [fallback], dev.alloc_granularity)
+            return ledger.needs(tl.peak), ledger
+
+        return self._split(cg, gp, set(saved), need, budget_or_memory(self.budget, dev))[0]
+
+    def _split(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str],
+               need: Callable[[set[str]], tuple[int, Ledger]], limit: int) -> tuple[tuple, set[str]]:
+        """The forward and backward modules for `saved`, and the saved set they really use.
+
+        An internal inconsistency (the graph passes and the schedule disagree) is our bug, not the
+        user's: it is logged once per graph, and the graph falls back to PyTorch's default partition
+        (every value the backward reads is saved) if that fits `limit`; `need(saved)` says what the
+        step needs with it. Otherwise a BudgetError says so.
+        """
+        try:
+            return split(cg, make_schedule(gp, saved)), saved
+        except Exception as e:  # noqa: BLE001 - any failure here is an internal error, see above
+            fallback = save_all([gp])[0]
+            if gp.fingerprint not in self._reported:
+                self._reported.add(gp.fingerprint)
+                log.error("autoremat internal error on graph %d (%s, %d nodes): %s: %s. Falling back to saving "
+                          "every value the backward reads for this graph. Please report this model.",
+                          cg.index, gp.fingerprint, len(gp.nodes), type(e).__name__, e, exc_info=True)
+            needed, ledger = need(fallback)
+            if needed > limit:
+                raise BudgetError(
+                    f"autoremat internal error while applying the plan to graph {cg.index} ({type(e).__name__}: "
+                    f"{e}); the fallback, saving every value the backward reads, needs {format_bytes(needed)} "
+                    f"({needed} bytes), more than the budget of {format_bytes(limit)}. Please report this model; "
+                    "meanwhile a budget that large runs it.", ledger, needed) from e
+            return default_split(cg), fallback
+
+    def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
+        matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
+        for g in sorted(matches, key=lambda g: g.index != index):  # same position first
+            return set(g.saved) | set(g.again)  # a cut is named among the saved values (cuts.py)
+        raise PlanMismatch(
+            f"the plan was made for graph(s) {[g.fingerprint for g in self.plan.graphs]}, but the model "
+            f"traced to graph {gp.fingerprint} ({len(gp.nodes)} nodes): the model, its input shapes or "
+            "dtypes, or the torch version differ. Plan again instead of re-applying this plan."
+        )
+
+
+def plan_graphs(
+    profiles: list[GraphProfile],
+    budget: int | None,
+    ledger: Ledger,
+    device: DeviceSpec,
+    *,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+    gap: float = DEFAULT_GAP,
+    one_set: bool = False,
+) -> Decision:
+    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
+
+    one_set: a profile that appears at several positions (one compiled graph called several times)
+    saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
+    budget = budget_or_memory(budget, device)
+    activations = activation_budget(budget, ledger, device)
+    one_set = one_set and repeats(profiles)
+
+    def smallest() -> Decision:
+        return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
+    try:
+        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
+            raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
+        decision = solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
+                         time_limit=time_limit, gap=gap)
+        if one_set:
+            decision = one_set_per_graph(profiles, decision, activations)
+            if decision.peak > activations:
+                raise Infeasible(smallest(), "no plan with one saved set per compiled graph fits")
+        return decision
+    except Infeasible as e:
+        if one_set:  # the floor reported is that of the code that runs: one saved set per compiled graph
+            e.smallest = one_set_per_graph(profiles, e.smallest, None)
+        raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
+
+
+def activation_budget(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
+    """What `budget` (None: the device's memory) leaves the graphs' activations after the ledger's fixed part."""
+    return ledger.room(budget_or_memory(budget, device))
+
+
+@contextlib.contextmanager
+def own_errors():
+    """Our errors (BudgetError, PlanMismatch) raised inside a backend reach the user unwrapped."""
+    try:
+        yield
+    except BackendCompilerFailed as e:
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, (BudgetError, PlanMismatch)):
+            raise inner from None
+        raise
+
+
+class StaleCache(PlanMismatch):
+    """A cached plan that does not apply to the graph being traced: plan afresh."""
+
+
+class CapturePlanner(Planner):
+    """`optimize`'s planner: the plan cache in front of the solver, and forgiving once planning is done.
+
+    lookup(fingerprint) -> Plan | None is asked when the first graph arrives (fingerprints exist only
+    after tracing). The first trace only profiles (`_capture`). Once `optimize` has returned
+    (`strict = False`), a graph identical to one already planned (an identical block, or a recompile
+    caused by a guard on Python state) reuses that plan, and a graph that no plan was made for (the
+    same input shape traced to another graph by such a recompile: new shapes get a pipeline of their
+    own, see remat_module.RematModule) is planned on its own rather than raising PlanMismatch.
+    """
+
+    def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
+                 pre_pass: Callable | None = None, regions: bool = True, release_grads: bool = True,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
+        self.regions = regions  # one graph per repeated block (autoremat.capture.regions)
+        self.release_grads = release_grads  # each weight gradient to .grad as soon as it exists (regions)
+        self.lookup = lookup
+        self.cut = False  # whether a dynamo graph was cut into regions (regions found repeated blocks)
+        self.cached: Plan | None = None
+        self.strict = True
+        self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
+
+    def sequence(self) -> list[GraphProfile]:
+        """The step's graphs as it calls them: a graph compiled once and called per block appears per call."""
+        return self.log.sequence()
+
+    def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        fp = fingerprint(cg.joint)
+        if self.plan is None and self.lookup is not None and not self.profiles:
+            self.plan = self.cached = self.lookup(fp)
+        if self.cached is not None and self.plan is self.cached:
+            try:
+                return super().__call__(cg)
+            except Exception as e:  # a cache entry is never trusted: any failure means plan afresh
+                raise StaleCache(f"cached plan does not apply: {type(e).__name__}: {e}") from None
+        if self.plan is None and self.strict:
+            return self._capture(cg)
+        known = [g.fingerprint for p in ([self.plan] if self.plan else []) + self.plans for g in p.graphs]
+        if not self.strict and fp not in known and self.plan is not None:
+            log.warning("autoremat: graph %s is new (dynamo recompiled the step to another graph, e.g. on a guard on "
+                        "Python state): planning it on its own, unverified", fp)
+            return self._with_plan(None, cg)
+        if self.plan is None and fp in known:
+            # An identical repeated block (regions), or a recompile caused by a guard on Python state
+            # (then verification notes it, and dynamo runs eagerly past its recompile limit).
+            log.info("autoremat: graph %s is identical to one planned already: reusing its plan", fp)
+            return self._with_plan(next(p for p in self.plans if fp in {g.fingerprint for g in p.graphs}), cg)
+        return super().__call__(cg)
+
+    def _capture(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """The first trace: profile the graph and run it unplanned (saving what the backward reads).
+
+        The graphs of a step share its budget, and a graph cannot know the ones after it (graph
+        breaks, regions), so nothing is solved here: `optimize` plans every graph jointly once the
+        whole step has been seen, then compiles again with that plan.
+        """
+        self._profile(cg)
+        self.cut = self.cut or cg.links is not None
+        return default_split(cg)
+
+    def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        kept, self.plan = self.plan, plan
+        try:
+            return super().__call__(cg)
+        finally:
+            self.plan = kept
+
+
+class CaptureError(ValueError):
+    """torch.compile captured no graph of the training step, so nothing could be planned."""
+
+
+def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
+    """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
+    if planner.profiles:
+        return
+    reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
+    raise CaptureError(
+        f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
+        "budget could not be held: dynamo ran the whole forward eagerly. A graph break inside a loop (e.g. "
+        "torch._dynamo.graph_break() or an unsupported call in `for block in self.blocks:`) makes dynamo skip the "
+        "frame. Remove the break, or move it out of the loop." + (f" Graph breaks seen: {reasons}" if reasons else ""))
+
+
+def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
+    """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
+    cached, profiles = planner.cached, planner.sequence()
+    if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
+        return None
+    try:
+        _, tl, cost = evaluate(profiles, [set(g.saved) | set(g.again) for g in cached.graphs], dev.alloc_granularity)
+    except Exception:  # names that are not in the graph, a value nobody may recompute
+        return None
+    if ledger.needs(tl.peak) > budget:
+        return None
+    plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
+    plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
+    ledger.activations = tl.peak
+    plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
+    return plan
+
+
+def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
+    # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
+    # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
+    trace_only = planner.plan is None and planner.lookup is None and planner.strict
+    compiled = compile_fresh(model, planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
+                                                                 regions=planner.regions,
+                                                                 release_grads=planner.release_grads,
+                                                                 trace_only=trace_only)))
+    planner.log.recording = True
+    try:
+        with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
+            out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
+    finally:
+        planner.log.recording = False
+    del out
+    reshard(model)
+    return compiled
+
+
+def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts,
+                 reserve: Ledger | None = None, decision: Decision | None = None):
+    """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan.
+
+    `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
+    model does not predict); the plan still reports `ledger`. `decision`: plan_graphs' answer for these
+    graphs at this budget and ledger, when the caller already has it (not solved again).
+    """
+    profiles = planner.sequence()
+    if decision is None:
+        progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                      sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
+        decision = plan_graphs(profiles, budget, reserve or ledger, dev, one_set=True, **opts)
+    plan = build_plan(profiles, decision, ledger, budget, dev.name)
+    progress.info("compiling the planned step")
+    if repeats(profiles):
+        plan.notes.append(f"{len(profiles)} graph calls of {len({id(g) for g in profiles})} compiled graphs (a graph "
+                          "break inside a loop compiles the loop body once, called per iteration) were planned "
+                          "jointly under one budget")
+    elif len(profiles) > 1:
+        plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
+                          "jointly under one budget")
+    applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
+                             regions=planner.regions, release_grads=planner.release_grads, **opts)
+    compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+    return plan, compiled, applier

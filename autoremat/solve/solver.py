@@ -1,0 +1,348 @@
+"""Choose, for every forward value the backward reads, save or recompute, under a byte budget.
+
+The ILP itself (variables, rows, objective) is `ilp.IlpModel`; its formulation is written out in
+ilp.py's docstring. This module is what is done with it: which models to build, how long each may
+run, how a solution is checked against the exact simulator, and what is used when the ILP gives no
+plan.
+
+Two kinds of model are built (design note: shared/notes/design-memory-ilp.md). The JIT schedule
+(memory.py) computes a recomputed value when its first consumer runs, so a recomputed consumer w
+needed before u drags u forward in time. The local model forbids such a drag; the block-drag model
+allows it inside one repeated block (e.g. "transformer.h.3", the natural checkpoint segment) and
+allocates u from the earliest time a chain of recomputed consumers could need it. Each comes full
+(every node its own variables) and with identical blocks sharing decisions (smaller: the answer when
+the full one runs out of time on a huge graph). Each solution is replayed by the exact simulator and
+the ILP's budget calibrated against it (tightened on overshoot, loosened on slack). The plans of
+heuristics.py (per-block modes, checkpointing, greedy) compete with it, and are the answer when the
+ILP runs out of time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+from autoremat.model.profile import GraphProfile
+from autoremat.solve import lp
+from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
+from autoremat.solve.ilp import IlpModel, IlpResult
+from autoremat.solve.ilp_choice import Choice, ChoiceModel
+from autoremat.solve.precision_choices import DtypeChoices
+from autoremat.solve.twice import recompute_twice, refine_further
+
+__all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
+           "choose_dtypes", "choose_trace", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
+           "spend_slack"]
+
+# Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
+# the same objective (benchmarks/solver_scale.py).
+DEFAULT_GAP = 0.01
+# Share of `time_limit` after which `solve` starts no new work: building a model and handing it to
+# the MIP solver cost time of their own (about a fifth of a solve on a GPT-2-small graph), so stop
+# starting early enough to end near the limit.
+SOLVE_SHARE = 0.85
+# Share of the time left that one MIP may use: the rest covers PuLP handing the model over (outside
+# the solver's own limit) and the calibration rounds after it.
+MIP_SHARE = 0.7
+# Seconds below which a MIP is not started (and the least it is given): less rarely finds a plan.
+MIN_MIP_S = 0.5
+# Seconds kept free, besides twice the last model's build time, before building another model.
+NEXT_MODEL_MARGIN_S = 1.0
+# Calibration stops once a fitting plan leaves at most this share of the budget unused.
+SLACK_STOP = 0.01
+# `smallest_peak`: each min-peak MIP gets this share of the time limit (but at least MIN_PEAK_MIP_S),
+# at this relative gap (the peak is what BudgetError reports, so it is solved tighter than DEFAULT_GAP)...
+MIN_PEAK_MIP_SHARE = 1 / 4
+MIN_PEAK_MIP_S = 2.0
+MIN_PEAK_GAP = 1e-3
+# ...and once one min-peak plan is in hand, no further model starts after this share of the limit:
+# the rest goes to checkpointing and greedy.
+MIN_PEAK_MODELS_SHARE = 1 / 2
+# Greedy's changes when it looks for the smallest peak (each simulates the whole step).
+MIN_PEAK_GREEDY_TRIES = 100
+
+
+# The ILP solvers a caller may name: HiGHS is the one solver (PuLP 4 no longer bundles CBC), and
+# "auto" stays accepted so that code written for the choice keeps working.
+SOLVERS = ("auto", "highs")
+
+
+def check_solver(name: str) -> None:
+    """A clear error for a solver name autoremat does not run."""
+    if name == "cbc":
+        raise ValueError("solver='cbc' is no longer supported: PuLP 4 does not bundle CBC, and autoremat "
+                         "solves with HiGHS (highspy, installed with autoremat); use solver='highs' or 'auto'")
+    if name not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {name!r}")
+
+
+def _pick_solver(name: str, time_limit: float, gap: float) -> lp.Solver:
+    check_solver(name)
+    return lp.highs(time_limit, gap)
+
+
+def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_rounds, deadline) -> Decision | None:
+    """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
+
+    If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
+    were pessimistic: ask for the slack back and keep the cheapest plan that fits. If the ILP finds
+    nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once; that
+    plan is kept if it fits (rows above the budget, the simulator under it: the 12-block stack at
+    checkpointing's peak, whose retry can then run out of time on a busy machine).
+    """
+    target, best, learned, overshoots = budget, None, False, 0
+    model.last_status = "infeasible"
+    for rounds in range(1, max_rounds + 1):
+        remaining = deadline - time.perf_counter()
+        if remaining < MIN_MIP_S:
+            break
+        # Each MIP gets most of what is left, less the time PuLP takes to hand the model to the
+        # solver (outside the solver's own limit; about the model's build time).
+        backend = _pick_solver(solver, MIP_SHARE * max(MIN_MIP_S, remaining - model.build_s), gap)
+        result = model.solve(target, backend)
+        status, saved = result.status, result.saved
+        model.last_status = status
+        if saved is None:
+            if learned or best is not None:
+                break
+            learned = True
+            low = model.solve(None, backend, min_peak=True)
+            if low.saved is None:
+                break
+            low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
+            if low_tl.peak <= budget:  # the rows' smallest peak may fit in the simulator: a plan in hand
+                best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
+                                "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
+                                solver=type(backend).__name__,
+                                notes=["the ILP found no plan under this budget, but its smallest-peak plan "
+                                       "fits the simulator and is used"])
+            offset = low.predicted_peak - low_tl.peak
+            if offset <= 0:
+                break
+            target = budget + offset
+            continue
+        schedules, tl, cost = evaluate(graphs, saved, granularity)
+        if tl.peak <= budget:
+            if best is None or cost < best.recompute_time_s:
+                path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.block_drag else "")
+                        + ("/shared-blocks" if model.shared_blocks else ""))
+                best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
+                                solver=type(backend).__name__)
+            overshoots = 0
+            slack = budget - tl.peak
+            if cost == 0 or slack <= SLACK_STOP * budget or time.perf_counter() > deadline:
+                break
+            target += slack  # memory the rows could not see: offer it to the ILP
+        else:
+            if time.perf_counter() > deadline:
+                break
+            # The ILP was optimistic by this much: ask for less, and for more each time in a row it
+            # still overshoots (a plan near the limit tends to move by less than the step asked).
+            overshoots += 1
+            # Below this plan's own row peak, or the ILP hands back the same plan: where its rows see
+            # less than the simulator (fused values under Inductor), a target still above that peak
+            # would be lowered round after round without changing anything.
+            below = min(target, result.predicted_peak) if result.predicted_peak is not None else target
+            target = below - (tl.peak - budget) * 2 ** (overshoots - 1)
+    return best
+
+
+def solve(
+    graphs: list[GraphProfile],
+    budget: int,
+    *,
+    granularity: int = 1,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+    gap: float = DEFAULT_GAP,
+    max_rounds: int = 5,
+) -> Decision:
+    """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
+
+    Two ILP models are solved: one that keeps recomputation local (exact start times) and one that
+    lets it span a repeated block (checkpoint-like segments, start times bounded). The cheaper
+    plan the simulator accepts wins; then the greedy plan, then the smallest-peak plan. Whatever
+    budget the chosen plan leaves unused is spent saving recomputed values back (`spend_slack`).
+    Raises `Infeasible` carrying the smallest activation peak any plan reached.
+    """
+    t0 = time.perf_counter()
+    backend = _pick_solver(solver, time_limit, gap)
+    solver_name = type(backend).__name__
+    everything = save_all(graphs)
+    schedules, tl, _ = evaluate(graphs, everything, granularity)
+    if tl.peak <= budget:  # no recomputation needed: nothing to solve
+        return Decision(everything, schedules, tl, 0.0, "optimal", "save-all", solver="none",
+                        solve_time_s=time.perf_counter() - t0, granularity=granularity)
+    deadline = t0 + SOLVE_SHARE * time_limit
+    # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
+    # and the answer when the ILP runs out of time on a large graph.
+    found = block_mode_plans(graphs, budget, granularity)
+    models = []
+    # The full model first (with chained running sums it solves a 48-block stack in seconds), then
+    # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
+    # a huge graph), then the block-drag ones.
+    for shared, block_drag in ((False, False), (True, False), (False, True), (True, True)):
+        if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
+            break
+        models.append(IlpModel(graphs, granularity, block_drag, shared))
+        d = _solve_model(models[-1], graphs, budget, solver, gap, granularity, max_rounds, deadline)
+        if d is not None:
+            found.append(d)
+    best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
+    status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
+    if best is None:
+        saved = greedy(graphs, budget, granularity)
+        schedules, tl, cost = evaluate(graphs, saved, granularity)
+        if tl.peak <= budget:
+            best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
+                            notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
+    if best is not None and best.peak < budget and best.recompute_time_s > 0:
+        best = spend_slack(graphs, best, budget, granularity)
+    if best is None:
+        smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
+                                 models=models)
+        if smallest.peak > budget:
+            raise Infeasible(smallest, status)
+        best = smallest
+        best.notes.append("the ILP found no plan under this budget; used the smallest-peak plan, which fits")
+    best.solve_time_s = time.perf_counter() - t0
+    best.granularity = granularity
+    return best
+
+
+def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_limit: float = 10.0,
+                 gap: float = DEFAULT_GAP) -> Choice:
+    """Solve the ILP over alternative traces of the step (ilp_choice.py) under `budget` bytes.
+
+    Its rows bound the exact simulator from above, so near the floor they may see no room that is
+    there: then, as `_solve_model` does, learn how pessimistic they are from the model's own
+    smallest-peak solution (its rows against the simulator's peak of the same plan) and retry once.
+    """
+    backend = _pick_solver(solver, time_limit, gap)
+    choice = model.solve(budget, backend)
+    if choice.chosen is not None:
+        return choice
+    low = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
+    if low.chosen is None:
+        return choice
+    graphs = model.models[low.chosen].graphs
+    offset = low.predicted_peak - evaluate(graphs, low.saved, model.granularity)[1].peak
+    if offset <= 0:
+        return choice
+    return model.solve(budget + offset, backend)
+
+
+# The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in
+# `smallest_peak` stop on time, so a later call on a busier machine can find a worse plan than the one
+# whose peak a BudgetError reported, and planning at exactly that floor would then be refused.
+# Remembering the best plan makes the floor a process reports reachable, and never rising, in it.
+# Bounded: the least recently used step is forgotten first.
+FLOOR_MEMO_SIZE = 32
+_floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], str]] = OrderedDict()
+
+
+def _floor_key(graphs: list[GraphProfile], granularity: int) -> tuple:
+    """What a remembered plan depends on: each graph's structure, its node names, and which nodes the
+    compiler fuses or may not recompute (so an eager plan is never offered to an Inductor trace)."""
+    return (granularity, *((g.index, g.fingerprint, tuple(g.nodes), tuple(g.released),
+                            tuple(n for n, p in g.nodes.items() if p.fused or p.recompute_ban)) for g in graphs))
+
+
+def _remember_floor(key: tuple, d: Decision) -> None:
+    if key not in _floor_memo or d.peak < _floor_memo[key][0]:
+        _floor_memo[key] = (d.peak, [frozenset(s) for s in d.saved], d.path)
+    _floor_memo.move_to_end(key)
+    while len(_floor_memo) > FLOOR_MEMO_SIZE:
+        _floor_memo.popitem(last=False)
+
+
+def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None) -> Decision:
+    """The plan with the smallest simulated activation peak we can find.
+
+    Candidates: each ILP model's min-peak solution, checkpointing every repeated block, greedy, and
+    the best plan an earlier call found for the same graphs (`_floor_memo`); each is lowered further
+    by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
+    (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
+    """
+    start = time.perf_counter()
+    models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
+    backend = _pick_solver(solver, max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit), MIN_PEAK_GAP)
+    options = []
+    status = "infeasible"
+    for model in models:
+        if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
+            break  # one min-peak plan in hand; the rest of the time goes to the plans below
+        result = model.solve(None, backend, min_peak=True)
+        status = result.status
+        if result.saved is not None:
+            options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
+    options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
+    options.append((greedy(graphs, 0, granularity, max_tries=MIN_PEAK_GREEDY_TRIES), "greedy"))
+    key = _floor_key(graphs, granularity)
+    remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
+    if remembered is not None:
+        options.append((remembered, _floor_memo[key][2]))
+    candidates: list[Decision] = []
+    for cand, path in options:
+        if any(c.saved == cand for c in candidates):
+            continue
+        try:
+            schedules, tl, cost = evaluate(graphs, cand, granularity)
+        except ValueError:  # a candidate the schedule cannot run (a needed value nobody may recompute)
+            continue
+        candidates.append(Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
+                                   granularity=granularity))
+    if not candidates:
+        return None
+    # Every candidate is lowered, not only the best: saving values back reorders them (on a 4-block
+    # stack, d=64, seq 32, dropout 0.1, the ILP's min-peak plan had the lower peak and lowered
+    # checkpointing the lowest: 971,272 B against 989,444). At most five candidates, up to 150
+    # simulations of the whole step each; a remembered plan was refined when it was found.
+    lowered = [d if d.saved is remembered else lower_peak(graphs, d, granularity) for d in candidates]
+    best = min(lowered, key=lambda d: (d.peak, d.recompute_time_s))
+    if best.saved is not remembered:
+        # then values recomputed twice where that lowers the simulated peak: from the best, and from
+        # checkpointing (whose recomputed blocks leave the cuts the most to gain)
+        refined = [recompute_twice(graphs, best, granularity)]
+        blocks = next((d for d in candidates if d.path == "checkpoint-blocks"), None)
+        if blocks is not None and not best.path.startswith("checkpoint-blocks"):
+            refined.append(lower_peak(graphs, recompute_twice(graphs, blocks, granularity), granularity))
+        best = min(refined, key=lambda d: (d.peak, d.recompute_time_s))
+        best = refine_further(graphs, best, granularity)
+    _remember_floor(key, best)
+    return best
+
+
+class Infeasible(Exception):
+    def __init__(self, smallest: Decision, status: str) -> None:
+        super().__init__(f"no plan fits (solver status {status}); smallest peak found {smallest.peak} B")
+        self.smallest = smallest
+        self.status = status
+
+
+def choose_dtypes(
+    graphs: list[GraphProfile],
+    choices: list[DtypeChoices | None],
+    budget: int,
+    tolerance: float | None,
+    *,
+    granularity: int = 1,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+    gap: float = DEFAULT_GAP,
+) -> list[dict[str, str]] | None:
+    """Compute dtypes and save/recompute chosen together, on fp32-traced graphs: the first stage of
+    precision="auto". Returns, per graph, the calls to run in bf16/fp16, or None if nothing fits.
+
+    The memory rows see each value at 2 or 4 bytes per element as its owners decide; the objective
+    is the recomputation time plus the dtype-dependent time of the step (faster 16-bit kernels,
+    the casts they need); the measured errors of the chosen calls sum to at most `tolerance`. The
+    caller traces the graphs again with these dtypes and solves save/recompute exactly on them
+    (the second stage), since the rows here only approximate a mixed graph.
+    """
+    model = IlpModel(graphs, granularity, block_drag=False, choices=choices, tolerance=tolerance)
+    result = model.solve(budget, _pick_solver(solver, time_limit, gap))
+    if result.saved is None:
+        return None
+    return model.chosen_dtypes()
