@@ -11,12 +11,11 @@ together (they share the budget) and the model is compiled once more with the jo
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
-import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +25,24 @@ from autoremat.capture.aot import COMPILE_CLOCK
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, ledger_for_model
 from autoremat.model.precision_measure import FP32_KEPT
-from autoremat.passes.loss_chunks import OUTPUTS, LossOption, compose
+from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
-from autoremat.planning.compilers import CompilerChoice, check_compiler, choose_compiler, run_with_fallback
+from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
+from autoremat.planning.options import PlanOptions, Step
 from autoremat.planning.pipeline import build
 from autoremat.planning.plan import Plan
 from autoremat.planning.planner import (
     CapturePlanner,
     PlanMismatch,
-    compile_and_trace,
     describe,
     require_graphs,
+    trace_step,
 )
 from autoremat.planning.precision_auto import plan_precision
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
-from autoremat.solve.solver import DEFAULT_GAP, check_solver
+from autoremat.solve.solver import DEFAULT_GAP
 from autoremat.torch_internals import tree_leaves
 from autoremat.units import parse_budget
 
@@ -73,15 +73,6 @@ def _check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     except TypeError as e:
         raise TypeError(f"example_inputs do not fit the model: {type(model).__name__}.forward{sig} cannot take "
                         f"({describe(args, kwargs)}): {e}") from None
-
-
-def _check_options(time_limit: float, gap: float, solver: str) -> None:
-    if isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0 \
-            or not math.isfinite(time_limit):
-        raise ValueError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
-        raise ValueError(f"gap must be a relative optimality gap in [0, 1), got {gap!r}")
-    check_solver(solver)
 
 
 def _model_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
@@ -172,113 +163,99 @@ def optimize(
     TypeError / ValueError when example_inputs do not fit the model or an option is malformed.
     """
     budget_bytes = parse_budget(budget)
-    _check_options(time_limit, gap, solver)
-    if not (isinstance(regions, bool) or (isinstance(regions, str) and regions == "auto")):
-        raise ValueError(f"regions must be True (one graph per repeated block), False (one graph) or 'auto' (per "
-                         f"block unless one graph costs less time), got {regions!r}")
-    if plan is not None and regions == "auto":
-        regions = plan.regions  # captured as it was planned
-    elif regions == "auto" and (world_size > 1 or sharding != "none" or torch.distributed.is_available()
-                                and torch.distributed.is_initialized()):
-        regions = True  # DDP's and FSDP2's gradient hand-over and overlap are built on the per-block graphs
-    check_compiler(compiler)
-    started, compiling = time.perf_counter(), COMPILE_CLOCK.seconds
-    if outputs not in OUTPUTS:
-        raise ValueError(f"outputs must be 'all' (the model's outputs as it returns them) or 'loss' (only the loss "
-                         f"is used: the logits output becomes None and is never materialised), got {outputs!r}")
+    asked = PlanOptions(solver=solver, time_limit=time_limit, gap=gap, compiler=compiler, regions=regions,
+                        precision=precision, tolerance=tolerance, fp32_ops=fp32_ops, outputs=outputs,
+                        release_grads=release_grads, verify=verify)
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
+    started, compiling = time.perf_counter(), COMPILE_CLOCK.seconds
     with stages_on_stderr(progress), pulse():
         args, kwargs = _split_inputs(example_inputs)
         _check_signature(model, args, kwargs)
         where = _model_device(model, args, kwargs)
-        _check_precision(precision, tolerance, fp32_ops, where)
-        choice = choose_compiler(compiler, where)
-        compiler = choice.used
-        fp32_ops = tuple(fp32_ops)
+        options = _checked(asked, where, plan, world_size, sharding)
+        first_choice = choose_compiler(options.compiler, where)
         dev = get_device(device if device is not None else where)
-
         workspaces = blas_workspace_bytes(dev, where.type)
 
         def ledger_for(args: tuple, kwargs: dict) -> Ledger:
             return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
                                     device_granularity=dev.alloc_granularity, workspaces=workspaces)
 
-        ledger = ledger_for(args, kwargs)
-        opts = {"solver": solver, "time_limit": time_limit, "gap": gap}
+        step = Step(model, args, kwargs, where, dev, ledger_for(args, kwargs), options, first_choice.used)
         store = PlanCache.open(cache) if plan is None else None
-        fields = {"budget": budget_bytes, "ledger": ledger.to_dict(), "device": dev.name, "where": str(where),
-                  "precision": precision_mode(str(where)), "verify": verify and where.type != "meta",
-                  "compiler": compiler, "regions": regions, "release_grads": release_grads, "dtypes": {"mode": precision, "tolerance": tolerance, "fp32_ops": fp32_ops},
-                  **opts}
-
-        def builder(args: tuple, kwargs: dict, ledger: Ledger, used: str | None = None) -> Callable:
-            return functools.partial(build, model, ledger=ledger, dev=dev, opts=opts, compiler=used or compiler, args=args,
-                                     kwargs=kwargs, verify=verify, where=where, fp32_ops=fp32_ops,
-                                     regions=regions, release_grads=release_grads, outputs=outputs)
-
-        def plan_step(used: str) -> tuple[Plan, Any, CapturePlanner]:
-            """Plan the step (or apply `plan`) with compiler `used` (run_with_fallback may ask twice)."""
-            nonlocal compiler, fields
-            compiler, fields = used, {**fields, "compiler": used}
-            build_here = builder(args, kwargs, ledger)
-            if plan is None and precision == "fp32":
-                return build_here(budget_bytes, [], store, fields)
-            if plan is None:
-                return plan_precision(model, build_here, precision, tolerance, budget_bytes, ledger, dev, opts, args,
-                                      kwargs, where, fp32_ops, store, fields)
-            dtypes = plan.precision.get("dtypes") or []
-            pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", fp32_ops)) if dtypes else None
-            if plan.loss:  # the loss region as planned (one chunk of 16-bit logits: the fused loss)
-                pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
-            applier = CapturePlanner(budget_bytes, optimizer=optimizer, device=dev, ledger=ledger, plan=plan,
-                                     pre_pass=pre, regions=regions, release_grads=release_grads, **opts)
-            compiled = compile_and_trace(model, applier, compiler, args, kwargs)
-            require_graphs(model, applier)
-            traced = [p.fingerprint for p in applier.sequence()]
-            if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
-                raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
-                                   f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
-                                   "again instead of re-applying this plan.")
-            plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
-            return plan, compiled, applier
-
-        asked = choice  # each input shape chooses as the first did: Inductor, else eager where only eager fits
-        (plan, compiled, planner), choice = run_with_fallback(asked, plan_step)
+        fields = _cache_fields(budget_bytes, step)
+        reapply = plan
+        (made, compiled, planner), choice = run_with_fallback(first_choice, lambda c: _plan_step(
+            step.using(c), budget_bytes, reapply, store, {**fields, "compiler": c}, optimizer))
         planner.strict = False
-        _stamp(plan, choice, started, compiling)
-        chosen = plan.precision.get("dtypes") or []
+        _stamp(made, choice, started, compiling)
+        chosen = made.precision.get("dtypes") or []
 
         def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
             """A new input shape: the whole pipeline again, with the dtypes already chosen."""
             now, clock = time.perf_counter(), COMPILE_CLOCK.seconds
-            shape_ledger = ledger_for(new_args, new_kwargs)
-            made, used = run_with_fallback(asked, lambda c: builder(new_args, new_kwargs, shape_ledger, c)(
-                budget_bytes, chosen, None, {**fields, "compiler": c}))
-            _stamp(made[0], used, now, clock)
-            return made
+            shaped = step.shaped(new_args, new_kwargs, ledger_for(new_args, new_kwargs))
+            shape_plan, used = run_with_fallback(first_choice, lambda c: build(
+                shaped.using(c), budget_bytes, chosen, None, {**fields, "compiler": c}))
+            _stamp(shape_plan[0], used, now, clock)
+            return shape_plan
 
-        return RematModule(model, compiled, plan, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,
+        return RematModule(model, compiled, made, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,
                            progress=progress)
+
+
+def _checked(options: PlanOptions, where: torch.device, plan: Plan | None, world_size: int,
+             sharding: str) -> PlanOptions:
+    """`options` checked, with regions="auto" settled where only one form can serve."""
+    options.check(where)
+    options = replace(options, fp32_ops=tuple(options.fp32_ops))
+    if plan is not None and options.regions == "auto":
+        return replace(options, regions=plan.regions)  # captured as it was planned
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if options.regions == "auto" and (world_size > 1 or sharding != "none" or distributed):
+        # DDP's and FSDP2's gradient hand-over and overlap are built on the per-block graphs
+        return replace(options, regions=True)
+    return options
+
+
+def _cache_fields(budget: int, step: Step) -> dict:
+    """What a cached plan must have been made for, besides the step's graphs (the plan cache's key)."""
+    o = step.options
+    return {"budget": budget, "ledger": step.ledger.to_dict(), "device": step.dev.name, "where": str(step.where),
+            "precision": precision_mode(str(step.where)), "verify": step.checked, "compiler": step.compiler,
+            "regions": o.regions, "release_grads": o.release_grads,
+            "dtypes": {"mode": o.precision, "tolerance": o.tolerance, "fp32_ops": o.fp32_ops}, **o.solving()}
+
+
+def _plan_step(step: Step, budget: int, plan: Plan | None, store: PlanCache | None, fields: dict,
+               optimizer: Any) -> tuple[Plan, Any, CapturePlanner]:
+    """Plan the step with `step.compiler` (run_with_fallback may ask twice), or re-apply `plan`."""
+    if plan is None and step.options.precision == "fp32":
+        return build(step, budget, [], store, fields)
+    if plan is None:
+        return plan_precision(step, budget, store, fields)
+    o = step.options
+    dtypes = plan.precision.get("dtypes") or []
+    pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", o.fp32_ops)) if dtypes else None
+    if plan.loss:  # the loss region as planned (one chunk of 16-bit logits: the fused loss)
+        pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
+    applier = CapturePlanner(budget, optimizer=optimizer, device=step.dev, ledger=step.ledger, plan=plan,
+                             pre_pass=pre, regions=o.regions, release_grads=o.release_grads, **o.solving())
+    compiled = trace_step(step, applier)
+    require_graphs(step.model, applier)
+    traced = [p.fingerprint for p in applier.sequence()]
+    if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
+        raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
+                           f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
+                           "again instead of re-applying this plan.")
+    plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
+    return plan, compiled, applier
 
 
 def _stamp(plan: Plan, choice: CompilerChoice, started: float, compiling: float) -> None:
     """The compiler chosen and why, and planning's wall time with the part Inductor's compilers took."""
     plan.compiler = {**choice.to_dict(), "planning_s": round(time.perf_counter() - started, 3),
                      "inductor_compile_s": round(COMPILE_CLOCK.seconds - compiling, 3)}
-
-
-def _check_precision(precision: str, tolerance: float | None, fp32_ops: Any, where: torch.device) -> None:
-    if precision not in precision_plan.MODES:
-        raise ValueError(f"precision must be one of {', '.join(precision_plan.MODES)}, got {precision!r}")
-    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
-                                  or not math.isfinite(tolerance) or tolerance < 0):
-        raise ValueError(f"tolerance must be a finite number >= 0 (a summed relative error), got {tolerance!r}")
-    if isinstance(fp32_ops, str) or not all(isinstance(o, str) for o in fp32_ops):
-        raise TypeError(f"fp32_ops must be a list of call names such as {list(FP32_KEPT[:3])}, got {fp32_ops!r}")
-    if precision == "fp16" and where.type == "meta":
-        raise ValueError("precision='fp16' measures value ranges on the example batch (fp16 overflows where bf16 "
-                         "does not), which meta tensors do not have: give real example inputs, or use "
-                         "precision='bf16' or 'auto' on meta (auto then offers bf16 only, with estimated errors)")
 
 

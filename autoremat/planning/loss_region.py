@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
@@ -28,15 +28,18 @@ from autoremat.planning.planner import (
     CapturePlanner,
     activation_budget,
     along,
-    compile_and_trace,
     plan_graphs,
     progress,
+    trace_step,
 )
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.ilp_choice import ChoiceModel, ops_once_time
 from autoremat.solve.solver import choose_trace
 from autoremat.units import format_bytes
+
+if TYPE_CHECKING:
+    from autoremat.planning.options import Step
 
 # Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
 # gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
@@ -76,7 +79,7 @@ class Candidate:
     decision: Decision | None = None  # plan_graphs' plan of its calls at the budget
 
 
-def choose_chunks(model, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable, **kw):
+def choose_chunks(step: Step, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable):
     """Trace the step at each candidate chunk count, let the ILP choose one, and `build` the step with it.
 
     `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
@@ -89,14 +92,14 @@ def choose_chunks(model, first: Candidate, budget: int, dtypes, store, fields, *
     for i, k in enumerate(counts):
         progress.info("tracing the loss region in %d chunks", k)
         along(f"chunk count {i + 1} of {len(counts)}: the whole step is traced with the rewrite")
-        traces[k] = _trace(model, loss, k, budget, dtypes, kw)
+        traces[k] = _trace(step, loss, k, budget, dtypes)
 
     def build_count(k: int):
-        return build(model, budget, dtypes, store, fields, outputs=loss.outputs, chunks=k, first=traces[k], **kw)
+        return build(step, budget, dtypes, store, fields, chunks=k, first=traces[k])
     if len(traces) == 1:  # nothing to choose (too few token rows for a second count)
         return build_count(1)
-    dev, opts = kw["dev"], kw["opts"]
-    activations = activation_budget(budget, kw["ledger"], dev)
+    dev, opts = step.dev, step.options.solving()
+    activations = activation_budget(budget, step.ledger, dev)
     base_time = {k: ops_once_time(t.planner.profiles) for k, t in traces.items()}
     table = {k: f"ops once {1e3 * base_time[k]:.3f} ms" for k in traces}
     # Built only when some budget is left for activations (a floor query, budget=1, goes straight on).
@@ -123,22 +126,23 @@ def choose_chunks(model, first: Candidate, budget: int, dtypes, store, fields, *
         table[k] += (f"; chosen by the ILP (predicted {1e3 * choice.predicted_time_s:.3f} ms with its recomputation, "
                      f"activation rows up to {format_bytes(choice.predicted_peak)})")
         return _record(plan, table, "ilp"), compiled, planner
-    k = _fastest_in_full(traces, base_time, refused, table, budget, kw)
+    k = _fastest_in_full(traces, base_time, refused, table, budget, step)
     plan, compiled, planner = build_count(k)
     return _record(plan, table, "each count planned in full (the ILP found no plan)"), compiled, planner
 
 
-def _trace(model, loss: LossOption, k: int, budget: int, dtypes, kw) -> Candidate:
+def _trace(step: Step, loss: LossOption, k: int, budget: int, dtypes) -> Candidate:
+    options = step.options
     option = LossOption(loss.outputs, k)
-    pre = compose(precision_plan.pre_pass(dtypes, kw["fp32_ops"]) if any(dtypes) else None, option.pre_pass())
+    pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, option.pre_pass())
     # regions="auto" traces the candidates per block; build decides on one graph for the count chosen
-    planner = CapturePlanner(budget, device=kw["dev"], ledger=kw["ledger"], regions=kw["regions"] is not False,
-                             release_grads=kw["release_grads"], pre_pass=pre, **kw["opts"])
-    compiled = compile_and_trace(model, planner, kw["compiler"], kw["args"], kw["kwargs"])
+    planner = CapturePlanner(budget, device=step.dev, ledger=step.ledger, regions=options.regions is not False,
+                             release_grads=options.release_grads, pre_pass=pre, **options.solving())
+    compiled = trace_step(step, planner)
     return Candidate(planner, compiled, option)
 
 
-def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, budget: int, kw) -> int:
+def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, budget: int, step: Step) -> int:
     """Plan the counts the ILP did not already see refused; the fastest that fits, or the BudgetError of
     the count with the lowest floor.
 
@@ -159,7 +163,7 @@ def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, 
         planner = traces[k].planner
         try:
             # As build plans the step (plan_jointly): its calls, one saved set per compiled graph.
-            d = plan_graphs(planner.sequence(), budget, kw["ledger"], kw["dev"], one_set=True, **kw["opts"])
+            d = plan_graphs(planner.sequence(), budget, step.ledger, step.dev, one_set=True, **step.options.solving())
         except BudgetError as e:
             refused[k] = e
             table[k] += "; planned in full: does not fit"

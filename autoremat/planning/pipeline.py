@@ -22,6 +22,7 @@ from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.loss_region import Candidate, choose_chunks, fits_unchunked, loss_region_matters
+from autoremat.planning.options import Step
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
@@ -30,12 +31,12 @@ from autoremat.planning.planner import (
     activation_budget,
     along,
     check_cached,
-    compile_and_trace,
     log,
     plan_graphs,
     plan_jointly,
     progress,
     require_graphs,
+    trace_step,
 )
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
@@ -44,24 +45,23 @@ from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
 
 
-def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *, ledger, dev,
-           opts, compiler, args, kwargs, verify, where, fp32_ops, regions, release_grads: bool = True,
-           outputs: str | None = None,
-           chunks: int | None = None, first: Candidate | None = None) -> tuple[Plan, Any, CapturePlanner]:
+def build(step: Step, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
+          chunks: int | None = None, first: Candidate | None = None) -> tuple[Plan, Any, CapturePlanner]:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
-    outputs ("all" or "loss"; None: no loss rewrite at all): the loss region is chunked into
-    `chunks` pieces (autoremat.passes.loss_chunks), or, with chunks=None, into the count `choose_chunks`
+    The loss region is chunked into `chunks` pieces (autoremat.passes.loss_chunks; `step.options.outputs`
+    says whether the logits output is kept), or, with chunks=None, into the count `choose_chunks`
     finds best once the first trace has shown a projection -> cross-entropy pattern.
     first: the step already traced with these dtypes and `chunks` (the loss-region candidate
     `choose_chunks` chose), and its plan at the budget if one was solved: neither is done again
     (without a plan cache: a cached plan is looked up by a trace's first graph as it arrives).
     """
-    loss = LossOption(outputs, chunks) if outputs is not None else None
-    if loss is not None:
-        fields = {**fields, "outputs": outputs, "loss_chunks": chunks}
-    pre = compose(precision_plan.pre_pass(dtypes, fp32_ops) if any(dtypes) else None, loss.pre_pass() if loss else None)
-    if first is not None and loss is not None:
+    options, ledger, dev = step.options, step.ledger, step.dev
+    outputs, regions = options.outputs, options.regions
+    loss = LossOption(outputs, chunks)
+    fields = {**fields, "outputs": outputs, "loss_chunks": chunks}
+    pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, loss.pre_pass())
+    if first is not None:
         loss.reports = list(first.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
     key: list[str] = []
     lookup = None
@@ -74,20 +74,20 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
 
     def make(lookup: Callable | None = None, split: bool = split) -> CapturePlanner:
         return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=split,
-                              release_grads=release_grads, **opts)
+                              release_grads=options.release_grads, **options.solving())
 
     def trace(split: bool) -> Traced:
         """Capture the step (a cached plan, if any, is looked up by its first graph), with the cache key used."""
         looked = len(key)
         planner = make(lookup, split)
         try:
-            compiled = compile_and_trace(model, planner, compiler, args, kwargs)
+            compiled = trace_step(step, planner)
         except StaleCache as e:
             log.warning("autoremat: ignoring cached plan %s (%s)", store.path(key[-1]), e)
             store.discard(key[-1])
             planner = make(None, split)
-            compiled = compile_and_trace(model, planner, compiler, args, kwargs)
-        require_graphs(model, planner)
+            compiled = trace_step(step, planner)
+        require_graphs(step.model, planner)
         return Traced(planner, compiled, key[-1] if len(key) > looked else None)
 
     if first is not None and store is None:
@@ -97,17 +97,14 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         traced = trace(split)
     planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
     chunks_note = None
-    if loss is not None and chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
+    if chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
         chunks_note = fits_unchunked(planner, budget, ledger, dev)
         if chunks_note is None:
-            return choose_chunks(model, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build,
-                                 ledger=ledger,
-                                 dev=dev, opts=opts, compiler=compiler, args=args, kwargs=kwargs, verify=verify,
-                                 where=where, fp32_ops=fp32_ops, regions=regions, release_grads=release_grads)
+            return choose_chunks(step, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build)
     regions_note, cut_step = None, None
-    checked = verify and where.type != "meta"
+    checked = step.checked
     if regions == "auto" and planner.cached is None and planner.cut:
-        traced, cut_step = one_graph_if_free(traced, trace, budget, ledger, dev, compiler, checked, opts)
+        traced, cut_step = one_graph_if_free(traced, trace, budget, step)
         planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
     if planner.cached is not None:
         hit = check_cached(planner, budget, ledger, dev)
@@ -117,32 +114,29 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
         log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(store_key))
         store.discard(store_key)
         planner = make(None, planner.regions)
-        compiled = compile_and_trace(model, planner, compiler, args, kwargs)
-    plan, compiled, planner = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts,
-                                           decision=traced.decision)
+        compiled = trace_step(step, planner)
+    plan, compiled, planner = plan_jointly(step, planner, budget, decision=traced.decision)
     measured: Any = UNMEASURED
     if cut_step is not None and checked:
         progress.info("verifying the plan on a real step")  # and whether one graph is kept
-        _first_backward(compiler)
-        measured = measure_step(model, compiled, planner, args, kwargs, where)
+        _first_backward(step.compiler)
+        measured = measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
         if measured is not None and (ledger.fixed + measured > budget or measured > WHOLE_HELD * plan.activation_peak):
             store_key = cut_step.store_key
             regions_note = f"{cut_step.note} ({measured} B of activations measured, {plan.activation_peak} B predicted)"
-            plan, compiled, planner = plan_jointly(model, cut_step.planner, budget, ledger, dev, compiler, args,
-                                                   kwargs, opts)
+            plan, compiled, planner = plan_jointly(step, cut_step.planner, budget)
             measured = UNMEASURED
     if checked:  # one graph kept: the step just measured is its verification
-        plan, compiled, planner = verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler,
-                                                 args, kwargs, opts, where, measured=measured)
-    elif where.type == "meta":
+        plan, compiled, planner = verify_on_step(step, compiled, plan, planner, budget, measured=measured)
+    elif step.where.type == "meta":
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
     plan.regions = planner.regions
     if regions_note:
         plan.notes.append(regions_note)
-    if loss is not None and loss.found:
+    if loss.found:
         kept = max(r.logits_kept for r in loss.reports)
         plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
                      "fused": max(r.fused for r in loss.reports),
@@ -153,7 +147,7 @@ def build(model, budget: int, dtypes: list[dict[str, str]], store: PlanCache | N
             plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "
                               "the model, or an output derived from them): they are still computed whole")
     if dtypes:
-        plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(fp32_ops)}
+        plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(options.fp32_ops)}
         plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
     if store is not None and store_key:
         store.store(store_key, plan, fields)
@@ -175,8 +169,8 @@ class Traced:
     decision: Decision | None = None  # its plan at the budget, where one_graph_if_free already solved it
 
 
-def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int, ledger: Ledger, dev, compiler: str,
-                      checked: bool, opts: dict) -> tuple[Traced, Traced | None]:
+def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
+                      step: Step) -> tuple[Traced, Traced | None]:
     """regions="auto": the step as one graph when that costs less time than the graph calls it saves.
 
     Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
@@ -200,6 +194,7 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     Returns the form to plan, its `note` saying why, and the cut step to fall back on (its `note`
     saying why) when one graph was taken, else None.
     """
+    ledger, dev = step.ledger, step.dev
     room = activation_budget(budget, ledger, dev)
     cut_graphs = cut.planner.sequence()
     saved_cut, n_cut = save_all_peak(cut_graphs, dev.alloc_granularity), len(cut_graphs)
@@ -209,7 +204,7 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
                     f"step would need {format_bytes(saved_cut)} of activations, over the {format_bytes(room)} the "
                     "budget leaves")
         return cut, None
-    if compiler == "inductor" and not checked:
+    if step.compiler == "inductor" and not step.checked:
         cut.note = (f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not "
                     "predicted exactly and no real step will measure it (verify=False, or the meta device)")
         return cut, None
@@ -222,9 +217,9 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
             "the budget leaves")
     if saved_whole > room:
         progress.info("solving for %d nodes in one graph (time limit %g s per solve)",
-                      sum(len(g.nodes) for g in graphs), opts["time_limit"])
+                      sum(len(g.nodes) for g in graphs), step.options.time_limit)
         try:
-            whole.decision = plan_graphs(graphs, budget, ledger, dev, one_set=True, **opts)
+            whole.decision = plan_graphs(graphs, budget, ledger, dev, one_set=True, **step.options.solving())
             recompute_s = whole.decision.recompute_time_s
         except BudgetError:
             recompute_s = None
@@ -257,8 +252,7 @@ def _first_backward(compiler: str) -> None:
 UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
 
 
-def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler, args, kwargs, opts, where,
-                   measured: Any = UNMEASURED):
+def verify_on_step(step: Step, compiled, plan, planner, budget, measured: Any = UNMEASURED):
     """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
 
     The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
@@ -267,9 +261,10 @@ def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler
     is never returned: BudgetError says what was measured. `measured`: what measure_step already
     returned for this plan, if it ran.
     """
+    model, args, kwargs, where, ledger = step.model, step.args, step.kwargs, step.where, step.ledger
     if measured is UNMEASURED:
         progress.info("verifying the plan on a real step")
-        _first_backward(compiler)
+        _first_backward(step.compiler)
         measured = measure_step(model, compiled, planner, args, kwargs, where)
     if measured is None:
         # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
@@ -286,8 +281,7 @@ def verify_on_step(model, compiled, plan, planner, budget, ledger, dev, compiler
                                     notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
     reserve.inputs += gap
     progress.info("re-planning with %d bytes the memory model did not predict", gap)
-    new, compiled, applier = plan_jointly(model, planner, budget, ledger, dev, compiler, args, kwargs, opts,
-                                          reserve=reserve)
+    new, compiled, applier = plan_jointly(step, planner, budget, reserve=reserve)
     new.notes += [n for n in plan.notes if n not in new.notes]
     new.notes.append(f"re-planned with {gap} B reserved for memory the model did not predict")
     again = measure_step(model, compiled, applier, args, kwargs, where)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
@@ -39,6 +39,9 @@ from autoremat.torch_internals import (
     is_primal,
 )
 from autoremat.units import format_bytes
+
+if TYPE_CHECKING:  # planning/options.py imports nothing of this module; the hint keeps it that way
+    from autoremat.planning.options import Step
 
 log = logging.getLogger("autoremat")
 # One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
@@ -385,14 +388,20 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     return compiled
 
 
-def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kwargs, opts,
-                 reserve: Ledger | None = None, decision: Decision | None = None):
+def trace_step(step: Step, planner: CapturePlanner) -> Any:
+    """`compile_and_trace` for the step being planned, with the compiler it uses."""
+    return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
+
+
+def plan_jointly(step: Step, planner: CapturePlanner, budget: int, reserve: Ledger | None = None,
+                 decision: Decision | None = None):
     """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan.
 
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
     model does not predict); the plan still reports `ledger`. `decision`: plan_graphs' answer for these
     graphs at this budget and ledger, when the caller already has it (not solved again).
     """
+    ledger, dev, opts = step.ledger, step.dev, step.options.solving()
     profiles = planner.sequence()
     if decision is None:
         progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
@@ -409,5 +418,5 @@ def plan_jointly(model, planner, budget, ledger: Ledger, dev, compiler, args, kw
                           "jointly under one budget")
     applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
                              regions=planner.regions, release_grads=planner.release_grads, **opts)
-    compiled = compile_and_trace(model, applier, compiler, args, kwargs)
+    compiled = trace_step(step, applier)
     return plan, compiled, applier

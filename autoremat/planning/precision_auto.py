@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from autoremat.planning import precision_plan
-from autoremat.planning.pipeline import loss_of
+from autoremat.planning.options import Step
+from autoremat.planning.pipeline import build, loss_of
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import Restore, progress
 
@@ -43,15 +44,16 @@ def step_time(plan: Plan) -> float:
     return plan.forward_time_s + plan.recompute_time_s
 
 
-def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, args, kwargs, where, fp32_ops,
-                   store, fields):
+def plan_precision(step: Step, budget: int, store, fields: dict):
     """precision="bf16" | "fp16" | "auto": choose dtypes, then plan the step traced with them (module docstring)."""
+    model, args, kwargs, where = step.model, step.args, step.kwargs, step.where
+    mode, tolerance = step.options.precision, step.options.tolerance
     with Restore(model), torch.enable_grad():
-        an = precision_plan.analyse(model, args, kwargs, dev, fp32_ops, measure=where.type != "meta")
+        an = precision_plan.analyse(model, args, kwargs, step.dev, step.options.fp32_ops, measure=where.type != "meta")
     info: dict[str, Any] = {"mode": mode}
     if mode in ("bf16", "fp16"):
         dtypes, unsafe = precision_plan.fixed_dtypes(an, mode)
-        plan, compiled, planner = build(budget, dtypes, store, fields)
+        plan, compiled, planner = build(step, budget, dtypes, store, fields)
         if unsafe:
             plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
                               f"kept in fp32: {', '.join(unsafe[:8])}")
@@ -59,8 +61,7 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
     else:
         tol = an.default_tolerance() if tolerance is None else float(tolerance)
         info["tolerance"] = tol
-        plan, compiled, planner = _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
-                                        store, fields, info)
+        plan, compiled, planner = _auto(step, an, tol, budget, store, fields, info)
     stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
     picked = plan.precision.get("dtypes") or []
     info["error_estimate"] = precision_plan.error_estimate(an, picked) if an.stats and any(an.stats) else None
@@ -72,8 +73,9 @@ def plan_precision(model, build, mode, tolerance, budget, ledger, dev, opts, arg
     return plan, compiled, planner
 
 
-def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where, store, fields, info):
+def _auto(step: Step, an, tol: float, budget: int, store, fields: dict, info: dict):
     """precision="auto": the fastest of fp32, the joint ILP's dtypes and all-bf16 (module docstring)."""
+    model, args, kwargs, where, ledger = step.model, step.args, step.kwargs, step.where, step.ledger
     meta = where.type == "meta"
 
     def checked(result) -> bool:
@@ -85,7 +87,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
         return as_accurate_as_autocast(errors)
 
     try:
-        fp32 = build(budget, [], None, fields)
+        fp32 = build(step, budget, [], None, fields)
     except BudgetError:
         fp32 = None
     candidates: dict[str, tuple] = {} if fp32 is None else {"fp32": fp32}
@@ -95,7 +97,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
         cap = min(cap, fp32[0].activation_peak)
     ilp_tol, ilp_dtypes = tol, None
     for attempt in range(AUTO_TRIES):
-        dtypes = precision_plan.auto_dtypes(an, cap, ilp_tol, dev, **opts)
+        dtypes = precision_plan.auto_dtypes(an, cap, ilp_tol, step.dev, **step.options.solving())
         if dtypes is None:
             why["ilp"] = "the joint ILP found no dtypes within the budget"
             break
@@ -103,7 +105,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
             why["ilp"] = "the joint ILP chose fp32 for every call"
             break
         try:
-            result = build(min(budget, ledger.needs(cap)), dtypes, store, fields)
+            result = build(step, min(budget, ledger.needs(cap)), dtypes, store, fields)
         except BudgetError:
             why["ilp"] = "the ILP's dtypes did not fit once traced"
             cap = int(cap * AUTO_CAP_SHRINK)
@@ -119,7 +121,7 @@ def _auto(model, build, an, tol, budget, ledger, dev, opts, args, kwargs, where,
     bf16_checked: bool | None = None
     if ilp_dtypes != bf16_dtypes and (bf16_error <= tol or not candidates):
         try:
-            result = build(budget, bf16_dtypes, store, fields)
+            result = build(step, budget, bf16_dtypes, store, fields)
         except BudgetError as e:
             why["bf16"] = "every call in bf16 does not fit"
             if not candidates:
