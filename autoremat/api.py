@@ -29,7 +29,7 @@ from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
-from autoremat.planning.options import PlanOptions, Step
+from autoremat.planning.options import PlanOptions, TrainingStep
 from autoremat.planning.pipeline import build
 from autoremat.planning.plan import Plan
 from autoremat.planning.planner import (
@@ -182,7 +182,7 @@ def optimize(
             return ledger_for_model(model, optimizer, inputs=(args, kwargs), world_size=world_size, sharding=sharding,
                                     device_granularity=dev.alloc_granularity, workspaces=workspaces)
 
-        step = Step(model, args, kwargs, where, dev, ledger_for(args, kwargs), options, first_choice.used)
+        step = TrainingStep(model, args, kwargs, where, dev, ledger_for(args, kwargs), options, first_choice.used)
         store = PlanCache.open(cache) if plan is None else None
         fields = _cache_fields(budget_bytes, step)
         reapply = plan
@@ -219,7 +219,7 @@ def _checked(options: PlanOptions, where: torch.device, plan: Plan | None, world
     return options
 
 
-def _cache_fields(budget: int, step: Step) -> dict:
+def _cache_fields(budget: int, step: TrainingStep) -> dict:
     """What a cached plan must have been made for, besides the step's graphs (the plan cache's key)."""
     o = step.options
     return {"budget": budget, "ledger": step.ledger.to_dict(), "device": step.dev.name, "where": str(step.where),
@@ -228,7 +228,7 @@ def _cache_fields(budget: int, step: Step) -> dict:
             "dtypes": {"mode": o.precision, "tolerance": o.tolerance, "fp32_ops": o.fp32_ops}, **o.solving()}
 
 
-def _plan_step(step: Step, budget: int, plan: Plan | None, store: PlanCache | None, fields: dict,
+def _plan_step(step: TrainingStep, budget: int, plan: Plan | None, store: PlanCache | None, fields: dict,
                optimizer: Any) -> tuple[Plan, Any, CapturePlanner]:
     """Plan the step with `step.compiler` (run_with_fallback may ask twice), or re-apply `plan`."""
     if plan is None and step.options.precision == "fp32":

@@ -15,8 +15,9 @@ import autoremat
 from autoremat.capture.aot import capture
 from autoremat.measure import measure_peak
 from autoremat.model.fusion import concat_writes, fused_nodes
-from autoremat.model.memory import make_schedule, simulate
+from autoremat.model.memory import simulate
 from autoremat.model.profile import profile_graph
+from autoremat.model.schedule import make_schedule
 from autoremat.planning.compilers import inductor_problem
 from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import inductor_realize_reads_threshold

@@ -10,8 +10,9 @@ import torch
 import autoremat
 from autoremat.measure import measure_peak
 from autoremat.model.inplace import kernel_last_use, least_peak_first
-from autoremat.model.memory import make_schedule, simulate
+from autoremat.model.memory import simulate
 from autoremat.model.profile import GraphProfile, NodeProfile
+from autoremat.model.schedule import make_schedule
 from autoremat.planning.compilers import inductor_problem
 from examples.models import gpt2, loss_of, transformer_stack
 

@@ -2,7 +2,7 @@
 folder the table names, and a module imports only modules of its own stage or earlier ones (data flows one
 way). The passes are a library every stage may call; they import only precision's call helpers, the naming
 of values recomputed twice and the private-torch module. Imports under `TYPE_CHECKING` are type hints only.
-Also: no import cycles, and private torch only in `torch_internals.py`.
+Also: no import cycles, and private torch only in `torch_internals/`.
 """
 
 import ast
@@ -35,8 +35,11 @@ def _table() -> dict[str, tuple[int, str]]:
 
 
 def _module(path: Path) -> str:
-    """The dotted name of a module under the package; a folder's `__init__` is the folder."""
+    """The dotted name of a module under the package; a folder's `__init__` is the folder, and a shared
+    package (torch_internals/) is one module whatever file of it."""
     parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[0] in USED_BY_EVERY_STAGE:
+        return parts[0]
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
@@ -60,7 +63,7 @@ def _imports(path: Path) -> list[tuple[str, int]]:
                 found.append((".".join([*under, alias.name]), node.lineno))
             elif under:
                 found.append((".".join(under), node.lineno))
-    return found
+    return [(t.split(".")[0] if t.split(".")[0] in USED_BY_EVERY_STAGE else t, line) for t, line in found]
 
 
 def _stage_of(module: str, table: dict) -> int | None:
@@ -70,16 +73,17 @@ def _stage_of(module: str, table: dict) -> int | None:
     return table[module][0] if module in table else table[module.split(".")[0]][0]
 
 
-def _modules() -> dict[str, Path]:
-    return {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+def _modules() -> list[tuple[str, Path]]:
+    return [(_module(p), p) for p in sorted(PACKAGE.rglob("*.py"))]
 
 
 def test_every_module_is_in_the_folder_the_readme_table_names():
     table = _table()
     folders = {folder for _, folder in table.values()} - {"autoremat"}
-    assert folders == {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}, "one folder per stage"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - USED_BY_EVERY_STAGE
+    assert folders == packages, "one folder per stage"
     listed = set(table)
-    on_disk = {m for m in _modules() if m not in NOT_A_STAGE | USED_BY_EVERY_STAGE and m not in folders}
+    on_disk = {m for m, _ in _modules() if m not in NOT_A_STAGE | USED_BY_EVERY_STAGE and m not in folders}
     assert on_disk - listed == set(), "modules missing from README's stage table"
     assert listed - on_disk == set(), "README's stage table names modules that are not where it says"
 
@@ -88,7 +92,7 @@ def test_no_module_imports_a_later_stage():
     table = _table()
     stage_rank = {folder: rank for rank, folder in table.values()}
     later = []
-    for me, path in _modules().items():
+    for me, path in _modules():
         if me in NOT_A_STAGE:
             continue
         mine = None if me in USED_BY_EVERY_STAGE else (stage_rank[me] if me in stage_rank else _stage_of(me, table))
@@ -111,7 +115,7 @@ def test_no_module_imports_a_later_stage():
 
 def test_no_import_cycles():
     """Run-time imports between modules form no cycle (a folder's `__init__` counts as a module)."""
-    modules = _modules()
+    modules = dict(_modules())  # torch_internals/: its files import one another, not the package
     graph = {m: {t for t, _ in _imports(p) if t in modules and t != m} for m, p in modules.items()}
     done: set[str] = set()
     path: list[str] = []
@@ -157,7 +161,7 @@ def _private_torch_uses(path: Path) -> list[str]:
 
 def test_private_torch_is_reached_only_through_torch_internals():
     """One module holds every private torch API, so a torch release that moves one breaks one file."""
-    uses = [u for path in sorted(PACKAGE.rglob("*.py")) if path.name != "torch_internals.py"
+    uses = [u for path in sorted(PACKAGE.rglob("*.py")) if "torch_internals" not in path.relative_to(PACKAGE).parts
             for u in _private_torch_uses(path)]
     assert uses == []
 
@@ -168,3 +172,25 @@ def test_the_private_torch_check_sees_every_form(tmp_path):
                       "x = torch._guards.detect_fake_mode\ny = torch.__version__\nz = torch.ops.aten._to_copy\n")
     assert _private_torch_uses(source) == ["m.py:2 import torch._dynamo", "m.py:3 from torch._ops",
                                            "m.py:4 torch._guards"]
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80  # of code: a docstring (optimize's is the user's reference) does not count
+
+
+def test_modules_and_functions_stay_small():
+    """One module, one job: no module over 400 lines, no function body over 80 (its docstring aside)."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body
+            has_doc = len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            lines = node.end_lineno - (body[1] if has_doc else body[0]).lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines of code")
+    assert too_long == []

@@ -1,4 +1,4 @@
-"""Each private torch API autoremat relies on (autoremat/torch_internals.py), exercised on the installed torch.
+"""Each private torch API autoremat relies on (autoremat/torch_internals/), exercised on the installed torch.
 
 A torch release that moves, renames or changes one of them fails the test named after it. `.ci/run`
 runs this file on every torch version the package claims (2.11 and 2.13).
@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.split_module import split_module
 
 import autoremat.torch_internals as ti
+import autoremat.torch_internals.inductor as ti_inductor
 from autoremat.capture.aot import _composite_ops_with_meta_kernels, boxed_eager, capture, default_split
 from autoremat.model.profile import profile_graph
 from autoremat.solve.heuristics import save_all
@@ -185,7 +186,7 @@ def test_the_vector_width_follows_aten_cpu_capability_and_is_pinned_only_when_un
 
     assert ti.inductor_vector_width() in (0, 128, 256, 512)
     seen = []
-    pinned = ti._with_our_settings(lambda: seen.append(config.cpp.simdlen))
+    pinned = ti_inductor._with_our_settings(lambda: seen.append(config.cpp.simdlen))
     pinned()
     with config.patch({"cpp.simdlen": 128}):
         pinned()
@@ -204,7 +205,7 @@ def test_inductor_weighs_only_the_kernel_orders_the_memory_model_knows_and_its_c
     def inside():
         reorder = memory.reorder_for_peak_memory
         seen.append((reorder.keywords["methods"], config.post_grad_custom_post_pass.uuid()))
-    ti._with_our_settings(inside)()
+    ti_inductor._with_our_settings(inside)()
     assert seen == [([memory.topological_sort_lpmf], ti.ORDERS_TAG)]
     assert memory.reorder_for_peak_memory is original and config.post_grad_custom_post_pass is None
 
@@ -215,10 +216,10 @@ def test_inductor_weighs_only_the_kernel_orders_the_memory_model_knows_and_its_c
         def uuid(self):
             return "users"
     with config.patch(post_grad_custom_post_pass=Users()):
-        ti._with_our_settings(lambda: config.post_grad_custom_post_pass(fx.Graph()))()
-        ti._with_our_settings(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
+        ti_inductor._with_our_settings(lambda: config.post_grad_custom_post_pass(fx.Graph()))()
+        ti_inductor._with_our_settings(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
     with config.patch(post_grad_custom_post_pass=lambda graph: None):  # no uuid: Inductor's cache is bypassed
-        ti._with_our_settings(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
+        ti_inductor._with_our_settings(lambda: seen.append(config.post_grad_custom_post_pass.uuid()))()
     assert seen[1:] == ["user's pass ran", (ti.ORDERS_TAG, "users"), None]
 
 

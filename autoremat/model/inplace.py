@@ -10,7 +10,7 @@ Two things Inductor's generated code does that running the FX graph op by op doe
     `decide_inplace_update`, its `can_match_buffer_size`). Such an input is an intermediate of the
     graph or a saved activation handed to the backward (AOTAutograd donates those); never a
     parameter, the step's input or a tangent. `NodeProfile.inplace` marks the nodes that may do
-    this (`fusion.own_kernel`, set by `profile._mark_inductor_code`); `donor` finds the input. Only backward
+    this (`fusion.own_kernel`, set by `inductor_code.mark_inductor_code`); `donor` finds the input. Only backward
     nodes are marked: on docs/backend.md's MLP stack Inductor kept a linear's output and the GELU
     reading it both alive, in the forward and where the backward recomputes them (why is not known).
 

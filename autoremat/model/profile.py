@@ -26,7 +26,7 @@ from torch.utils.flop_counter import flop_registry
 from autoremat.capture.aot import CapturedGraph
 from autoremat.capture.regions import accumulate_grad
 from autoremat.model.devices import DeviceSpec, get_device
-from autoremat.model.fusion import concat_writes, fused_nodes, own_kernel
+from autoremat.model.inductor_code import mark_inductor_code
 from autoremat.passes import fused_linear_loss
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs, forward_writable
@@ -229,96 +229,16 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
 
     mutated = _mutated_primals(out_node, primals, static, grad_outputs_all=outs[cg.num_fwd_outputs :])
 
-    owner: dict[StorageWeakRef, str] = {}
+    owner: dict[StorageWeakRef, str] = {}  # each storage's first node: the one that allocates it
     nodes: dict[str, NodeProfile] = {}
     for n in gm.graph.nodes:
-        if n.op == "output":
-            continue
-        val = n.meta.get("val")
-        if n.op == "placeholder":
-            kind = "tangent" if is_tangent(n) else ("param" if n.name in static else "input")
-        elif n.op == "get_attr":
-            # A lifted tensor constant (`_tensor_constant0`): an attribute of the graph module, held
-            # from compilation on. Like a parameter it is never computed, always there, and not part
-            # of the step's activations (the forward and backward modules share the one tensor).
-            kind = "constant"
-        else:
-            kind = "backward" if n in backward else "forward"
-        prof = NodeProfile(
-            name=n.name,
-            kind=kind,
-            target=_target_name(n),
-            inputs=tuple(a.name for a in n.all_input_nodes),
-            storage="",
-            nbytes=0,
-            module=_module_path(n),
-        )
-        if isinstance(val, torch.Tensor):
-            prof.dtype = str(val.dtype).replace("torch.", "")
-            prof.shape = tuple(int(s) for s in val.shape)
-            key = StorageWeakRef(val.untyped_storage())
-            if key in owner:  # a view or an in-place result: shares an earlier allocation
-                prof.storage = owner[key]
-            else:
-                owner[key] = n.name
-                prof.storage = n.name
-                prof.nbytes = _nbytes(val) if kind in ("forward", "backward", "tangent") else 0
-        elif isinstance(val, (tuple, list)) and n.op == "call_function":
-            prof.is_tuple = True
-            used = {u.args[1] for u in n.users if u.target is operator.getitem}
-            prof.transient_bytes = sum(
-                _nbytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used
-            )
-        if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-            prof.tuple_parent = n.args[0].name
-        if n.op == "call_function":
-            prof.recompute_ban = recompute_ban(n)
-            if not prof.recompute_ban and mutated & set(prof.inputs) and not recomputes_without_buffers(n):
-                # The runtime writes the new value into the buffer after the forward, so a
-                # backward recomputation would read the updated buffer (and trip autograd's
-                # version check).
-                prof.recompute_ban = "reads a buffer the forward updates"
-            flops, matmul = _flops(n)
-            moved = sum(_dense_bytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
-            moved += sum(_dense_bytes(t) for t in _tensors(val))
-            is_alias = prof.storage and prof.storage != n.name
-            if n.target is operator.getitem or (is_alias and not flops):
-                prof.flops, prof.bytes_moved, prof.time_s = 0.0, 0.0, _VIEW_COST
-            else:
-                # a matmul runs at its inputs' rate (a 16-bit one may write fp32, or a tuple)
-                ins = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val")) if t.is_floating_point()]
-                rate = str(ins[0].dtype).replace("torch.", "") if matmul and ins else prof.dtype
-                dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(rate, "fp32")
-                prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
-                prof.bytes_moved = float(moved)
-                prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
-                if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
-                    prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
-                    prof.transient_bytes += draw_scratch(n)
-        n.meta["autoremat"] = prof
-        nodes[n.name] = prof
-
+        if n.op != "output":
+            nodes[n.name] = n.meta["autoremat"] = _node_profile(n, _kind(n, static, backward), owner, mutated, dev)
     if cg.compiler == "inductor":
-        _mark_inductor_code(gm, nodes, dev, {*fw_outputs, *grad_outputs})
-    else:  # the backward module writes these pointwise results into a dying input (passes/reuse.py)
-        moved: dict[str, str] = {}
-        for name, into in dying_inputs(gm).items():  # in graph order: a chain ends at the first buffer
-            moved[name] = nodes[name].storage = nodes[into].storage
-            nodes[name].nbytes = 0
-            nodes[name].writes_into = into
-        for prof in nodes.values():  # views of a moved result view the buffer it wrote into
-            prof.storage = moved.get(prof.storage, prof.storage)
-        for name, into in forward_writable(gm).items():
-            nodes[name].writable = into
-        for name, pair in fused_linear_loss.overwritable(gm).items():
-            nodes[name].overwrites = pair
-    for prof in nodes.values():
-        if prof.tuple_parent and prof.storage == prof.name:
-            nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes
-        elif prof.tuple_parent and prof.storage and not nodes[prof.tuple_parent].storage:
-            # A multi-output view op (split, chunk, unbind): the tuple itself keeps the viewed
-            # storage alive until its last getitem, so it holds a reference too.
-            nodes[prof.tuple_parent].storage = prof.storage
+        mark_inductor_code(gm, nodes, dev, {*fw_outputs, *grad_outputs})
+    else:
+        _eager_writes(gm, nodes)
+    _link_tuples(nodes)
 
     return GraphProfile(
         nodes=nodes,
@@ -333,77 +253,95 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
     )
 
 
-_aten = torch.ops.aten
-# The attention kernels Inductor runs as fallbacks under `sdpa_constraint` (torch/_inductor/lowering.py, torch 2.11
-# to 2.13), and for each the argument position of the attention mask (bias) that CUDA's efficient forward keeps
-# expanded.
-SDPA_CONSTRAINED = {
-    _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_efficient_attention_backward.default,
-    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_backward.default,
-    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_cudnn_attention_backward.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-}
-_KEPT_EXPANDED = (_aten._scaled_dot_product_efficient_attention.default, 3)
+def _kind(n: fx.Node, static: set[str], backward: set[fx.Node]) -> str:
+    if n.op == "placeholder":
+        return "tangent" if is_tangent(n) else ("param" if n.name in static else "input")
+    if n.op == "get_attr":
+        # A lifted tensor constant (`_tensor_constant0`): an attribute of the graph module, held
+        # from compilation on. Like a parameter it is never computed, always there, and not part
+        # of the step's activations (the forward and backward modules share the one tensor).
+        return "constant"
+    return "backward" if n in backward else "forward"
 
 
-def _expanded(val: object) -> bool:
-    """A view that repeats elements (a zero stride on a dimension of size > 1): an attention mask broadcast to
-    every head, as CUDA's SDPA hands its kernels one (attention.cpp preprocess_mask)."""
-    return isinstance(val, torch.Tensor) and any(st == 0 and sz > 1 for st, sz in zip(val.stride(), val.shape))
+def _node_profile(n: fx.Node, kind: str, owner: dict, mutated: set[str], dev: DeviceSpec) -> NodeProfile:
+    """One node's profile: its storage (the first node of a storage allocates it), bytes, time, and
+    whether it may be recomputed."""
+    val = n.meta.get("val")
+    prof = NodeProfile(name=n.name, kind=kind, target=_target_name(n), inputs=tuple(a.name for a in n.all_input_nodes),
+                       storage="", nbytes=0, module=_module_path(n))
+    if isinstance(val, torch.Tensor):
+        prof.dtype = str(val.dtype).replace("torch.", "")
+        prof.shape = tuple(int(s) for s in val.shape)
+        key = StorageWeakRef(val.untyped_storage())
+        if key in owner:  # a view or an in-place result: shares an earlier allocation
+            prof.storage = owner[key]
+        else:
+            owner[key] = n.name
+            prof.storage = n.name
+            prof.nbytes = _nbytes(val) if kind in ("forward", "backward", "tangent") else 0
+    elif isinstance(val, (tuple, list)) and n.op == "call_function":
+        prof.is_tuple = True
+        used = {u.args[1] for u in n.users if u.target is operator.getitem}
+        prof.transient_bytes = sum(_nbytes(t) for i, t in enumerate(val) if isinstance(t, torch.Tensor) and i not in used)
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        prof.tuple_parent = n.args[0].name
+    if n.op == "call_function":
+        prof.recompute_ban = recompute_ban(n)
+        if not prof.recompute_ban and mutated & set(prof.inputs) and not recomputes_without_buffers(n):
+            # The runtime writes the new value into the buffer after the forward, so a
+            # backward recomputation would read the updated buffer (and trip autograd's
+            # version check).
+            prof.recompute_ban = "reads a buffer the forward updates"
+        _price(n, prof, val, dev)
+    return prof
 
 
-def _sdpa_dense_copies(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec) -> None:
-    """An expanded argument of an attention kernel under Inductor: copied densely, or kept as a view only when
-    its base is a buffer of its own (issue 36).
-
-    Inductor's `sdpa_constraint` gives the kernel its arguments in a dense layout. On a CPU it copies every
-    expanded one; measured: an additive mask broadcast from (2, 1, 128, 128) to 8 heads cost a 1 MiB copy the
-    plan did not have. On CUDA it keeps the efficient forward's mask expanded, and any other expanded argument
-    whose base is a realized buffer (a value the forward handed over, an input: a view with strides), but copies
-    one whose base is computed in the same kernel graph: a mask recomputed in the backward (its `where`) reached
-    the efficient backward as a (4, 16, 2048, 2048) fp32 copy, 1 GiB on the H200 for Qwen2, not in the plan.
-    So: on a CPU the copy is the kernel's scratch; on CUDA the base is never recomputed (the plan saves it, the
-    backward reads a buffer, and no copy is made)."""
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in SDPA_CONSTRAINED or n.name not in nodes:
-            continue
-        for i, a in enumerate([*n.args, *n.kwargs.values()]):
-            val = a.meta.get("val") if isinstance(a, fx.Node) else None
-            if not _expanded(val):
-                continue
-            on_cuda = val.device.type == "cuda" or (val.device.type == "meta" and dev.kind == "cuda")
-            if not on_cuda:
-                nodes[n.name].transient_bytes += _dense_bytes(val)
-            elif (n.target, i) != _KEPT_EXPANDED:
-                root = nodes[a.name].storage or a.name
-                if root in nodes and nodes[root].kind == "forward" and not nodes[root].recompute_ban:
-                    nodes[root].recompute_ban = ("Inductor would copy its view expanded for an attention kernel "
-                                                 "densely if it were recomputed (sdpa_constraint): saved instead")
+def _price(n: fx.Node, prof: NodeProfile, val: object, dev: DeviceSpec) -> None:
+    """FLOPs, bytes moved and roofline time of a call (a view costs next to nothing)."""
+    flops, matmul = _flops(n)
+    moved = sum(_dense_bytes(t) for a in n.all_input_nodes for t in _tensors(a.meta.get("val")))
+    moved += sum(_dense_bytes(t) for t in _tensors(val))
+    is_alias = prof.storage and prof.storage != n.name
+    if n.target is operator.getitem or (is_alias and not flops):
+        prof.flops, prof.bytes_moved, prof.time_s = 0.0, 0.0, _VIEW_COST
+        return
+    # a matmul runs at its inputs' rate (a 16-bit one may write fp32, or a tuple)
+    ins = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val")) if t.is_floating_point()]
+    rate = str(ins[0].dtype).replace("torch.", "") if matmul and ins else prof.dtype
+    dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(rate, "fp32")
+    prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
+    prof.bytes_moved = float(moved)
+    prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
+    if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
+        prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
+        prof.transient_bytes += draw_scratch(n)
 
 
-def _mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
-    """What Inductor's code does that the graph does not show: a fused node allocates nothing and costs its
-    arithmetic only; a backward kernel may write into a dying input (inplace.py); a backward cat's inputs
-    may be computed into its buffer (fusion.concat_writes)."""
-    _sdpa_dense_copies(gm, nodes, dev)
-    aliases = {name: p.storage for name, p in nodes.items() if p.storage}
-    banned = {name for name, p in nodes.items() if p.recompute_ban}
-    fused = fused_nodes(gm, outputs, aliases, banned)
-    for name in fused:
-        p = nodes[name]
-        p.fused, p.nbytes = True, 0
-        p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
-    for n in gm.graph.nodes:
-        if n.name in nodes:
-            p = nodes[n.name]
-            p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
-    backward = {name for name, p in nodes.items() if p.kind == "backward"}
-    into, cats = concat_writes(gm, backward, aliases, outputs)
-    for name, cat in into.items():
-        nodes[name].into = cat
-    for cat in cats:
-        nodes[cat].inplace = False  # its buffer exists before it runs: no input's to take
+def _eager_writes(gm: fx.GraphModule, nodes: dict[str, NodeProfile]) -> None:
+    """Without Inductor, the backward module writes these pointwise results into a dying input
+    (passes/reuse.py), and the forward ones the passes may write in place."""
+    moved: dict[str, str] = {}
+    for name, into in dying_inputs(gm).items():  # in graph order: a chain ends at the first buffer
+        moved[name] = nodes[name].storage = nodes[into].storage
+        nodes[name].nbytes = 0
+        nodes[name].writes_into = into
+    for prof in nodes.values():  # views of a moved result view the buffer it wrote into
+        prof.storage = moved.get(prof.storage, prof.storage)
+    for name, into in forward_writable(gm).items():
+        nodes[name].writable = into
+    for name, pair in fused_linear_loss.overwritable(gm).items():
+        nodes[name].overwrites = pair
+
+
+def _link_tuples(nodes: dict[str, NodeProfile]) -> None:
+    for prof in nodes.values():
+        if prof.tuple_parent and prof.storage == prof.name:
+            nodes[prof.tuple_parent].tuple_out_bytes += prof.nbytes
+        elif prof.tuple_parent and prof.storage and not nodes[prof.tuple_parent].storage:
+            # A multi-output view op (split, chunk, unbind): the tuple itself keeps the viewed
+            # storage alive until its last getitem, so it holds a reference too.
+            nodes[prof.tuple_parent].storage = prof.storage
 
 
 def _region_links(cg: CapturedGraph, primals: list[fx.Node], fw_outs: list, grads: list) -> dict:

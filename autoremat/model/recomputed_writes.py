@@ -9,7 +9,7 @@ benchmarks/floor.py, at its floor's peak). Written with its out= variant into th
 for backward ops, where the joint order alone decides who dies where).
 
 For a recomputed value, which reader is the last depends on the plan, so it is decided here, per
-schedule, on the backward order the memory model runs (`memory.make_schedule`): entry e may write
+schedule, on the backward order the memory model runs (`schedule.make_schedule`): entry e may write
 into entry u when the profile allows it (`NodeProfile.writable`: an out= variant, the same layout),
 both are recomputed in this backward, and every value sharing u's storage (u, its views, earlier
 writers into it) is read last at e and is not a graph output. The schedule's `storage` then names the

@@ -23,12 +23,11 @@ from typing import TYPE_CHECKING, Any
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
+from autoremat.planning.budget import activation_budget, plan_graphs
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
     CapturePlanner,
-    activation_budget,
     along,
-    plan_graphs,
     progress,
     trace_step,
 )
@@ -39,7 +38,7 @@ from autoremat.solve.solver import choose_trace
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
-    from autoremat.planning.options import Step
+    from autoremat.planning.options import TrainingStep
 
 # Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
 # gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
@@ -79,7 +78,7 @@ class Candidate:
     decision: Decision | None = None  # plan_graphs' plan of its calls at the budget
 
 
-def choose_chunks(step: Step, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable):
+def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable):
     """Trace the step at each candidate chunk count, let the ILP choose one, and `build` the step with it.
 
     `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
@@ -131,7 +130,7 @@ def choose_chunks(step: Step, first: Candidate, budget: int, dtypes, store, fiel
     return _record(plan, table, "each count planned in full (the ILP found no plan)"), compiled, planner
 
 
-def _trace(step: Step, loss: LossOption, k: int, budget: int, dtypes) -> Candidate:
+def _trace(step: TrainingStep, loss: LossOption, k: int, budget: int, dtypes) -> Candidate:
     options = step.options
     option = LossOption(loss.outputs, k)
     pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, option.pre_pass())
@@ -142,7 +141,7 @@ def _trace(step: Step, loss: LossOption, k: int, budget: int, dtypes) -> Candida
     return Candidate(planner, compiled, option)
 
 
-def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, budget: int, step: Step) -> int:
+def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:
     """Plan the counts the ILP did not already see refused; the fastest that fits, or the BudgetError of
     the count with the lowest floor.
 

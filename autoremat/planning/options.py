@@ -1,4 +1,4 @@
-"""What a face asks of planning (`PlanOptions`), and the step it is asked for (`Step`).
+"""What a face asks of planning (`PlanOptions`), and the step it is asked for (`TrainingStep`).
 
 The faces check their arguments once, into these two objects, and hand them down whole: every
 planning function reads the option it needs from `step.options` instead of taking it as one more
@@ -30,7 +30,7 @@ class PlanOptions:
     solver: str = "auto"  # the MIP solver: "auto" or "highs"
     time_limit: float = 10.0  # seconds per MIP solve
     gap: float = DEFAULT_GAP  # relative optimality gap at which a MIP solve stops
-    compiler: str = "auto"  # as asked: "auto", "inductor" or "eager" (Step.compiler is the one in use)
+    compiler: str = "auto"  # as asked: "auto", "inductor" or "eager" (TrainingStep.compiler is the one in use)
     regions: bool | str = "auto"  # a graph per repeated block (True), one graph (False), or whichever costs less
     precision: str = "fp32"  # "fp32", "bf16", "fp16" or "auto"
     tolerance: float | None = None  # precision="auto": the summed relative error allowed
@@ -78,7 +78,7 @@ class PlanOptions:
 
 
 @dataclass(frozen=True)
-class Step:
+class TrainingStep:
     """The training step being planned: the model, one example batch, where it runs, what is fixed."""
 
     model: torch.nn.Module
@@ -95,9 +95,9 @@ class Step:
         """Whether a real step will measure the plan (verify on, a real device)."""
         return self.options.verify and self.where.type != "meta"
 
-    def using(self, compiler: str) -> Step:
+    def using(self, compiler: str) -> TrainingStep:
         return replace(self, compiler=compiler)
 
-    def shaped(self, args: tuple, kwargs: dict, ledger: Ledger) -> Step:
+    def shaped(self, args: tuple, kwargs: dict, ledger: Ledger) -> TrainingStep:
         """The same step with another batch shape (and the ledger for it)."""
         return replace(self, args=args, kwargs=kwargs, ledger=ledger)

@@ -20,19 +20,17 @@ from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
+from autoremat.planning.budget import activation_budget, check_cached, plan_graphs
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.loss_region import Candidate, choose_chunks, fits_unchunked, loss_region_matters
-from autoremat.planning.options import Step
+from autoremat.planning.options import PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
     Restore,
     StaleCache,
-    activation_budget,
     along,
-    check_cached,
     log,
-    plan_graphs,
     plan_jointly,
     progress,
     require_graphs,
@@ -45,7 +43,40 @@ from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
 
 
-def build(step: Step, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
+class _Tracer:
+    """Traces the step for `build` in either form (one graph per block, or one graph): a cached plan,
+    if any, is looked up by the first graph's fingerprint as it arrives, and a stale one discarded."""
+
+    def __init__(self, step: TrainingStep, budget: int, pre: Any, store: PlanCache | None, fields: dict) -> None:
+        self.step, self.budget, self.pre, self.store, self.fields = step, budget, pre, store, fields
+        self.keys: list[str] = []  # the cache keys looked up, in order
+
+    def _lookup(self, fingerprint: str) -> Plan | None:
+        self.keys.append(self.store.key(fingerprint, self.fields))
+        return self.store.load(self.keys[-1])
+
+    def planner(self, split: bool, lookup: bool = True) -> CapturePlanner:
+        o = self.step.options
+        return CapturePlanner(self.budget, device=self.step.dev, ledger=self.step.ledger,
+                              lookup=self._lookup if lookup and self.store is not None else None, pre_pass=self.pre,
+                              regions=split, release_grads=o.release_grads, **o.solving())
+
+    def __call__(self, split: bool) -> Traced:
+        """Capture the step, with the cache key used (None if the cache was not looked up)."""
+        looked = len(self.keys)
+        planner = self.planner(split)
+        try:
+            compiled = trace_step(self.step, planner)
+        except StaleCache as e:
+            log.warning("autoremat: ignoring cached plan %s (%s)", self.store.path(self.keys[-1]), e)
+            self.store.discard(self.keys[-1])
+            planner = self.planner(split, lookup=False)
+            compiled = trace_step(self.step, planner)
+        require_graphs(self.step.model, planner)
+        return Traced(planner, compiled, self.keys[-1] if len(self.keys) > looked else None)
+
+
+def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
           chunks: int | None = None, first: Candidate | None = None) -> tuple[Plan, Any, CapturePlanner]:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
@@ -63,38 +94,12 @@ def build(step: Step, budget: int, dtypes: list[dict[str, str]], store: PlanCach
     pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, loss.pre_pass())
     if first is not None:
         loss.reports = list(first.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
-    key: list[str] = []
-    lookup = None
-    if store is not None:
-        def lookup(fp: str) -> Plan | None:
-            key.append(store.key(fp, fields))
-            return store.load(key[-1])
-
-    split = regions if isinstance(regions, bool) else True  # "auto" captures per block first
-
-    def make(lookup: Callable | None = None, split: bool = split) -> CapturePlanner:
-        return CapturePlanner(budget, device=dev, ledger=ledger, lookup=lookup, pre_pass=pre, regions=split,
-                              release_grads=options.release_grads, **options.solving())
-
-    def trace(split: bool) -> Traced:
-        """Capture the step (a cached plan, if any, is looked up by its first graph), with the cache key used."""
-        looked = len(key)
-        planner = make(lookup, split)
-        try:
-            compiled = trace_step(step, planner)
-        except StaleCache as e:
-            log.warning("autoremat: ignoring cached plan %s (%s)", store.path(key[-1]), e)
-            store.discard(key[-1])
-            planner = make(None, split)
-            compiled = trace_step(step, planner)
-        require_graphs(step.model, planner)
-        return Traced(planner, compiled, key[-1] if len(key) > looked else None)
-
+    trace = _Tracer(step, budget, pre, store, fields)
     if first is not None and store is None:
         traced = Traced(first.planner, first.compiled, None, decision=first.decision)
     else:
         progress.info("capturing the training step")
-        traced = trace(split)
+        traced = trace(regions if isinstance(regions, bool) else True)  # "auto" captures per block first
     planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
     chunks_note = None
     if chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
@@ -113,7 +118,7 @@ def build(step: Step, budget: int, dtypes: list[dict[str, str]], store: PlanCach
             return hit, compiled, planner
         log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(store_key))
         store.discard(store_key)
-        planner = make(None, planner.regions)
+        planner = trace.planner(planner.regions, lookup=False)
         compiled = trace_step(step, planner)
     plan, compiled, planner = plan_jointly(step, planner, budget, decision=traced.decision)
     measured: Any = UNMEASURED
@@ -132,26 +137,32 @@ def build(step: Step, budget: int, dtypes: list[dict[str, str]], store: PlanCach
         plan, compiled, planner = verify_on_step(step, compiled, plan, planner, budget, measured=measured)
     elif step.where.type == "meta":
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
+    _describe(plan, planner, loss, chunks, chunks_note, regions_note, dtypes, options)
+    if store is not None and store_key:
+        store.store(store_key, plan, fields)
+    return plan, compiled, planner
+
+
+def _describe(plan: Plan, planner: CapturePlanner, loss: LossOption, chunks: int | None, chunks_note: str | None,
+              regions_note: str | None, dtypes: list, options: PlanOptions) -> None:
+    """What the plan records of how the step was traced: graphs, regions, the loss region, dtypes."""
     plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
     plan.regions = planner.regions
     if regions_note:
         plan.notes.append(regions_note)
     if loss.found:
         kept = max(r.logits_kept for r in loss.reports)
-        plan.loss = {"chunks": chunks or 1, "outputs": outputs, "rows": loss.rows(), "logits_kept": kept,
+        plan.loss = {"chunks": chunks or 1, "outputs": options.outputs, "rows": loss.rows(), "logits_kept": kept,
                      "fused": max(r.fused for r in loss.reports),
                      "skipped": list(dict.fromkeys(w for r in loss.reports for w in r.skipped))}
         if chunks_note:
             plan.loss.update(candidates={"1": chunks_note}, chosen_by="everything saved fits unchunked")
-        if outputs == "loss" and kept:
+        if options.outputs == "loss" and kept:
             plan.notes.append(f"outputs='loss', but {kept} logits tensor(s) feed more than the loss (another use in "
                               "the model, or an output derived from them): they are still computed whole")
     if dtypes:
         plan.precision = {**plan.precision, "dtypes": dtypes, "fp32_ops": list(options.fp32_ops)}
         plan.needs_grad_scaler = any(d == "fp16" for pick in dtypes for d in pick.values())
-    if store is not None and store_key:
-        store.store(store_key, plan, fields)
-    return plan, compiled, planner
 
 
 # regions="auto" keeps one graph only if a real step of it measured at most this much over its prediction.
@@ -170,7 +181,7 @@ class Traced:
 
 
 def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
-                      step: Step) -> tuple[Traced, Traced | None]:
+                      step: TrainingStep) -> tuple[Traced, Traced | None]:
     """regions="auto": the step as one graph when that costs less time than the graph calls it saves.
 
     Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
@@ -252,7 +263,7 @@ def _first_backward(compiler: str) -> None:
 UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
 
 
-def verify_on_step(step: Step, compiled, plan, planner, budget, measured: Any = UNMEASURED):
+def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured: Any = UNMEASURED):
     """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
 
     The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let

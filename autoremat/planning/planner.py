@@ -23,15 +23,16 @@ from autoremat.capture.aot import CapturedGraph, aot_backend, compile_fresh, def
 from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, optimizer_state_bytes
-from autoremat.model.memory import make_schedule
 from autoremat.model.profile import GraphProfile, fingerprint, profile_graph
+from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
-from autoremat.planning.calls import CallLog, one_set_per_graph, repeats
+from autoremat.planning.budget import budget_or_memory, plan_graphs
+from autoremat.planning.calls import CallLog, repeats
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import save_all
-from autoremat.solve.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.solve.solver import DEFAULT_GAP
 from autoremat.torch_internals import (
     BackendCompilerFailed,
     arg_tree_leaves,
@@ -41,7 +42,7 @@ from autoremat.torch_internals import (
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:  # planning/options.py imports nothing of this module; the hint keeps it that way
-    from autoremat.planning.options import Step
+    from autoremat.planning.options import TrainingStep
 
 log = logging.getLogger("autoremat")
 # One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
@@ -94,11 +95,6 @@ def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int, works
         workspaces=workspaces,
         notes=notes,
     )
-
-
-def budget_or_memory(budget: int | None, device: DeviceSpec) -> int:
-    """The budget in bytes; without one, the device's memory, or no limit at all on a CPU."""
-    return budget if budget is not None else device.memory_bytes or 2**62
 
 
 class Planner:
@@ -207,48 +203,6 @@ class Planner:
         )
 
 
-def plan_graphs(
-    profiles: list[GraphProfile],
-    budget: int | None,
-    ledger: Ledger,
-    device: DeviceSpec,
-    *,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
-    one_set: bool = False,
-) -> Decision:
-    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
-
-    one_set: a profile that appears at several positions (one compiled graph called several times)
-    saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
-    budget = budget_or_memory(budget, device)
-    activations = activation_budget(budget, ledger, device)
-    one_set = one_set and repeats(profiles)
-
-    def smallest() -> Decision:
-        return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
-    try:
-        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
-            raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
-        decision = solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
-                         time_limit=time_limit, gap=gap)
-        if one_set:
-            decision = one_set_per_graph(profiles, decision, activations)
-            if decision.peak > activations:
-                raise Infeasible(smallest(), "no plan with one saved set per compiled graph fits")
-        return decision
-    except Infeasible as e:
-        if one_set:  # the floor reported is that of the code that runs: one saved set per compiled graph
-            e.smallest = one_set_per_graph(profiles, e.smallest, None)
-        raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
-
-
-def activation_budget(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
-    """What `budget` (None: the device's memory) leaves the graphs' activations after the ledger's fixed part."""
-    return ledger.room(budget_or_memory(budget, device))
-
-
 @contextlib.contextmanager
 def own_errors():
     """Our errors (BudgetError, PlanMismatch) raised inside a backend reach the user unwrapped."""
@@ -351,24 +305,6 @@ def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
         "frame. Remove the break, or move it out of the loop." + (f" Graph breaks seen: {reasons}" if reasons else ""))
 
 
-def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
-    """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
-    cached, profiles = planner.cached, planner.sequence()
-    if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
-        return None
-    try:
-        _, tl, cost = evaluate(profiles, [set(g.saved) | set(g.again) for g in cached.graphs], dev.alloc_granularity)
-    except Exception:  # names that are not in the graph, a value nobody may recompute
-        return None
-    if ledger.needs(tl.peak) > budget:
-        return None
-    plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
-    plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
-    ledger.activations = tl.peak
-    plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
-    return plan
-
-
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
     # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
     # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
@@ -388,12 +324,12 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     return compiled
 
 
-def trace_step(step: Step, planner: CapturePlanner) -> Any:
+def trace_step(step: TrainingStep, planner: CapturePlanner) -> Any:
     """`compile_and_trace` for the step being planned, with the compiler it uses."""
     return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
 
 
-def plan_jointly(step: Step, planner: CapturePlanner, budget: int, reserve: Ledger | None = None,
+def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None,
                  decision: Decision | None = None):
     """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan.
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from autoremat.planning import precision_plan
-from autoremat.planning.options import Step
+from autoremat.planning.options import TrainingStep
 from autoremat.planning.pipeline import build, loss_of
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import Restore, progress
@@ -44,7 +44,7 @@ def step_time(plan: Plan) -> float:
     return plan.forward_time_s + plan.recompute_time_s
 
 
-def plan_precision(step: Step, budget: int, store, fields: dict):
+def plan_precision(step: TrainingStep, budget: int, store, fields: dict):
     """precision="bf16" | "fp16" | "auto": choose dtypes, then plan the step traced with them (module docstring)."""
     model, args, kwargs, where = step.model, step.args, step.kwargs, step.where
     mode, tolerance = step.options.precision, step.options.tolerance
@@ -73,7 +73,7 @@ def plan_precision(step: Step, budget: int, store, fields: dict):
     return plan, compiled, planner
 
 
-def _auto(step: Step, an, tol: float, budget: int, store, fields: dict, info: dict):
+def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, info: dict):
     """precision="auto": the fastest of fp32, the joint ILP's dtypes and all-bf16 (module docstring)."""
     model, args, kwargs, where, ledger = step.model, step.args, step.kwargs, step.where, step.ledger
     meta = where.type == "meta"

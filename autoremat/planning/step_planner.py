@@ -23,6 +23,7 @@ from autoremat.capture.aot import CapturedGraph, aot_backend
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, parameter_bytes, storage_key
 from autoremat.model.profile import GraphProfile
+from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.compilers import (
     CompilerChoice,
     check_compiler,
@@ -31,7 +32,7 @@ from autoremat.planning.compilers import (
     neither_fits,
 )
 from autoremat.planning.plan import BudgetError, Plan, build_plan
-from autoremat.planning.planner import Planner, budget_or_memory, plan_graphs
+from autoremat.planning.planner import Planner
 from autoremat.planning.window import StepWindow
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import checkpoint_blocks, save_all

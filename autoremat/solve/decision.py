@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoremat.model.cuts import base
-from autoremat.model.memory import Schedule, Timeline, make_schedule, simulate
+from autoremat.model.memory import Schedule, Timeline, simulate
 from autoremat.model.profile import GraphProfile
+from autoremat.model.schedule import make_schedule
 
 
 @dataclass

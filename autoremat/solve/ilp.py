@@ -64,9 +64,6 @@ solution in the exact simulator and calibrates the budget against it.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -78,44 +75,11 @@ from autoremat.model.memory import INF
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.ilp_data import base_size, block_twins, owned_size, static_profile
+from autoremat.solve.objective import Terms, set_objective
 from autoremat.solve.precision_choices import DtypeChoices
 
 if TYPE_CHECKING:  # the choice model builds this one inside its own problem
     from autoremat.solve.ilp_choice import Alternative
-
-# Weight of saved bytes in the budgeted objective: small enough never to outweigh recompute time,
-# large enough to break its ties toward saving less (keeps the plan's peak monotonic in the budget).
-TIE_BYTES = 1e-4
-# Weight of each fp16 call in the budgeted objective: fp16 needs loss scaling, so on a tie prefer bf16.
-FP16_PENALTY = 1e-3
-# Weight of recompute time (scaled to bytes) when minimising the peak: among plans with the same
-# peak, the cheapest one, without letting time move the peak by more than a rounding.
-MIN_PEAK_TIME_WEIGHT = 1e-3
-
-
-@dataclass
-class Terms:
-    """What the objective weighs: recompute (and cast) time T, saved bytes, fp16 calls, and their scales."""
-
-    time_expr: lp.Expression
-    bytes_expr: lp.Expression
-    fp16_expr: lp.Expression
-    total_time: float
-    total_bytes: float
-
-
-def set_objective(prob: lp.Problem, cap: lp.Variable, budget: int | None, min_peak: bool, terms: Terms) -> None:
-    """The one objective of every model here (this one and ilp_choice's): under `budget`, the least
-    time, ties toward fewer saved bytes and bf16 over fp16; with `min_peak`, the least cap, ties toward
-    the least time. Written once so the two models cannot drift apart."""
-    if min_peak:
-        cap.lowBound, cap.upBound = 0, None
-        prob.setObjective(cap + MIN_PEAK_TIME_WEIGHT * terms.total_bytes / terms.total_time * terms.time_expr)
-    else:
-        cap.lowBound = cap.upBound = budget
-        prob.setObjective(terms.time_expr / terms.total_time + TIE_BYTES * terms.bytes_expr / terms.total_bytes
-                          + FP16_PENALTY * terms.fp16_expr)
-
 
 @dataclass
 class IlpResult:
@@ -421,29 +385,9 @@ class IlpModel:
         if not min_peak and self.floor > budget:
             return IlpResult("infeasible")
         self._objective(budget, min_peak)
-        with quiet_stdout():
-            status = lp.solve(self.prob, solver)
+        status = lp.solve(self.prob, solver)
         if lp.has_solution(status):
             saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]
             predicted = max((static + (pulp.value(expr) or 0) for static, expr in self.rows), default=0)
             return IlpResult(status, saved, predicted)
         return IlpResult(status)
-
-
-@contextlib.contextmanager
-def quiet_stdout():
-    """HiGHS prints a banner from C++ whatever msg says; keep the user's stdout clean."""
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):  # no real stdout (pytest capture, notebooks)
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(fd)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), fd)
-        try:
-            yield
-        finally:
-            os.dup2(saved, fd)
-            os.close(saved)

@@ -10,7 +10,7 @@ autoremat.passes.loss_chunks) gives one trace of the step per setting. Each trac
   static_t * z_k + (variable bytes)_t <= cap       every memory row of trace k (ilp.py's families)
 
 and the objective prices each trace's own compute time (its ops run once, T0_k) beside the
-recomputation the plan adds (`ilp.set_objective`, the same objective as one trace's):
+recomputation the plan adds (`objective.set_objective`, the same objective as one trace's):
 
   under a budget:   min (sum_k T0_k z_k + T) / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
   smallest peak:    min cap + MIN_PEAK_TIME_WEIGHT * (B_all / T_all) * (sum_k T0_k z_k + T)
@@ -30,7 +30,8 @@ import pulp
 
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
-from autoremat.solve.ilp import IlpModel, Terms, quiet_stdout, set_objective
+from autoremat.solve.ilp import IlpModel
+from autoremat.solve.objective import Terms, set_objective
 
 
 @dataclass
@@ -93,8 +94,7 @@ class ChoiceModel:
             return Choice("infeasible")
         set_objective(self.prob, self.cap, budget, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
                                                                    self.total_time, self.total_bytes))
-        with quiet_stdout():
-            status = lp.solve(self.prob, solver)
+        status = lp.solve(self.prob, solver)
         if not lp.has_solution(status):
             return Choice(status)
         chosen = max(self.z, key=lambda k: self.z[k].value() or 0)

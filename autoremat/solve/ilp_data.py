@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from autoremat.capture.regions import block_of
 from autoremat.model.lifetimes import Lifetimes
-from autoremat.model.memory import TANGENTS_HELD, _Heap, _run, forward_slots
+from autoremat.model.memory import TANGENTS_HELD, _Heap, _run
 from autoremat.model.profile import GraphProfile
+from autoremat.model.schedule import forward_slots
 
 
 def block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
@@ -41,7 +42,7 @@ def block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
 def static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int], list[str], dict[str, int]]:
     """fw_t and bw_t: live bytes at each forward and backward step when nothing is saved or
     recomputed; also the core forward that runs then, and each forward-side node's slot in it
-    (memory.forward_slots)."""
+    (schedule.forward_slots)."""
     heap = _Heap(granularity)
     steps: list = []
     core, slot = forward_slots(g)

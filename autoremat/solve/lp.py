@@ -16,6 +16,10 @@ and expressions, bounds set through `lowBound` / `upBound`) reads the same on bo
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import pulp
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
@@ -68,7 +72,8 @@ def highs(time_limit: float, gap: float) -> Solver:
 def solve(prob: Problem, solver: Solver) -> str:
     """Solve `prob` and return one of the statuses above (or the solver's own word for another
     outcome without a solution, such as "unbounded")."""
-    result = prob.solve(solver)
+    with quiet_stdout():
+        result = prob.solve(solver)
     if PULP_MAJOR >= 4:
         status = result.status
         if result.has_solution:
@@ -90,3 +95,22 @@ def has_solution(status: str) -> bool:
 
 def constraint_count(prob: Problem) -> int:
     return prob.numConstraints()
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """HiGHS prints a banner from C++ whatever msg says; keep the user's stdout clean."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # no real stdout (pytest capture, notebooks)
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), fd)
+        try:
+            yield
+        finally:
+            os.dup2(saved, fd)
+            os.close(saved)

@@ -1,0 +1,92 @@
+"""What Inductor's generated code allocates that a joint graph does not show, marked on a graph's profile.
+
+A fused node allocates nothing and costs its arithmetic only (fusion.py); a backward kernel may write
+into a dying input (inplace.py); a backward cat's inputs may be computed into its buffer
+(`fusion.concat_writes`); an attention kernel's expanded mask may be copied densely (`sdpa_dense_copies`).
+`profile.profile_graph` calls `mark_inductor_code` for a graph Inductor will compile.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from autoremat.model.devices import DeviceSpec
+from autoremat.model.fusion import concat_writes, fused_nodes, own_kernel
+
+if TYPE_CHECKING:  # profile.py imports this module; the profile's class is only named here
+    from autoremat.model.profile import NodeProfile
+
+_aten = torch.ops.aten
+# The attention kernels Inductor runs as fallbacks under `sdpa_constraint` (torch/_inductor/lowering.py, torch 2.11
+# to 2.13), and for each the argument position of the attention mask (bias) that CUDA's efficient forward keeps
+# expanded.
+SDPA_CONSTRAINED = {
+    _aten._scaled_dot_product_efficient_attention.default, _aten._scaled_dot_product_efficient_attention_backward.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_flash_attention_backward.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_cudnn_attention_backward.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+_KEPT_EXPANDED = (_aten._scaled_dot_product_efficient_attention.default, 3)
+
+
+def _expanded(val: object) -> bool:
+    """A view that repeats elements (a zero stride on a dimension of size > 1): an attention mask broadcast to
+    every head, as CUDA's SDPA hands its kernels one (attention.cpp preprocess_mask)."""
+    return isinstance(val, torch.Tensor) and any(st == 0 and sz > 1 for st, sz in zip(val.stride(), val.shape))
+
+
+def sdpa_dense_copies(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec) -> None:
+    """An expanded argument of an attention kernel under Inductor: copied densely, or kept as a view only when
+    its base is a buffer of its own (issue 36).
+
+    Inductor's `sdpa_constraint` gives the kernel its arguments in a dense layout. On a CPU it copies every
+    expanded one; measured: an additive mask broadcast from (2, 1, 128, 128) to 8 heads cost a 1 MiB copy the
+    plan did not have. On CUDA it keeps the efficient forward's mask expanded, and any other expanded argument
+    whose base is a realized buffer (a value the forward handed over, an input: a view with strides), but copies
+    one whose base is computed in the same kernel graph: a mask recomputed in the backward (its `where`) reached
+    the efficient backward as a (4, 16, 2048, 2048) fp32 copy, 1 GiB on the H200 for Qwen2, not in the plan.
+    So: on a CPU the copy is the kernel's scratch; on CUDA the base is never recomputed (the plan saves it, the
+    backward reads a buffer, and no copy is made)."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in SDPA_CONSTRAINED or n.name not in nodes:
+            continue
+        for i, a in enumerate([*n.args, *n.kwargs.values()]):
+            val = a.meta.get("val") if isinstance(a, fx.Node) else None
+            if not _expanded(val):
+                continue
+            on_cuda = val.device.type == "cuda" or (val.device.type == "meta" and dev.kind == "cuda")
+            if not on_cuda:
+                nodes[n.name].transient_bytes += val.numel() * val.element_size()
+            elif (n.target, i) != _KEPT_EXPANDED:
+                root = nodes[a.name].storage or a.name
+                if root in nodes and nodes[root].kind == "forward" and not nodes[root].recompute_ban:
+                    nodes[root].recompute_ban = ("Inductor would copy its view expanded for an attention kernel "
+                                                 "densely if it were recomputed (sdpa_constraint): saved instead")
+
+
+def mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec, outputs: set[str]) -> None:
+    """What Inductor's code does that the graph does not show: a fused node allocates nothing and costs its
+    arithmetic only; a backward kernel may write into a dying input (inplace.py); a backward cat's inputs
+    may be computed into its buffer (fusion.concat_writes)."""
+    sdpa_dense_copies(gm, nodes, dev)
+    aliases = {name: p.storage for name, p in nodes.items() if p.storage}
+    banned = {name for name, p in nodes.items() if p.recompute_ban}
+    fused = fused_nodes(gm, outputs, aliases, banned)
+    for name in fused:
+        p = nodes[name]
+        p.fused, p.nbytes = True, 0
+        p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
+    for n in gm.graph.nodes:
+        if n.name in nodes:
+            p = nodes[n.name]
+            p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
+    backward = {name for name, p in nodes.items() if p.kind == "backward"}
+    into, cats = concat_writes(gm, backward, aliases, outputs)
+    for name, cat in into.items():
+        nodes[name].into = cat
+    for cat in cats:
+        nodes[cat].inplace = False  # its buffer exists before it runs: no input's to take

@@ -1,0 +1,85 @@
+"""The one budget, from bytes to the solver: what it leaves the activations (`activation_budget`, through
+`Ledger.room`), every graph of a step solved jointly under it (`plan_graphs`), and a cached plan held to
+it again (`check_cached`). A budget that nothing fits becomes a `BudgetError` here, with the smallest
+budget that would fit (`Ledger.needs` of the smallest peak found).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoremat.model.devices import DeviceSpec
+from autoremat.model.ledger import Ledger
+from autoremat.model.profile import GraphProfile
+from autoremat.planning.calls import one_set_per_graph, repeats
+from autoremat.planning.plan import BudgetError, Plan
+from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+
+if TYPE_CHECKING:
+    from autoremat.planning.planner import CapturePlanner
+
+
+def budget_or_memory(budget: int | None, device: DeviceSpec) -> int:
+    """The budget in bytes; without one, the device's memory, or no limit at all on a CPU."""
+    return budget if budget is not None else device.memory_bytes or 2**62
+
+
+def plan_graphs(
+    profiles: list[GraphProfile],
+    budget: int | None,
+    ledger: Ledger,
+    device: DeviceSpec,
+    *,
+    solver: str = "auto",
+    time_limit: float = 10.0,
+    gap: float = DEFAULT_GAP,
+    one_set: bool = False,
+) -> Decision:
+    """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
+
+    one_set: a profile that appears at several positions (one compiled graph called several times)
+    saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
+    budget = budget_or_memory(budget, device)
+    activations = activation_budget(budget, ledger, device)
+    one_set = one_set and repeats(profiles)
+
+    def smallest() -> Decision:
+        return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
+    try:
+        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
+            raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
+        decision = solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
+                         time_limit=time_limit, gap=gap)
+        if one_set:
+            decision = one_set_per_graph(profiles, decision, activations)
+            if decision.peak > activations:
+                raise Infeasible(smallest(), "no plan with one saved set per compiled graph fits")
+        return decision
+    except Infeasible as e:
+        if one_set:  # the floor reported is that of the code that runs: one saved set per compiled graph
+            e.smallest = one_set_per_graph(profiles, e.smallest, None)
+        raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
+
+
+def activation_budget(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
+    """What `budget` (None: the device's memory) leaves the graphs' activations after the ledger's fixed part."""
+    return ledger.room(budget_or_memory(budget, device))
+
+
+def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
+    """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
+    cached, profiles = planner.cached, planner.sequence()
+    if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
+        return None
+    try:
+        _, tl, cost = evaluate(profiles, [set(g.saved) | set(g.again) for g in cached.graphs], dev.alloc_granularity)
+    except Exception:  # names that are not in the graph, a value nobody may recompute
+        return None
+    if ledger.needs(tl.peak) > budget:
+        return None
+    plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
+    plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
+    ledger.activations = tl.peak
+    plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
+    return plan

@@ -1,0 +1,125 @@
+"""Private torch APIs: AOTAutograd's joint graphs and partitioner, the dispatcher's ops, pytree (listed in the package docstring)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
+from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+__all__ = ["C_NN_LINEAR", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map"]
+
+
+# -- AOTAutograd -------------------------------------------------------------------------------
+
+_EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
+
+
+def extract_fwd_bwd_modules(joint: fx.GraphModule, saved: list[fx.Node], saved_sym: list[fx.Node], *,
+                            num_fwd_outputs: int, static_lifetime_input_nodes: set[fx.Node]):
+    """Forward and backward modules of `joint` that hand `saved` (and `saved_sym`) from one to the other."""
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
+    if "static_lifetime_input_nodes" in _EXTRACT_PARAMS:
+        kwargs["static_lifetime_input_nodes"] = static_lifetime_input_nodes
+    if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
+        kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
+    return _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
+
+
+def set_boxed_codegen(gm: fx.GraphModule) -> None:
+    """Make `gm`'s generated forward take one list of inputs and clear it as it unpacks it."""
+    gm.graph.set_codegen(torch.fx.graph._BoxedCodeGen())
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """New nodes (meta dicts copied shallowly, as Graph.__deepcopy__ does) and the same code generator.
+
+    The generator holds the pytree specs the graph was traced with; nothing changes it once traced,
+    so sharing it is safe, and it avoids deep-copying the specs, which warns on every capture.
+    """
+    new = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied = new.graph_copy(graph, {}, return_output_node=True)
+    new._codegen = graph._codegen
+    if copied is not None:
+        value, old_output = copied
+        out = new.output(value, type_expr=getattr(old_output, "type", None))
+        out.meta = dict(old_output.meta)
+    return new
+
+
+def mark_boxed_call(fn: Callable) -> None:
+    """Tell AOTAutograd that `fn` takes its inputs as one list (and may clear it)."""
+    fn._boxed_call = True  # type: ignore[attr-defined]
+
+
+TANGENTS_BOXED = hasattr(torch.autograd.Function, "boxed_grads_call")
+
+
+def is_primal(node: fx.Node) -> bool:
+    """A joint graph's forward input (parameter, buffer or step input): AOTAutograd names them primals_*."""
+    return node.op == "placeholder" and node.name.startswith("primals")
+
+
+def is_tangent(node: fx.Node) -> bool:
+    """A joint graph's incoming gradient of a forward output: AOTAutograd names them tangents_*."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
+def mutated_input_indices(output_node: fx.Node) -> set[int] | None:
+    """Indices of the primals the forward mutates, from the output node's descriptors; None when the
+    graph has none (the caller must then assume the worst)."""
+    descs = output_node.meta.get("desc")
+    if not descs:
+        return None
+    return {d.mutated_input.idx for d in descs
+            if type(d).__name__ == "InputMutationAOTOutput" and hasattr(d.mutated_input, "idx")}
+
+
+# -- dispatcher and ops ------------------------------------------------------------------------
+
+OpOverload = torch._ops.OpOverload
+OpOverloadPacket = torch._ops.OpOverloadPacket
+C_NN_LINEAR = torch._C._nn.linear
+arg_tree_leaves = torch.utils._pytree.arg_tree_leaves
+tree_leaves = torch.utils._pytree.tree_leaves
+tree_flatten = torch.utils._pytree.tree_flatten
+tree_map = torch.utils._pytree.tree_map
+
+
+def is_mutable_op(op: OpOverload) -> bool:
+    return bool(op._schema.is_mutable)
+
+
+def out_kernel_copies(op: OpOverload) -> bool:
+    """`op`, an out= overload, has a CompositeExplicitAutograd kernel: the wrapper PyTorch generates for an op
+    with only a functional kernel, which allocates the whole result and then copies it into `out`."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd")
+
+
+def composite_with_meta_kernel(op: OpOverload) -> bool:
+    """`op` decomposes (CompositeImplicitAutograd) on real devices but has a Python kernel on meta."""
+    import torch._meta_registrations  # noqa: F401  # registers the Python meta kernels
+
+    return (torch._C.DispatchKey.Meta in op.py_kernels
+            and torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"))
+
+
+@contextlib.contextmanager
+def meta_python_kernels_hidden(ops: tuple[OpOverload, ...]) -> Iterator[None]:
+    """Remove the Python meta kernels of `ops` for the duration (the dispatcher then decomposes them)."""
+    hidden = [(op, op.py_kernels.pop(torch._C.DispatchKey.Meta)) for op in ops]
+    for op, _ in hidden:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, kernel in hidden:
+            op.py_kernels[torch._C.DispatchKey.Meta] = kernel
+            op._dispatch_cache.clear()

@@ -1,0 +1,81 @@
+"""Private torch APIs: fake tensors and dynamo: compile ids, graph breaks, errors, region compilation (listed in the package docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "unset_fake_temporarily"]
+
+
+# -- fake tensors ------------------------------------------------------------------------------
+
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+
+def detect_fake_mode(inputs: list) -> FakeTensorMode | None:
+    from torch._dynamo.utils import detect_fake_mode as detect
+
+    return detect(inputs)
+
+
+# -- dynamo ------------------------------------------------------------------------------------
+
+def recompile_limit() -> int:
+    return torch._dynamo.config.recompile_limit
+
+
+def dynamo_reset() -> None:
+    torch._dynamo.reset()
+
+
+def graph_break_reasons() -> list[str]:
+    """The graph-break reasons dynamo has counted in this process, oldest first."""
+    return list(torch._dynamo.utils.counters["graph_break"])
+
+
+def dynamo_compile_id(gm: fx.GraphModule) -> tuple[int, int] | None:
+    """(frame id, how many times that frame was compiled before this graph), or None if unknown."""
+    cid = gm.meta.get("dynamo_compile_id")
+    return None if cid is None else (cid.frame_id, cid.frame_compile_id)
+
+
+def is_dynamo_error(e: BaseException) -> bool:
+    """An exception dynamo raised itself (wrapping the user's), not the user's own."""
+    return type(e).__module__.startswith("torch._dynamo")
+
+
+def is_inductor_error(e: BaseException) -> bool:
+    """An exception Inductor raised (its C++ build failing, a lowering missing), not dynamo's or the user's."""
+    return type(e).__module__.startswith("torch._inductor")
+
+
+def ddp_optimizer_active() -> bool:
+    """DDP's graph splitter (torch._dynamo.config.optimize_ddp) is compiling the current graph."""
+    context = torch._guards.TracingContext.try_get()
+    return getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+def copy_split_metadata(gm: fx.GraphModule, cut: fx.GraphModule) -> None:
+    """Give the submodules of `cut` (a split_module of `gm`) the dynamo source and meta of `gm`; every
+    submodule gets the one meta dict of `gm`."""
+    from torch._dynamo.backends.distributed import propagate_dynamo_source, propagate_metadata
+
+    propagate_dynamo_source(gm, cut)
+    propagate_metadata(gm, cut)
+
+
+def compile_submodules(cut: fx.GraphModule, compile_one: Callable, example_inputs: list) -> None:
+    """Compile each submodule of `cut` with `compile_one` and swap it in, in order, on fake inputs.
+
+    dynamo's DDP optimizer does the same per gradient bucket: the interpreter runs the cut graph,
+    compiling each submodule as it reaches it (the outputs of those before it as example inputs).
+    """
+    from torch._dynamo.backends.distributed import SubmodCompiler
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
+    SubmodCompiler(cut, compile_one, fake_mode).run(*example_inputs)

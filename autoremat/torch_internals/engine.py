@@ -1,0 +1,82 @@
+"""Private torch APIs: the profiler's allocator events and the autograd engine's callbacks, CUDA's BLAS workspaces (listed in the package docstring)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "engine_will_run", "gradient_node", "graph_task_id", "profiler_enabled", "queue_callback"]
+
+
+# -- profiler and autograd engine --------------------------------------------------------------
+
+def profiler_enabled() -> bool:
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+def backward_entry_code() -> Any:
+    """The code object of the Python function every `.backward()` / `autograd.grad` runs the C++ engine from:
+    its return is the first moment after a backward that is outside the engine."""
+    return torch.autograd.graph._engine_run_backward.__code__
+
+
+def in_backward() -> bool:
+    """Whether this code runs inside the autograd engine (a node of a backward is executing)."""
+    return torch._C._current_autograd_node() is not None
+
+
+def allocation_events(prof: torch.profiler.profile) -> Iterator[tuple[int, int, torch.device]]:
+    """(start time ns, signed bytes, device) of every allocation (+) and free (-) a stopped profiler saw."""
+    kineto_results = prof.profiler.kineto_results if prof.profiler is not None else None
+    if kineto_results is None:
+        raise RuntimeError(
+            "profiler produced no results (was it stopped by someone else?)"
+        )
+    alloc_tag = torch._C._profiler._EventType.Allocation
+    # allocation events are nested under the op that made them, so walk the whole tree;
+    # iteratively, since the depth is up to the callers' nesting
+    stack = list(kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == alloc_tag:
+            ef = node.extra_fields
+            yield node.start_time_ns, int(ef.alloc_size), ef.device
+        stack.extend(node.children)
+
+
+def queue_callback(callback: Callable[[], None]) -> None:
+    """Run `callback` when the autograd engine finishes the backward it is running now."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def gradient_node(t: torch.Tensor) -> Any:
+    """The autograd node a gradient of `t` flows into: a leaf's AccumulateGrad."""
+    return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def engine_will_run(node: Any) -> bool:
+    """Whether the backward now running will execute `node` (only valid inside a backward)."""
+    return torch._C._will_engine_execute_node(node)
+
+
+def graph_task_id() -> int:
+    """The id of the backward running now (ids only grow), or -1 outside a backward."""
+    return torch._C._current_graph_task_id()
+
+
+def accumulate_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """Run `leaf`'s AccumulateGrad node with `grad` through the autograd engine, re-entrantly when called
+    inside a backward: `.grad` is added to and every hook on the node or the tensor fires, as
+    `torch.autograd.backward(leaf, grad)` does. That wrapper first checks its arguments in Python
+    (shapes, dtypes, symbolic sizes): 40-60 us of a 55-80 us call here, paid once per parameter per
+    backward; `grad` is a gradient the graph computed for `leaf`, of its shape and dtype already."""
+    torch.autograd.Variable._execution_engine.run_backward(
+        (leaf,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+
+
+def clear_blas_workspaces() -> None:
+    torch._C._cuda_clearCublasWorkspaces()
