@@ -42,7 +42,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="plan_t
 import torch  # noqa: E402
 
 import autoremat
-from autoremat.capture.aot import aot as capture
+from autoremat.capture import aot as capture
 from autoremat.measure import measure_peak
 from autoremat.planning import pipeline, planner
 from autoremat.planning.compilers import inductor_problem

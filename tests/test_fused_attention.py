@@ -155,7 +155,7 @@ def test_a_bf16_llama_step_runs_the_fused_ops_and_is_as_accurate_as_autocast():
 
 def test_the_fused_loss_and_gradient_upcasts_lower_the_bf16_floor(monkeypatch):
     # A large vocabulary, so that the loss region holds the floor's peak (as a 7B Llama's does).
-    from autoremat.capture.aot import aot as capture
+    from autoremat.capture import aot as capture
     from autoremat.passes import loss_chunks
 
     model, ex = tiny_llama(vocab=4096, seq=256, layers=1, device="meta")

@@ -369,7 +369,7 @@ def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floo
     # its backward use (a 7B Llama layer's 300 MiB of copies at the floor's peak). passes/weight_casts.py
     # gives the backward its own cast: a floor not above the one without it, gradients as accurate as the
     # plan that recomputes nothing, and the measured peak within the budget.
-    from autoremat.capture.aot import aot as capture
+    from autoremat.capture import aot as capture
     from tests.models import tiny_llama
 
     model, ex = tiny_llama()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autoremat
-from autoremat.capture.aot import regions
+from autoremat.capture import regions
 from autoremat.measure import measure_peak
 from autoremat.model import handoffs
 from autoremat.model.devices import get_device

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_kernel_probe", "inductor_realize_reads_threshold"]
+__all__ = ["ORDERS_TAG", "has_triton", "inductor_compilers", "inductor_cpp_compiler", "inductor_kernel_probe", "inductor_max_pointwise_cat_inputs", "inductor_realize_reads_threshold", "inductor_vector_width"]
 
 
 def inductor_compilers() -> tuple[Callable, Callable, dict]:
