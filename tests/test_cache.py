@@ -21,9 +21,9 @@ def _no_solver(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the solver ran although the plan was cached")
 
-    # plan_graphs (autoremat.planning.planner) is where every face calls the solver; smallest_peak too.
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.planner"), "solve", refuse)
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.planner"), "smallest_peak", refuse)
+    # plan_graphs (autoremat.planning.budget) is where every face calls the solver; smallest_peak too.
+    monkeypatch.setattr(importlib.import_module("autoremat.planning.budget"), "solve", refuse)
+    monkeypatch.setattr(importlib.import_module("autoremat.planning.budget"), "smallest_peak", refuse)
 
 
 def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):

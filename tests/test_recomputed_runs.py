@@ -9,7 +9,7 @@ peak (against the same plan without them).
 import torch
 
 import autoremat
-import autoremat.model.memory as memory_mod
+import autoremat.model.schedule as schedule_mod
 from autoremat.solve.decision import evaluate
 from examples import models
 from tests.test_twice_and_reuse import SEED_BYTES, _floor, _grads_and_peak
@@ -43,7 +43,7 @@ def test_recomputed_ops_write_into_dying_inputs_with_eagers_gradients_and_the_pr
         assert_close_for(g, r, depth=ex[0][..., 0].numel())
     assert abs(om.plan.predicted_peak - peak) <= SEED_BYTES
     # the same plan without the writes peaks higher in the simulator
-    monkeypatch.setattr(memory_mod, "write_recomputed", _no_writes)
+    monkeypatch.setattr(schedule_mod, "write_recomputed", _no_writes)
     assert evaluate(profiles, saved)[1].peak > tl.peak
 
 

@@ -24,7 +24,7 @@ from autoremat.planning.plan import Ledger, build_plan
 from autoremat.solve import heuristics, solver
 from examples import models
 
-planner_module = importlib.import_module("autoremat.planning.planner")  # where every face calls the solver
+budget_module = importlib.import_module("autoremat.planning.budget")  # where every face calls the solver
 
 
 @pytest.fixture(scope="module")
@@ -199,13 +199,13 @@ def test_the_min_peak_plan_found_while_calibrating_is_kept_when_it_fits(stack, m
 
 def test_gap_and_time_limit_reach_the_solver(monkeypatch):
     seen = {}
-    real = planner_module.solve
+    real = budget_module.solve
 
     def spy(*args, **kwargs):
         seen.update(kwargs)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planner_module, "solve", spy)
+    monkeypatch.setattr(budget_module, "solve", spy)
     torch.manual_seed(0)
     model, ex = models.mlp(batch=256, width=32, depth=3)
     base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager").plan
