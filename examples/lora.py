@@ -39,9 +39,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import autoremat  # noqa: E402
 
-# peft asks transformers 5 for `is_gradient_checkpointing`, which warns that it is deprecated: not ours to fix
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-
 TARGETS = ["c_attn", "c_proj", "c_fc"]  # GPT-2's attention (qkv, out) and MLP (in, out) projections
 
 
@@ -147,6 +144,8 @@ def main() -> None:
 
     t_all = time.perf_counter()
     torch.set_num_threads(1)
+    # peft asks transformers 5 for `is_gradient_checkpointing`, which warns that it is deprecated: not ours to fix
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
     sizes = dict(n_layer=args.n_layer, d=args.d, n_head=args.n_head, vocab=args.vocab, seq=args.seq, r=args.r)
     # The base is pre-trained on some modules of the standard library, the adapter fine-tuned on others.
     t0 = time.perf_counter()
