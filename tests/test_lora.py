@@ -90,7 +90,7 @@ def test_ledger_counts_gradients_and_adamw_state_of_the_adapters_only(planned):
     assert ledger.parameters == _storage_bytes([*model.parameters(), *model.buffers()])
     assert ledger.fixed == _fixed_by_hand(model, batch)
     all_params = sum(p.numel() for p in model.parameters())
-    assert ledger.gradients < all_params * FP32 / 5  # a tenth of the full fine-tune's gradients here
+    assert 10 * ledger.gradients < all_params * FP32  # under a tenth of a full fine-tune's gradients (6.5% here)
 
 
 def test_adapter_gradients_equal_eagers_under_recomputation(planned):
@@ -121,7 +121,7 @@ def test_training_step_stays_within_the_budget(planned):
     ledger = Ledger.from_dict(om.plan.ledger)
     # what is resident between steps (no .grad: set to None) is the ledger's, and AdamW's 0-d step counters
     # (4 bytes each, which the ledger leaves out)
-    counters = sum(4 for p in _adapters(model).values() if opt.state[p]["step"].dim() == 0)
+    counters = sum(opt.state[p]["step"].nbytes for p in _adapters(model).values())
     assert m.baseline_bytes == ledger.parameters + ledger.optimizer_state + ledger.inputs + counters
     # the prediction is within 10% of the measurement, as tests/test_end_to_end.py holds it: the activation peak
     # of forward + backward with every .grad present (the accumulation steady state the ledger assumes)
