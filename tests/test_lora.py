@@ -16,13 +16,9 @@ import torch
 
 import autoremat
 from autoremat.measure import measure_peak
+from autoremat.model.ledger import Ledger
 from examples.lora import TARGETS, lora_gpt2
 from tests.tolerances import assert_close_for, batch_depth
-
-try:  # main after 69cae3b keeps the ledger in the model stage's folder
-    from autoremat.model.ledger import Ledger
-except ImportError:
-    from autoremat.ledger import Ledger
 
 SIZES = dict(n_layer=2, d=64, n_head=4, vocab=512, seq=32, r=8)
 BATCH = 2
