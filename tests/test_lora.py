@@ -20,6 +20,10 @@ from autoremat.model.ledger import Ledger
 from examples.lora import TARGETS, lora_gpt2
 from tests.tolerances import assert_close_for, batch_depth
 
+# peft 0.21.2 asks transformers 5 for `is_gradient_checkpointing`, which warns that the property is deprecated:
+# the warning is peft's, not autoremat's, and says nothing about what these tests check.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
 SIZES = dict(n_layer=2, d=64, n_head=4, vocab=512, seq=32, r=8)
 BATCH = 2
 FP32 = torch.float32.itemsize
