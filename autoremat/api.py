@@ -36,6 +36,7 @@ from autoremat.planning.planner import (
     CapturePlanner,
     PlanMismatch,
     describe,
+    planner_for,
     require_graphs,
     trace_step,
 )
@@ -185,9 +186,8 @@ def optimize(
         step = TrainingStep(model, args, kwargs, where, dev, ledger_for(args, kwargs), options, first_choice.used)
         store = PlanCache.open(cache) if plan is None else None
         fields = _cache_fields(budget_bytes, step)
-        reapply = plan
         (made, compiled, planner), choice = run_with_fallback(first_choice, lambda c: _plan_step(
-            step.using(c), budget_bytes, reapply, store, {**fields, "compiler": c}, optimizer))
+            step.using(c), budget_bytes, plan, store, {**fields, "compiler": c}, optimizer))
         planner.strict = False
         _stamp(made, choice, started, compiling)
         chosen = made.precision.get("dtypes") or []
@@ -240,8 +240,7 @@ def _plan_step(step: TrainingStep, budget: int, plan: Plan | None, store: PlanCa
     pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", o.fp32_ops)) if dtypes else None
     if plan.loss:  # the loss region as planned (one chunk of 16-bit logits: the fused loss)
         pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
-    applier = CapturePlanner(budget, optimizer=optimizer, device=step.dev, ledger=step.ledger, plan=plan,
-                             pre_pass=pre, regions=o.regions, release_grads=o.release_grads, **o.solving())
+    applier = planner_for(step, budget, optimizer=optimizer, plan=plan, pre_pass=pre, regions=o.regions)
     compiled = trace_step(step, applier)
     require_graphs(step.model, applier)
     traced = [p.fingerprint for p in applier.sequence()]

@@ -107,7 +107,7 @@ def test_no_module_imports_a_later_stage():
                 if target not in USED_BY_EVERY_STAGE:
                     later.append(f"{where} (a shared module imports no stage)")
             else:
-                theirs = target in stage_rank and stage_rank[target] or _stage_of(target, table)
+                theirs = stage_rank[target] if target in stage_rank else _stage_of(target, table)
                 if theirs is not None and theirs > mine:
                     later.append(f"{where}, a later stage")
     assert later == []

@@ -28,6 +28,7 @@ from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
     CapturePlanner,
     along,
+    planner_for,
     progress,
     trace_step,
 )
@@ -135,8 +136,7 @@ def _trace(step: TrainingStep, loss: LossOption, k: int, budget: int, dtypes) ->
     option = LossOption(loss.outputs, k)
     pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, option.pre_pass())
     # regions="auto" traces the candidates per block; build decides on one graph for the count chosen
-    planner = CapturePlanner(budget, device=step.dev, ledger=step.ledger, regions=options.regions is not False,
-                             release_grads=options.release_grads, pre_pass=pre, **options.solving())
+    planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
     compiled = trace_step(step, planner)
     return Candidate(planner, compiled, option)
 

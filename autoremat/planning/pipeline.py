@@ -32,6 +32,7 @@ from autoremat.planning.planner import (
     along,
     log,
     plan_jointly,
+    planner_for,
     progress,
     require_graphs,
     trace_step,
@@ -56,10 +57,8 @@ class _Tracer:
         return self.store.load(self.keys[-1])
 
     def planner(self, split: bool, lookup: bool = True) -> CapturePlanner:
-        o = self.step.options
-        return CapturePlanner(self.budget, device=self.step.dev, ledger=self.step.ledger,
-                              lookup=self._lookup if lookup and self.store is not None else None, pre_pass=self.pre,
-                              regions=split, release_grads=o.release_grads, **o.solving())
+        return planner_for(self.step, self.budget, lookup=self._lookup if lookup and self.store is not None else None,
+                           pre_pass=self.pre, regions=split)
 
     def __call__(self, split: bool) -> Traced:
         """Capture the step, with the cache key used (None if the cache was not looked up)."""

@@ -324,6 +324,13 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     return compiled
 
 
+def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
+    """A CapturePlanner for the step being planned (its device, ledger and options); `kw` adds the rest."""
+    o = step.options
+    return CapturePlanner(budget, device=step.dev, ledger=step.ledger, release_grads=o.release_grads, **o.solving(),
+                          **kw)
+
+
 def trace_step(step: TrainingStep, planner: CapturePlanner) -> Any:
     """`compile_and_trace` for the step being planned, with the compiler it uses."""
     return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
@@ -352,7 +359,6 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, reser
     elif len(profiles) > 1:
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
-    applier = CapturePlanner(budget, device=dev, ledger=ledger, plan=plan, pre_pass=planner.pre_pass,
-                             regions=planner.regions, release_grads=planner.release_grads, **opts)
+    applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
     compiled = trace_step(step, applier)
     return plan, compiled, applier
