@@ -26,6 +26,7 @@ _EXPORTS = {
     "parse_budget": "autoremat.units",
     "BudgetError": "autoremat.planning.plan",
     "Plan": "autoremat.planning.plan",
+    "PlanOptions": "autoremat.planning.options",
     "CaptureError": "autoremat.planning.planner",
     "RematModule": "autoremat.remat_module",
     "optimize": "autoremat.api",
@@ -37,7 +38,7 @@ _EXPORTS = {
     "PeakMeasurement": "autoremat.measure",
 }
 
-__all__ = ["BudgetError", "CaptureError", "FitConfig", "PeakMeasurement", "Plan", "PlanMismatch", "RematModule",
+__all__ = ["BudgetError", "CaptureError", "FitConfig", "PeakMeasurement", "Plan", "PlanMismatch", "PlanOptions", "RematModule",
            "backend", "fit", "format_bytes", "measure_peak", "optimize", "parse_budget"]
 
 

@@ -29,7 +29,7 @@ from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
-from autoremat.planning.options import PlanOptions, TrainingStep
+from autoremat.planning.options import PlanOptions, TrainingStep, one_options
 from autoremat.planning.pipeline import build
 from autoremat.planning.plan import Plan
 from autoremat.planning.planner import (
@@ -40,7 +40,7 @@ from autoremat.planning.planner import (
     require_graphs,
     trace_step,
 )
-from autoremat.planning.precision_auto import plan_precision
+from autoremat.planning.precision_auto import plan_step
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
 from autoremat.solve.solver import DEFAULT_GAP
@@ -106,6 +106,7 @@ def optimize(
     cache: bool | str | Path = False,
     progress: bool = True,
     outputs: str = "all",
+    options: PlanOptions | None = None,
 ) -> RematModule:
     """Plan `model`'s training step to fit `budget` and return a module that runs that plan.
 
@@ -153,6 +154,8 @@ def optimize(
         the simulator, without solving (plan.solver["path"] == "cache").
     progress: True: once planning has run for 2 s, write each stage to stderr (not when logging is
         configured: the stages are INFO records on the `autoremat.progress` logger). False: silent.
+    options: the planning keywords above (solver ... outputs, release_grads, verify) as one
+        `autoremat.PlanOptions`, instead of as keywords; giving both is a ValueError.
     outputs: "all" (default) or "loss". A vocabulary projection followed by cross-entropy (HF's
         causal-LM loss, `F.cross_entropy(logits.view(-1, V), y)`) is computed in chunks of token
         rows when the planner finds that faster within the budget (`plan.loss["chunks"]`; see
@@ -163,10 +166,10 @@ def optimize(
     Raises `BudgetError` (with the ledger and the smallest budget that fits) if nothing fits, and
     TypeError / ValueError when example_inputs do not fit the model or an option is malformed.
     """
-    budget_bytes = parse_budget(budget)
-    asked = PlanOptions(solver=solver, time_limit=time_limit, gap=gap, compiler=compiler, regions=regions,
-                        precision=precision, tolerance=tolerance, fp32_ops=fp32_ops, outputs=outputs,
-                        release_grads=release_grads, verify=verify)
+    budget = parse_budget(budget)
+    asked = one_options(options, dict(solver=solver, time_limit=time_limit, gap=gap, compiler=compiler,
+                                      regions=regions, precision=precision, tolerance=tolerance, fp32_ops=fp32_ops,
+                                      outputs=outputs, release_grads=release_grads, verify=verify))
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
     started, compiling = time.perf_counter(), COMPILE_CLOCK.seconds
@@ -185,9 +188,14 @@ def optimize(
 
         step = TrainingStep(model, args, kwargs, where, dev, ledger_for(args, kwargs), options, first_choice.used)
         store = PlanCache.open(cache) if plan is None else None
-        fields = _cache_fields(budget_bytes, step)
-        (made, compiled, planner), choice = run_with_fallback(first_choice, lambda c: _plan_step(
-            step.using(c), budget_bytes, plan, store, {**fields, "compiler": c}, optimizer))
+        fields = _cache_fields(budget, step)
+
+        def attempt(c: str) -> tuple[Plan, Any, CapturePlanner]:
+            """Plan the step with compiler `c` (run_with_fallback may ask twice), or re-apply `plan`."""
+            if plan is not None:
+                return _reapply(step.using(c), budget, plan, optimizer)
+            return plan_step(step.using(c), budget, store, {**fields, "compiler": c})
+        (made, compiled, planner), choice = run_with_fallback(first_choice, attempt)
         planner.strict = False
         _stamp(made, choice, started, compiling)
         chosen = made.precision.get("dtypes") or []
@@ -197,7 +205,7 @@ def optimize(
             now, clock = time.perf_counter(), COMPILE_CLOCK.seconds
             shaped = step.shaped(new_args, new_kwargs, ledger_for(new_args, new_kwargs))
             shape_plan, used = run_with_fallback(first_choice, lambda c: build(
-                shaped.using(c), budget_bytes, chosen, None, {**fields, "compiler": c}))
+                shaped.using(c), budget, chosen, None, {**fields, "compiler": c}))
             _stamp(shape_plan[0], used, now, clock)
             return shape_plan
 
@@ -228,13 +236,8 @@ def _cache_fields(budget: int, step: TrainingStep) -> dict:
             "dtypes": {"mode": o.precision, "tolerance": o.tolerance, "fp32_ops": o.fp32_ops}, **o.solving()}
 
 
-def _plan_step(step: TrainingStep, budget: int, plan: Plan | None, store: PlanCache | None, fields: dict,
-               optimizer: Any) -> tuple[Plan, Any, CapturePlanner]:
-    """Plan the step with `step.compiler` (run_with_fallback may ask twice), or re-apply `plan`."""
-    if plan is None and step.options.precision == "fp32":
-        return build(step, budget, [], store, fields)
-    if plan is None:
-        return plan_precision(step, budget, store, fields)
+def _reapply(step: TrainingStep, budget: int, plan: Plan, optimizer: Any) -> tuple[Plan, Any, CapturePlanner]:
+    """Trace the step once more and apply `plan` to it as it is (no solving), refusing a step it was not for."""
     o = step.options
     dtypes = plan.precision.get("dtypes") or []
     pre = precision_plan.pre_pass(dtypes, plan.precision.get("fp32_ops", o.fp32_ops)) if dtypes else None

@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.model.devices import DeviceSpec
+from autoremat.planning.options import PlanOptions
 from autoremat.planning.step_planner import GraphUse, StepPlanner
 from autoremat.solve.solver import DEFAULT_GAP
 from autoremat.torch_internals import dynamo_compile_id, recompile_limit
@@ -109,9 +110,10 @@ def backend(
     with one warning; "inductor"; "eager"), chosen when the first graph runs, on its inputs' device;
     `.planner.compiler` then says which and why.
     """
-    budget_bytes = parse_budget(budget) if budget is not None else None  # parsed here, once
-    return _Backend(StepPlanner(budget_bytes, optimizer=optimizer, device=device, solver=solver, time_limit=time_limit,
-                                gap=gap, compiler=compiler))
+    budget = parse_budget(budget) if budget is not None else None  # parsed here, once
+    options = PlanOptions(solver=solver, time_limit=time_limit, gap=gap, compiler=compiler)
+    options.check()
+    return _Backend(StepPlanner(budget, optimizer=optimizer, device=device, options=options))
 
 
 # One backend per torch.compile(..., options=...) call: dynamo hands every graph of that call the same

@@ -19,7 +19,7 @@ import re
 import sys
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from autoremat.cli_support import (
     REAL_FALLBACK_MAX_PARAM_BYTES,
@@ -31,6 +31,9 @@ from autoremat.cli_support import (
     load_target,
     quiet_meta_warnings,
 )
+
+if TYPE_CHECKING:
+    from autoremat.planning.options import PlanOptions
 
 EXIT_INFEASIBLE = 1
 EXIT_USAGE = 2
@@ -169,8 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with Progress("solving at other budgets"):
             from autoremat.planning.pipeline import pareto_points
 
-            points = pareto_points(opt_model._planner.profiles, plan, args.device or "cpu", solver=args.solver,
-                                   time_limit=args.time_limit)
+            points = pareto_points(opt_model._planner.profiles, plan, args.device or "cpu", _options(args))
         print()
         print(format_pareto(points, plan))
         plot_pareto(points, (plan.budget, plan.overhead), args.pareto)
@@ -178,14 +180,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _options(args: argparse.Namespace) -> PlanOptions:
+    """The planning options the command line asked for, as the one object every face hands down."""
+    from autoremat.planning.options import PlanOptions
+
+    return PlanOptions(solver=args.solver, time_limit=args.time_limit, precision=args.precision,
+                       outputs=args.outputs, compiler=args.compiler)
+
+
 def _optimize(model: Any, budget: int, inputs: Any, args: argparse.Namespace, device: str) -> Any:
     import autoremat
 
     try:
         return autoremat.optimize(model, budget, inputs, optimizer=args.optimizer, device=device,
-                                  solver=args.solver, time_limit=args.time_limit, world_size=args.world_size,
-                                  sharding=args.sharding, precision=args.precision, outputs=args.outputs,
-                                  compiler=args.compiler)
+                                  world_size=args.world_size, sharding=args.sharding, options=_options(args))
     except ValueError as e:
         if "world_size" in str(e) or "sharding" in str(e):
             raise UsageError(str(e)) from e

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from autoremat.api import _model_device, optimize
 from autoremat.model.devices import DeviceSpec, get_device
 from autoremat.model.ledger import Ledger
+from autoremat.planning.options import PlanOptions, split_options
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.progress import LOGGER, muted, stages_on_stderr
 from autoremat.remat_module import RematModule
@@ -188,6 +189,7 @@ def fit(
     device: DeviceSpec | str | None = None,
     micro_batches: list[int] | None = None,
     verify: bool = True,
+    options: PlanOptions | None = None,
     **optimize_kwargs: Any,
 ) -> FitConfig:
     """Pick the micro-batch that trains `global_batch` examples fastest within `budget`, and plan it.
@@ -199,23 +201,26 @@ def fit(
     optimizer: a torch.optim.Optimizer or a name, as for `optimize`: its state is in the budget.
     device: a roofline name for the predictions (default: the model's device).
     micro_batches: the sizes to consider (default: every divisor of global_batch).
-    verify, **optimize_kwargs: passed to the one real `optimize` call (solver, time_limit, compiler,
-        world_size, sharding, precision "fp32" or "bf16").
+    verify, options, **optimize_kwargs: as `optimize`'s (solver, time_limit, compiler, precision "fp32" or
+        "bf16", world_size, sharding...): the planning options go into one `PlanOptions`, used for every
+        candidate (verify only for the one real `optimize` call).
 
     Raises `BudgetError` (with the ledger and the smallest budget) if micro-batch 1 does not fit.
     """
-    budget_bytes = parse_budget(budget)
-    if optimize_kwargs.get("precision", "fp32") not in ("fp32", "bf16"):
+    budget = parse_budget(budget)
+    options, rest = split_options(options, optimize_kwargs)
+    options = replace(options, verify=verify)
+    if options.precision not in ("fp32", "bf16"):
         # The candidates are planned on a meta twin, where ranges and errors cannot be measured.
         raise ValueError(f"fit plans micro-batches on meta tensors, so it takes precision 'fp32' or 'bf16', got "
-                         f"{optimize_kwargs['precision']!r}; for 'auto' or 'fp16', call autoremat.optimize on "
+                         f"{options.precision!r}; for 'auto' or 'fp16', call autoremat.optimize on "
                          "the micro-batch fit chose")
     where = _model_device(model, *_split(sample))
     notes: list[str] = []
     warns: list[str] = []
 
-    candidates = plan_candidates(model, budget_bytes, global_batch, sample, optimizer=optimizer, device=device,
-                                 micro_batches=micro_batches, warns=warns, **optimize_kwargs)
+    candidates = plan_candidates(model, budget, global_batch, sample, optimizer=optimizer, device=device,
+                                 micro_batches=micro_batches, warns=warns, options=options, **rest)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (c.time_per_global_batch_s, -c.micro_batch))
 
     # Plan the winner for real. The real step can need more than the meta plan saw: kernel scratch
@@ -225,8 +230,8 @@ def fit(
     opt_model = None
     for chosen in fitting:
         try:
-            opt_model = optimize(model, budget_bytes, example_inputs=_as_example_inputs(_batched(sample, chosen.micro_batch)),
-                                 optimizer=optimizer, device=device, verify=verify, **optimize_kwargs)
+            opt_model = optimize(model, budget, example_inputs=_as_example_inputs(_batched(sample, chosen.micro_batch)),
+                                 optimizer=optimizer, device=device, options=options, **rest)
             break
         except BudgetError as e:
             errors[chosen.micro_batch] = e
@@ -253,7 +258,7 @@ def fit(
     for w in warns:
         warnings.warn(w, stacklevel=2)
     return FitConfig(chosen.micro_batch, chosen.accumulation_steps, opt_model, opt_model.plan, candidates, warns,
-                     notes, budget_bytes, global_batch)
+                     notes, budget, global_batch)
 
 
 def _split(sample: Any) -> tuple[tuple, dict]:
@@ -272,6 +277,7 @@ def plan_candidates(
     device: DeviceSpec | str | None = None,
     micro_batches: list[int] | None = None,
     warns: list[str] | None = None,
+    options: PlanOptions | None = None,
     **optimize_kwargs: Any,
 ) -> list[Candidate]:
     """Plan each micro-batch size on a meta twin of `model`, smallest first, until one does not fit.
@@ -288,9 +294,11 @@ def plan_candidates(
     if why and warns is not None:
         warns.append(why)
     accumulate_s = _accumulate_time(model, dev)
-    keep = {k: optimize_kwargs[k] for k in ("solver", "time_limit", "world_size", "sharding") if k in optimize_kwargs}
+    options, rest = split_options(options, optimize_kwargs)
+    options = replace(options, verify=False)  # a meta twin cannot run a step
+    keep = {"options": options, **{k: rest[k] for k in ("world_size", "sharding") if k in rest}}
     out: list[Candidate] = []
-    with stages_on_stderr(optimize_kwargs.get("progress", True)):
+    with stages_on_stderr(rest.get("progress", True)):
         _plan_sizes(out, sizes, meta, budget, sample, global_batch, meta_opt, dev, accumulate_s, keep)
     return out
 
@@ -305,7 +313,7 @@ def _plan_sizes(out: list[Candidate], sizes: list[int], meta: torch.nn.Module, b
         try:
             # capture traces meta models through the real decompositions (loss backward included)
             with muted():
-                om = optimize(meta, budget, example_inputs=inputs, optimizer=meta_opt, device=dev, verify=False,
+                om = optimize(meta, budget, example_inputs=inputs, optimizer=meta_opt, device=dev,
                               progress=False, **keep)
         except BudgetError as e:
             if i == 0:
@@ -318,7 +326,7 @@ def _plan_sizes(out: list[Candidate], sizes: list[int], meta: torch.nn.Module, b
         plan = om.plan
         c.fits = True
         c.predicted_peak = plan.predicted_peak
-        c.no_recompute_peak = Ledger.from_dict(plan.ledger).fixed + plan.baseline_peak
+        c.no_recompute_peak = Ledger.from_dict(plan.ledger).step_peak(plan.baseline_peak)
         c.step_time_s = plan.forward_time_s + plan.recompute_time_s
         c.recompute_time_s = plan.recompute_time_s
 

@@ -194,3 +194,73 @@ def test_modules_and_functions_stay_small():
             if lines > MAX_FUNCTION_LINES:
                 too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines of code")
     assert too_long == []
+
+
+# The budget's way from the face to the ILP row (docs/architecture.md): (module, function, the callee it
+# calls, the parameter the callee takes it as, the name the caller passes). `budget` is the step's bytes
+# down to plan_graphs, which asks Ledger.room for the activations' share, `room` from there on;
+# `_solve_model` passes `target`, the room it asks of the model this round (calibrated by the simulator).
+BUDGET_PATH = [
+    ("api", "optimize", "plan_step", "budget", "budget"),
+    ("planning/precision_auto", "plan_step", "build", "budget", "budget"),
+    ("planning/pipeline", "build", "plan_graphs", "budget", "budget"),
+    ("planning/budget", "plan_graphs", "solve", "room", "room"),
+    ("solve/solver", "solve", "_solve_model", "room", "room"),
+    ("solve/solver", "_solve_model", "solve", "room", "target"),
+]
+CALLEES = {"plan_step": ("planning/precision_auto", "plan_step"), "build": ("planning/pipeline", "build"),
+           "plan_graphs": ("planning/budget", "plan_graphs"), "_solve_model": ("solve/solver", "_solve_model")}
+
+
+def _function(module: str, name: str, in_class: str | None = None) -> ast.FunctionDef:
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+    scope = tree.body
+    if in_class is not None:
+        scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == in_class).body
+    return next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _passes(caller: ast.FunctionDef, callee: str, name: str, position: int) -> bool:
+    """Whether `caller` (nested functions included) calls `callee` with the variable `name` at `position`."""
+    for node in ast.walk(caller):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called != callee:
+            continue
+        given = node.args[position] if len(node.args) > position else None
+        if isinstance(given, ast.Name) and given.id == name:
+            return True
+    return False
+
+
+def test_the_budget_reaches_the_ilp_row_in_six_calls():
+    """Each link of the path exists as a direct call that passes the value under its one name, so the
+    budget takes at most these six calls from `optimize` to the row, and is named `budget` or `room`."""
+    solve_fn = _function("solve/solver", "solve")
+    ilp_solve = _function("solve/ilp", "solve", in_class="IlpModel")
+    for module, name, callee, param, passed in BUDGET_PATH:
+        caller = _function(module, name)
+        if callee == "solve" and module == "solve/solver":
+            target = ilp_solve
+        elif callee == "solve":
+            target = solve_fn
+        else:
+            target = _function(*CALLEES[callee])
+        params = [a.arg for a in target.args.args if a.arg != "self"]
+        position = params.index(param)
+        assert _passes(caller, callee, passed, position), f"{module}.{name} no longer passes {passed} to {callee}"
+    # The last hop: the room bounds `cap`, the right-hand side of every memory row (IlpModel._capacity).
+    assert "self.cap.lowBound, self.cap.upBound = (0, None) if min_peak else (room, room)" in ast.unparse(ilp_solve)
+    assert len(BUDGET_PATH) <= 6
+
+
+def test_the_budget_is_parsed_only_by_the_faces():
+    """parse_budget turns "20GB" into bytes in the faces; a stage below them takes an int only."""
+    callers = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and "parse_budget" in ast.unparse(node.func):
+                callers.add(_module(path))
+    assert callers <= {"api", "fit", "backend", "cli"}, callers

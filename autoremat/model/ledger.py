@@ -70,13 +70,18 @@ class Ledger:
 
     @property
     def total(self) -> int:
-        return self.fixed + max(self.activations, self.optimizer_step)
+        return self.step_peak(self.activations)
+
+    def step_peak(self, activations: int) -> int:
+        """The whole step's peak when its graphs peak at `activations` bytes: the fixed parts and the larger
+        of the activations and optimizer.step()'s temporaries (they never coexist). A measured peak is held
+        to the budget with this; a predicted one with `needs`."""
+        return self.fixed + max(activations, self.optimizer_step)
 
     def needs(self, activations: int) -> int:
-        """The budget a step needs whose graphs peak at `activations` bytes: the fixed parts, the larger of
-        the activations and optimizer.step()'s temporaries (they never coexist), and SLACK. The one place
-        this sum is written: every floor, check and re-plan asks here."""
-        return self.fixed + max(activations, self.optimizer_step) + SLACK
+        """The budget a step needs whose graphs are predicted to peak at `activations` bytes: `step_peak`
+        and SLACK. The one place this sum is written: every floor, check and re-plan asks here."""
+        return self.step_peak(activations) + SLACK
 
     def room(self, budget: int) -> int:
         """What `budget` leaves the graphs' activations: the inverse of `needs` wherever the activations

@@ -1,4 +1,4 @@
-"""The one budget, from bytes to the solver: what it leaves the activations (`activation_budget`, through
+"""The one budget, from bytes to the solver: what it leaves the activations (`room_for`, through
 `Ledger.room`), every graph of a step solved jointly under it (`plan_graphs`), and a cached plan held to
 it again (`check_cached`). A budget that nothing fits becomes a `BudgetError` here, with the smallest
 budget that would fit (`Ledger.needs` of the smallest peak found).
@@ -6,15 +6,20 @@ budget that would fit (`Ledger.needs` of the smallest peak found).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from autoremat.model.devices import DeviceSpec
 from autoremat.model.ledger import Ledger
 from autoremat.model.profile import GraphProfile
 from autoremat.planning.calls import one_set_per_graph, repeats
+from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.solve.decision import Decision, evaluate
-from autoremat.solve.solver import DEFAULT_GAP, Infeasible, smallest_peak, solve
+from autoremat.solve.solver import Infeasible, smallest_peak, solve
+
+# Stages say what they are doing on this logger (the faces print it: autoremat/progress.py).
+progress = logging.getLogger("autoremat.progress")
 
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner
@@ -30,30 +35,31 @@ def plan_graphs(
     budget: int | None,
     ledger: Ledger,
     device: DeviceSpec,
+    options: PlanOptions = DEFAULTS,
     *,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
     one_set: bool = False,
 ) -> Decision:
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
 
     one_set: a profile that appears at several positions (one compiled graph called several times)
     saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
+    solver, time_limit, gap = options.solver, options.time_limit, options.gap
     budget = budget_or_memory(budget, device)
-    activations = activation_budget(budget, ledger, device)
+    room = room_for(budget, ledger, device)
+    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                  sum(len(g.nodes) for g in profiles), len(profiles), time_limit)
     one_set = one_set and repeats(profiles)
 
     def smallest() -> Decision:
         return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
     try:
-        if activations <= 0 or activations < ledger.optimizer_step:  # optimizer.step() must fit too
+        if room <= 0 or room < ledger.optimizer_step:  # optimizer.step() must fit too
             raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
-        decision = solve(profiles, activations, granularity=device.alloc_granularity, solver=solver,
+        decision = solve(profiles, room, granularity=device.alloc_granularity, solver=solver,
                          time_limit=time_limit, gap=gap)
         if one_set:
-            decision = one_set_per_graph(profiles, decision, activations)
-            if decision.peak > activations:
+            decision = one_set_per_graph(profiles, decision, room)
+            if decision.peak > room:
                 raise Infeasible(smallest(), "no plan with one saved set per compiled graph fits")
         return decision
     except Infeasible as e:
@@ -62,7 +68,7 @@ def plan_graphs(
         raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
 
 
-def activation_budget(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
+def room_for(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
     """What `budget` (None: the device's memory) leaves the graphs' activations after the ledger's fixed part."""
     return ledger.room(budget_or_memory(budget, device))
 

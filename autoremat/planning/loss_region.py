@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
-from autoremat.planning.budget import activation_budget, plan_graphs
+from autoremat.planning.budget import plan_graphs, room_for
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
     CapturePlanner,
@@ -61,7 +61,7 @@ def fits_unchunked(planner: CapturePlanner, budget: int, ledger, dev) -> str | N
     Under the roofline a chunked trace's ops cost at least the whole's (the same FLOPs and bytes in
     more kernels, each launched), so with nothing to free no count beats 1.
     """
-    whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), activation_budget(budget, ledger, dev)
+    whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), room_for(budget, ledger, dev)
     if whole > room:
         return None
     return (f"with everything saved the step needs {format_bytes(whole)} of activations, within the "
@@ -99,17 +99,17 @@ def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, sto
     if len(traces) == 1:  # nothing to choose (too few token rows for a second count)
         return build_count(1)
     dev, opts = step.dev, step.options.solving()
-    activations = activation_budget(budget, step.ledger, dev)
+    room = room_for(budget, step.ledger, dev)
     base_time = {k: ops_once_time(t.planner.profiles) for k, t in traces.items()}
     table = {k: f"ops once {1e3 * base_time[k]:.3f} ms" for k in traces}
     # Built only when some budget is left for activations (a floor query, budget=1, goes straight on).
-    if activations > 0:
+    if room > 0:
         progress.info("choosing the chunk count: one ILP over the %d traces", len(traces))
         along(f"{sum(len(g.nodes) for t in traces.values() for g in t.planner.profiles)} nodes over all counts")
         ilp = ChoiceModel({k: t.planner.profiles for k, t in traces.items()}, dev.alloc_granularity)
     refused: dict[int, BudgetError] = {}
-    while activations > 0:
-        choice = choose_trace(ilp, activations, solver=opts["solver"], time_limit=opts["time_limit"], gap=opts["gap"])
+    while room > 0:
+        choice = choose_trace(ilp, room, solver=opts["solver"], time_limit=opts["time_limit"], gap=opts["gap"])
         if choice.chosen is None:
             progress.info("the chunk-count ILP found no plan (%s): planning the counts in full, fastest first",
                           choice.status)
@@ -162,7 +162,7 @@ def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, 
         planner = traces[k].planner
         try:
             # As build plans the step (plan_jointly): its calls, one saved set per compiled graph.
-            d = plan_graphs(planner.sequence(), budget, step.ledger, step.dev, one_set=True, **step.options.solving())
+            d = plan_graphs(planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
         except BudgetError as e:
             refused[k] = e
             table[k] += "; planned in full: does not fit"

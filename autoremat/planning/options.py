@@ -39,8 +39,9 @@ class PlanOptions:
     release_grads: bool = True  # gradients reach .grad as each region's backward ends
     verify: bool = True  # run one real step and hold the budget to what it measures
 
-    def check(self, where: torch.device) -> None:
-        """Raise a one-line ValueError/TypeError naming the bad option and what would work."""
+    def check(self, where: torch.device | None = None) -> None:
+        """Raise a one-line ValueError/TypeError naming the bad option and what would work. `where`: the
+        device the batch is on, where known (fp16 needs real values to measure ranges on)."""
         if isinstance(self.time_limit, bool) or not isinstance(self.time_limit, (int, float)) \
                 or not self.time_limit > 0 or not math.isfinite(self.time_limit):
             raise ValueError(f"time_limit must be a positive number of seconds, got {self.time_limit!r}")
@@ -57,7 +58,7 @@ class PlanOptions:
                              f"{self.outputs!r}")
         self._check_precision(where)
 
-    def _check_precision(self, where: torch.device) -> None:
+    def _check_precision(self, where: torch.device | None) -> None:
         if self.precision not in precision_plan.MODES:
             raise ValueError(f"precision must be one of {', '.join(precision_plan.MODES)}, got {self.precision!r}")
         tol = self.tolerance
@@ -67,7 +68,7 @@ class PlanOptions:
         if isinstance(self.fp32_ops, str) or not all(isinstance(o, str) for o in self.fp32_ops):
             raise TypeError(f"fp32_ops must be a list of call names such as {list(FP32_KEPT[:3])}, "
                             f"got {self.fp32_ops!r}")
-        if self.precision == "fp16" and where.type == "meta":
+        if self.precision == "fp16" and where is not None and where.type == "meta":
             raise ValueError("precision='fp16' measures value ranges on the example batch (fp16 overflows where bf16 "
                              "does not), which meta tensors do not have: give real example inputs, or use "
                              "precision='bf16' or 'auto' on meta (auto then offers bf16 only, with estimated errors)")
@@ -75,6 +76,30 @@ class PlanOptions:
     def solving(self) -> dict[str, Any]:
         """The solve stage's keyword arguments."""
         return {"solver": self.solver, "time_limit": self.time_limit, "gap": self.gap}
+
+
+# The options of a caller that names none (a planner built in a test, the backend's defaults).
+DEFAULTS = PlanOptions()
+
+
+def one_options(options: PlanOptions | None, keywords: dict[str, Any]) -> PlanOptions:
+    """The options a face was given: `options`, or those its keyword arguments (PlanOptions' fields) name;
+    never a mix of the two, which would leave one of them silently unused."""
+    if options is None:
+        return replace(DEFAULTS, **keywords)
+    if not isinstance(options, PlanOptions):
+        raise TypeError(f"options must be an autoremat.PlanOptions, got {type(options).__name__}")
+    given = [name for name, value in keywords.items() if value != getattr(DEFAULTS, name)]
+    if given:
+        raise ValueError(f"got options= and also the keyword(s) {', '.join(given)}: set them in the PlanOptions "
+                         "(dataclasses.replace(options, ...)) or drop options=")
+    return options
+
+
+def split_options(options: PlanOptions | None, kwargs: dict[str, Any]) -> tuple[PlanOptions, dict[str, Any]]:
+    """A face's `**kwargs` parted into its PlanOptions (via `one_options`) and the arguments that are not options."""
+    mine = {k: v for k, v in kwargs.items() if k in vars(DEFAULTS)}
+    return one_options(options, mine), {k: v for k, v in kwargs.items() if k not in mine}
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@
     -> run one real step in the accumulation steady state and measure it -> re-plan with the
     measured gap, or refuse with BudgetError: the budget never passes silently.
 
-`build` is that pipeline for given compute dtypes; `precision_auto.plan_precision` chooses the dtypes
-first (precision="bf16" / "fp16" / "auto") and checks the result against fp32 and torch.autocast.
+`build` is that pipeline for given compute dtypes. The stage before it, `precision_auto.plan_step`, is
+where every face's plan starts: it chooses the dtypes (precision="bf16" / "fp16" / "auto"; fp32 goes
+straight on) and checks the result against fp32 and torch.autocast.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
-from autoremat.planning.budget import activation_budget, check_cached, plan_graphs
+from autoremat.planning.budget import check_cached, plan_graphs, room_for
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.loss_region import Candidate, choose_chunks, fits_unchunked, loss_region_matters
-from autoremat.planning.options import PlanOptions, TrainingStep
+from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
@@ -35,6 +36,7 @@ from autoremat.planning.planner import (
     planner_for,
     progress,
     require_graphs,
+    solve_step,
     trace_step,
 )
 from autoremat.solve.decision import Decision
@@ -119,7 +121,8 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         store.discard(store_key)
         planner = trace.planner(planner.regions, lookup=False)
         compiled = trace_step(step, planner)
-    plan, compiled, planner = plan_jointly(step, planner, budget, decision=traced.decision)
+    decision = traced.decision or plan_graphs(planner.sequence(), budget, ledger, dev, options, one_set=True)
+    plan, compiled, planner = plan_jointly(step, planner, budget, decision)
     measured: Any = UNMEASURED
     if cut_step is not None and checked:
         progress.info("verifying the plan on a real step")  # and whether one graph is kept
@@ -127,10 +130,11 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         measured = measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
-        if measured is not None and (ledger.fixed + measured > budget or measured > WHOLE_HELD * plan.activation_peak):
+        if measured is not None and (ledger.step_peak(measured) > budget or measured > WHOLE_HELD * plan.activation_peak):
             store_key = cut_step.store_key
             regions_note = f"{cut_step.note} ({measured} B of activations measured, {plan.activation_peak} B predicted)"
-            plan, compiled, planner = plan_jointly(step, cut_step.planner, budget)
+            plan, compiled, planner = plan_jointly(step, cut_step.planner, budget,
+                                                   solve_step(step, cut_step.planner, budget))
             measured = UNMEASURED
     if checked:  # one graph kept: the step just measured is its verification
         plan, compiled, planner = verify_on_step(step, compiled, plan, planner, budget, measured=measured)
@@ -205,7 +209,7 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     saying why) when one graph was taken, else None.
     """
     ledger, dev = step.ledger, step.dev
-    room = activation_budget(budget, ledger, dev)
+    room = room_for(budget, ledger, dev)
     cut_graphs = cut.planner.sequence()
     saved_cut, n_cut = save_all_peak(cut_graphs, dev.alloc_granularity), len(cut_graphs)
     per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
@@ -229,7 +233,7 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
         progress.info("solving for %d nodes in one graph (time limit %g s per solve)",
                       sum(len(g.nodes) for g in graphs), step.options.time_limit)
         try:
-            whole.decision = plan_graphs(graphs, budget, ledger, dev, one_set=True, **step.options.solving())
+            whole.decision = plan_graphs(graphs, budget, ledger, dev, step.options, one_set=True)
             recompute_s = whole.decision.recompute_time_s
         except BudgetError:
             recompute_s = None
@@ -284,23 +288,23 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
         return plan, compiled, planner
     plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
                       f"peak {measured} B, predicted {plan.activation_peak} B")
-    if ledger.fixed + measured <= budget:
+    if ledger.step_peak(measured) <= budget:
         return plan, compiled, planner
     gap = measured - plan.activation_peak
     reserve = Ledger.from_dict(dict(ledger.to_dict(),
                                     notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
     reserve.inputs += gap
     progress.info("re-planning with %d bytes the memory model did not predict", gap)
-    new, compiled, applier = plan_jointly(step, planner, budget, reserve=reserve)
+    new, compiled, applier = plan_jointly(step, planner, budget, solve_step(step, planner, budget, reserve))
     new.notes += [n for n in plan.notes if n not in new.notes]
     new.notes.append(f"re-planned with {gap} B reserved for memory the model did not predict")
     again = measure_step(model, compiled, applier, args, kwargs, where)
-    if again is not None and ledger.fixed + again > budget:
+    if again is not None and ledger.step_peak(again) > budget:
         raise BudgetError(
             f"budget {format_bytes(budget)} ({budget} bytes) was not met on a real step: the plan predicted "
-            f"{format_bytes(ledger.fixed + plan.activation_peak)} but measured {format_bytes(ledger.fixed + measured)}; "
+            f"{format_bytes(ledger.step_peak(plan.activation_peak))} but measured {format_bytes(ledger.step_peak(measured))}; "
             f"re-planned with the {format_bytes(gap)} difference reserved, it measured "
-            f"{format_bytes(ledger.fixed + again)}. The memory model misses something this model allocates; a "
+            f"{format_bytes(ledger.step_peak(again))}. The memory model misses something this model allocates; a "
             f"budget of {format_bytes(ledger.needs(again))} holds the re-planned step.\n{ledger.format()}",
             ledger, None)
     if again is not None:
@@ -365,22 +369,22 @@ def loss_of(out: Any) -> torch.Tensor:
     return sum(t.float().sum() for t in leaves)
 
 
-def pareto_points(profiles: list, plan: Plan, device: str, *, solver: str = "auto", time_limit: float = 10.0,
+def pareto_points(profiles: list, plan: Plan, device: str, options: PlanOptions = DEFAULTS, *,
                   count: int = 8) -> list[tuple[int, float]]:
     """(budget, predicted recompute overhead) at `count` budgets from the smallest that fits to none."""
     dev = get_device(device)
-    fixed = Ledger.from_dict(plan.ledger).fixed
-    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=solver, time_limit=time_limit)
-    low = fixed + smallest.peak
-    high = max(plan.no_recompute_budget, fixed + plan.activation_peak)
+    ledger = Ledger.from_dict(plan.ledger)
+    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=options.solver,
+                             time_limit=options.time_limit)
+    low = ledger.needs(smallest.peak)
+    high = max(plan.no_recompute_budget, ledger.needs(plan.activation_peak))
     budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})
     forward = plan.forward_time_s or 1.0
     points = []
     for b in budgets:
         try:
             # A fresh ledger each time: plan_graphs records the budget it was given in it.
-            decision = plan_graphs(profiles, b, Ledger.from_dict(plan.ledger), dev, solver=solver,
-                                   time_limit=time_limit)
+            decision = plan_graphs(profiles, b, Ledger.from_dict(plan.ledger), dev, options)
         except BudgetError:
             if b != low:
                 continue

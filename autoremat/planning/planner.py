@@ -29,10 +29,10 @@ from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
 from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.calls import CallLog, repeats
+from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import save_all
-from autoremat.solve.solver import DEFAULT_GAP
 from autoremat.torch_internals import (
     BackendCompilerFailed,
     arg_tree_leaves,
@@ -41,7 +41,7 @@ from autoremat.torch_internals import (
 )
 from autoremat.units import format_bytes
 
-if TYPE_CHECKING:  # planning/options.py imports nothing of this module; the hint keeps it that way
+if TYPE_CHECKING:
     from autoremat.planning.options import TrainingStep
 
 log = logging.getLogger("autoremat")
@@ -108,9 +108,7 @@ class Planner:
         device: DeviceSpec | str | torch.device | None = None,
         ledger: Ledger | None = None,
         plan: Plan | None = None,
-        solver: str = "auto",
-        time_limit: float = 10.0,
-        gap: float = DEFAULT_GAP,
+        options: PlanOptions = DEFAULTS,
         calibrate: bool = True,
     ) -> None:
         self.calibrate = calibrate
@@ -121,9 +119,7 @@ class Planner:
         self.device = get_device(device) if device is not None else None
         self.ledger = ledger
         self.plan = plan
-        self.solver = solver
-        self.time_limit = time_limit
-        self.gap = gap
+        self.options = options  # the solver's settings (solver, time_limit, gap) are read from it
         self.profiles: list[GraphProfile] = []
         self.plans: list[Plan] = []  # one per graph planned on its own
         self._reported: set[str] = set()  # graphs whose internal error was logged already
@@ -152,8 +148,7 @@ class Planner:
         if self.plan is not None:
             saved = self._saved_from_plan(gp, cg.index)
         else:
-            decision = plan_graphs([gp], self.budget, ledger, dev, solver=self.solver, time_limit=self.time_limit,
-                                   gap=self.gap)
+            decision = plan_graphs([gp], self.budget, ledger, dev, self.options)
             plan = build_plan([gp], decision, ledger, self.budget or 0, dev.name)
             self.plans.append(plan)
             log.info("autoremat planned graph %d: %s", cg.index, plan.summary().splitlines()[1])
@@ -231,12 +226,11 @@ class CapturePlanner(Planner):
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
-                 pre_pass: Callable | None = None, regions: bool = True, release_grads: bool = True,
-                 **kwargs: Any) -> None:
+                 pre_pass: Callable | None = None, regions: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.regions = regions  # one graph per repeated block (autoremat.capture.regions)
-        self.release_grads = release_grads  # each weight gradient to .grad as soon as it exists (regions)
+        self.release_grads = self.options.release_grads  # each weight gradient to .grad as soon as it exists (regions)
         self.lookup = lookup
         self.cut = False  # whether a dynamo graph was cut into regions (regions found repeated blocks)
         self.cached: Plan | None = None
@@ -326,9 +320,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
 
 def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
     """A CapturePlanner for the step being planned (its device, ledger and options); `kw` adds the rest."""
-    o = step.options
-    return CapturePlanner(budget, device=step.dev, ledger=step.ledger, release_grads=o.release_grads, **o.solving(),
-                          **kw)
+    return CapturePlanner(budget, device=step.dev, ledger=step.ledger, options=step.options, **kw)
 
 
 def trace_step(step: TrainingStep, planner: CapturePlanner) -> Any:
@@ -336,20 +328,19 @@ def trace_step(step: TrainingStep, planner: CapturePlanner) -> Any:
     return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
 
 
-def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None,
-                 decision: Decision | None = None):
-    """Every graph of the step (graph breaks, regions) under one budget, then compile with the plan.
+def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None) -> Decision:
+    """Every graph of the step (graph breaks, regions) solved jointly under one budget (`plan_graphs`).
 
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
-    model does not predict); the plan still reports `ledger`. `decision`: plan_graphs' answer for these
-    graphs at this budget and ledger, when the caller already has it (not solved again).
+    model does not predict); the plan built from the answer still reports `step.ledger`.
     """
-    ledger, dev, opts = step.ledger, step.dev, step.options.solving()
+    return plan_graphs(planner.sequence(), budget, reserve or step.ledger, step.dev, step.options, one_set=True)
+
+
+def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decision: Decision):
+    """The plan of `decision` (every graph of the step, solved jointly under `budget`), compiled."""
+    ledger, dev = step.ledger, step.dev
     profiles = planner.sequence()
-    if decision is None:
-        progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
-                      sum(len(g.nodes) for g in profiles), len(profiles), opts["time_limit"])
-        decision = plan_graphs(profiles, budget, reserve or ledger, dev, one_set=True, **opts)
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
     progress.info("compiling the planned step")
     if repeats(profiles):

@@ -1,4 +1,5 @@
-"""Choose the step's compute dtypes (precision="bf16" / "fp16" / "auto") and plan it with them.
+"""The precision stage, where planning a step starts (`plan_step`): choose the step's compute dtypes
+(precision="fp32" / "bf16" / "fp16" / "auto"), then run the pipeline (pipeline.build) with them.
 
 "bf16" and "fp16" run every castable call in that dtype (fp16 only where the example batch shows it
 is safe). "auto" weighs its candidates by predicted step time within the memory budget and an error
@@ -31,9 +32,9 @@ from autoremat.planning.planner import Restore, progress
 
 # precision="auto": tries of the joint dtype ILP before its other candidates decide alone.
 AUTO_TRIES = 3
-# When the ILP's dtypes do not fit once traced, the next try asks for this share of the activation
-# cap: the mixed graphs need more than the fp32-traced rows saw (casts, 16-bit copies).
-AUTO_CAP_SHRINK = 0.95
+# When the ILP's dtypes do not fit once traced, the next try asks for this share of the activations'
+# room: the mixed graphs need more than the fp32-traced rows saw (casts, 16-bit copies).
+AUTO_ROOM_SHRINK = 0.95
 # When the mixed plan's measured error is above autocast's, the next try divides the tolerance by
 # this: the per-call errors add up to more than their sum on the example batch suggested.
 AUTO_TOLERANCE_DIVISOR = 4
@@ -44,10 +45,13 @@ def step_time(plan: Plan) -> float:
     return plan.forward_time_s + plan.recompute_time_s
 
 
-def plan_precision(step: TrainingStep, budget: int, store, fields: dict):
-    """precision="bf16" | "fp16" | "auto": choose dtypes, then plan the step traced with them (module docstring)."""
+def plan_step(step: TrainingStep, budget: int, store, fields: dict):
+    """The step's dtypes chosen (`step.options.precision`; module docstring), then the step traced with them
+    and planned under `budget` (pipeline.build). fp32 goes straight to the pipeline."""
     model, args, kwargs, where = step.model, step.args, step.kwargs, step.where
     mode, tolerance = step.options.precision, step.options.tolerance
+    if mode == "fp32":
+        return build(step, budget, [], store, fields)
     with Restore(model), torch.enable_grad():
         an = precision_plan.analyse(model, args, kwargs, step.dev, step.options.fp32_ops, measure=where.type != "meta")
     info: dict[str, Any] = {"mode": mode}
@@ -92,12 +96,12 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
         fp32 = None
     candidates: dict[str, tuple] = {} if fp32 is None else {"fp32": fp32}
     why: dict[str, str] = {} if fp32 is not None else {"fp32": "does not fit the budget"}
-    cap = ledger.room(budget)
+    room = ledger.room(budget)
     if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
-        cap = min(cap, fp32[0].activation_peak)
+        room = min(room, fp32[0].activation_peak)
     ilp_tol, ilp_dtypes = tol, None
     for attempt in range(AUTO_TRIES):
-        dtypes = precision_plan.auto_dtypes(an, cap, ilp_tol, step.dev, **step.options.solving())
+        dtypes = precision_plan.auto_dtypes(an, room, ilp_tol, step.dev, **step.options.solving())
         if dtypes is None:
             why["ilp"] = "the joint ILP found no dtypes within the budget"
             break
@@ -105,10 +109,10 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
             why["ilp"] = "the joint ILP chose fp32 for every call"
             break
         try:
-            result = build(step, min(budget, ledger.needs(cap)), dtypes, store, fields)
+            result = build(step, min(budget, ledger.needs(room)), dtypes, store, fields)
         except BudgetError:
             why["ilp"] = "the ILP's dtypes did not fit once traced"
-            cap = int(cap * AUTO_CAP_SHRINK)
+            room = int(room * AUTO_ROOM_SHRINK)
             continue
         if checked(result):
             candidates["ilp"], ilp_dtypes = result, dtypes

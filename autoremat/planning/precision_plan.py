@@ -97,12 +97,12 @@ def options(an: Analysis) -> list[dict[str, dict[str, float]]]:
     return out
 
 
-def auto_dtypes(an: Analysis, activation_budget: int, tolerance: float, device: DeviceSpec,
+def auto_dtypes(an: Analysis, room: int, tolerance: float, device: DeviceSpec,
                 **solver_opts) -> list[dict[str, str]] | None:
-    """The joint ILP's dtypes under `activation_budget` bytes and `tolerance`; None if none fits."""
+    """The joint ILP's dtypes within `room` bytes (what the budget leaves the activations) and `tolerance`; None if none fits."""
     choices = [dtype_choices(joint, prof, opts, kept, device)
                for joint, prof, opts, kept in zip(an.joints, an.profiles, options(an), an.kept)]
-    return choose_dtypes(an.profiles, choices, activation_budget, tolerance,
+    return choose_dtypes(an.profiles, choices, room, tolerance,
                          granularity=device.alloc_granularity, **solver_opts)
 
 

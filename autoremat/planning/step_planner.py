@@ -77,9 +77,9 @@ class GraphCall:
 class StepPlanner(Planner):
     """The backend's planner: follows each step's graph calls and plans them together (module docstring)."""
 
-    def __init__(self, budget: int | str | None, *, compiler: str = "auto", **kwargs: Any) -> None:
+    def __init__(self, budget: int | None, **kwargs: Any) -> None:
         super().__init__(budget, **kwargs)
-        self.compiler_requested = check_compiler(compiler)
+        self.compiler_requested = check_compiler(self.options.compiler)
         # "auto" is resolved when the first graph runs, on the device of its inputs (compilers.py)
         self.compiler: CompilerChoice | None = None
         self._compile_fn: Callable | None = None
@@ -177,7 +177,7 @@ class StepPlanner(Planner):
         if key not in self.steps:
             return  # not a planned step (its first run, at frugal plans, was checked call by call)
         ledger, limit = self._ledger(calls), budget_or_memory(self.budget, self._dev)
-        if ledger.fixed + activations <= limit:
+        if ledger.step_peak(activations) <= limit:
             self.verified.add(key)
             return
         predicted = self._need(calls, self.steps[key])[2].peak
@@ -290,8 +290,7 @@ class StepPlanner(Planner):
     def _solve(self, calls: list[GraphCall], ledger: Ledger) -> tuple[list[frozenset[str]], Plan]:
         """The calls of one step planned jointly under what `ledger` leaves: saved sets and the plan."""
         profiles = [c.use.gp for c in calls]
-        decision = plan_graphs(profiles, self.budget, ledger, self._dev, solver=self.solver,
-                               time_limit=self.time_limit, gap=self.gap)
+        decision = plan_graphs(profiles, self.budget, ledger, self._dev, self.options)
         return [frozenset(s) for s in decision.saved], build_plan(profiles, decision, ledger, self.budget or 0,
                                                                   self._dev.name)
 
@@ -364,7 +363,7 @@ class StepPlanner(Planner):
         only outputs and what may not be recomputed), the one whose boundary (what later calls see held) plus
         own peak is least."""
         g = self._dev.alloc_granularity
-        smallest = smallest_peak([gp], granularity=g, solver=self.solver, time_limit=self.time_limit)
+        smallest = smallest_peak([gp], granularity=g, solver=self.options.solver, time_limit=self.options.time_limit)
         best, cost = save_all([gp])[0], None
         for saved in ([smallest.saved[0]] if smallest else []) + checkpoint_blocks([gp]):
             try:

@@ -28,7 +28,7 @@ def save_all_peak(graphs: list[GraphProfile], granularity: int = 1) -> int:
     return evaluate(graphs, save_all(graphs), granularity)[1].peak
 
 
-def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tries: int = 300) -> list[set[str]]:
+def greedy(graphs: list[GraphProfile], room: int, granularity: int = 1, max_tries: int = 300) -> list[set[str]]:
     """A plan the simulator accepts, found without an ILP: recompute the biggest cheap values first.
 
     Starts from saving everything and turns saved values into recomputed ones, one at a time,
@@ -46,7 +46,7 @@ def greedy(graphs: list[GraphProfile], budget: int, granularity: int = 1, max_tr
             if not p.recompute_ban and p.nbytes:
                 candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
     for tries, (_, gi, v) in enumerate(sorted(candidates, reverse=True)):
-        if peak <= budget or tries >= max_tries:
+        if peak <= room or tries >= max_tries:
             break
         trial = [set(s) for s in saved]
         trial[gi].discard(v)
@@ -98,7 +98,7 @@ def _crossing(g: GraphProfile) -> set[str]:
     return out
 
 
-def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int) -> list[Decision]:
+def block_mode_plans(graphs: list[GraphProfile], room: int, granularity: int) -> list[Decision]:
     """Plans that give each repeated block one of three modes, searched along a family's frontier.
 
     Modes: save everything the backward reads; recompute only what is cheap (save matmul-class outputs,
@@ -142,7 +142,7 @@ def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int) 
             schedules, tl, cost = evaluate(graphs, saved, granularity)
         except ValueError:
             return None
-        if tl.peak > budget:
+        if tl.peak > room:
             return None
         return Decision(saved, schedules, tl, cost, "heuristic", f"block-modes(checkpoint {k}, selective {j})")
 
@@ -161,11 +161,11 @@ def block_mode_plans(graphs: list[GraphProfile], budget: int, granularity: int) 
 SLACK_TRIES = 32
 
 
-def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granularity: int,
+def spend_slack(graphs: list[GraphProfile], plan: Decision, room: int, granularity: int,
                 max_tries: int = SLACK_TRIES) -> Decision:
-    """`plan` with recomputed values saved back, while the simulated peak still fits `budget`.
+    """`plan` with recomputed values saved back, while the simulated peak still fits `room`.
 
-    A plan from a heuristic (or an ILP whose rows were pessimistic) can leave budget unused; each
+    A plan from a heuristic (or an ILP whose rows were pessimistic) can leave room unused; each
     byte of it may buy back recomputation. Values are ranked most recompute seconds per byte first
     (the knapsack order) and tried in groups: all of them at once first, since most values are not
     live at the peak and cost nothing there; a group is kept whole if the simulated peak fits and the
@@ -183,19 +183,19 @@ def spend_slack(graphs: list[GraphProfile], plan: Decision, budget: int, granula
     best, tries = plan, 0
     groups = [[(gi, v) for _, gi, v in ranked]]  # a stack: the next group to try is the last
     while groups and tries < max_tries and best.recompute_time_s > 0:
-        group = [(gi, v) for gi, v in groups.pop() if graphs[gi].nodes[v].nbytes <= budget - best.peak]
+        group = [(gi, v) for gi, v in groups.pop() if graphs[gi].nodes[v].nbytes <= room - best.peak]
         if not group:
             continue
         tries += 1
         trial = _with_saved(graphs, best, group, granularity)
-        if trial is not None and trial.peak <= budget and trial.recompute_time_s < best.recompute_time_s:
+        if trial is not None and trial.peak <= room and trial.recompute_time_s < best.recompute_time_s:
             best = trial
         elif len(group) > 1:
             half = len(group) // 2
             groups += [group[half:], group[:half]]  # the higher-ranked half is tried first
     if best is not plan:
         best = dataclasses.replace(best, path=plan.path + "+slack-spent", notes=[*plan.notes, (
-            f"saved back recomputed values into the {budget - plan.peak:,} B the plan left unused "
+            f"saved back recomputed values into the {room - plan.peak:,} B the plan left unused "
             f"({tries} simulation{'s' if tries != 1 else ''}): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
             f"{best.recompute_time_s * 1e3:.2f} ms")])
     return best

@@ -23,7 +23,7 @@ Variables:
   pi_O in [0,1]       every call of owner set O is 16-bit (a value is 16-bit when all its owners are)
   sig_v, rho_v        in [0,1]: the products s_v * pi_O(v) and r_v * pi_O(v)
   m_k                 running sums: one per point where the set of live values changes
-  cap >= 0            the budget (fixed) or the peak (minimised)
+  cap >= 0            the activations' room (fixed) or the peak (minimised)
 
 Bytes of v when saved and when recomputed (h_v = floor(size_v / 2), what 16 bits halves):
   S_v = size_v s_v - h_v sig_v            R_v = size_v r_v - h_v rho_v
@@ -53,13 +53,13 @@ part (`_step_rows`); rows with no variable at all give `floor`, the least any pl
 
 Objective (`_objective`), with T = sum_v t_v r_v + sum_c cast_c (b_c + f_c) - sum_v speedup_v pi_O(v),
 T_all the step's compute time and B_all its bytes:
-  under a budget (cap = budget):  min T / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
+  within the room (cap = room): min T / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
   smallest peak (cap free):       min cap + MIN_PEAK_TIME_WEIGHT * (B_all / T_all) * T
 
 With `shared_blocks`, the nodes of identical repeated blocks share the first block's s_v and r_v
 (a smaller model for deep stacks; dtype choices are then not offered). first(v) is a lower and
 last(v) an upper bound of the real lifetime, so the rows are conservative; solver.py replays each
-solution in the exact simulator and calibrates the budget against it.
+solution in the exact simulator and calibrates the room against it.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ class IlpModel:
             self.rows += [(static, expr + before) for static, expr in best.values()]
 
     def _capacity(self) -> None:
-        """Every row <= cap. One capacity variable carries the budget, so the model is built once and
+        """Every row <= cap. One capacity variable carries the room, so the model is built once and
         re-solved with other budgets (or minimised, for the smallest peak) by changing its bounds."""
         self.cap = self.within.cap if self.within else lp.continuous(self.prob, "cap", 0)
         self.floor = 0  # rows without decision variables: the least any plan can peak at
@@ -370,21 +370,20 @@ class IlpModel:
 
     # -- objective, error row, solve -----------------------------------------------------------
 
-    def _objective(self, budget: int | None, min_peak: bool) -> None:
-        set_objective(self.prob, self.cap, budget, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
-                                                                   self.total_time, self.total_bytes))
-
     def _error(self) -> None:
         """error: the measured errors of the chosen 16-bit calls sum to at most the tolerance. Built with
-        the model: the tolerance is fixed for its life, only the budget changes between solves."""
+        the model: the tolerance is fixed for its life, only the room changes between solves."""
         if self.tolerance is not None and self.err_expr.keys():
             self.prob += self.err_expr <= self.tolerance
 
-    def solve(self, budget: int | None, solver: lp.Solver, min_peak: bool = False) -> IlpResult:
-        """Solve under `budget` bytes, or (`min_peak`) for the smallest peak the rows allow."""
-        if not min_peak and self.floor > budget:
+    def solve(self, room: int | None, solver: lp.Solver, min_peak: bool = False) -> IlpResult:
+        """Solve under `room` bytes, or (`min_peak`) for the smallest peak the rows allow."""
+        if not min_peak and self.floor > room:
             return IlpResult("infeasible")
-        self._objective(budget, min_peak)
+        # The room is the bound of `cap`, the right-hand side of every memory row (`_capacity`).
+        self.cap.lowBound, self.cap.upBound = (0, None) if min_peak else (room, room)
+        set_objective(self.prob, self.cap, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
+                                                           self.total_time, self.total_bytes))
         status = lp.solve(self.prob, solver)
         if lp.has_solution(status):
             saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]

@@ -12,7 +12,7 @@ autoremat.passes.loss_chunks) gives one trace of the step per setting. Each trac
 and the objective prices each trace's own compute time (its ops run once, T0_k) beside the
 recomputation the plan adds (`objective.set_objective`, the same objective as one trace's):
 
-  under a budget:   min (sum_k T0_k z_k + T) / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
+  within the room: min (sum_k T0_k z_k + T) / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
   smallest peak:    min cap + MIN_PEAK_TIME_WEIGHT * (B_all / T_all) * (sum_k T0_k z_k + T)
 
 So more chunks (more, smaller projections) are chosen only where their memory buys back more
@@ -88,12 +88,13 @@ class ChoiceModel:
         """Trace k may not be chosen (the exact simulator refused its plan)."""
         self.z[k].upBound = 0
 
-    def solve(self, budget: int | None, solver: lp.Solver, min_peak: bool = False) -> Choice:
-        """The trace and plan of least predicted time under `budget` bytes (or, `min_peak`, the least peak)."""
-        if not min_peak and all(m.floor > budget or self.z[k].upBound == 0 for k, m in self.models.items()):
+    def solve(self, room: int | None, solver: lp.Solver, min_peak: bool = False) -> Choice:
+        """The trace and plan of least predicted time under `room` bytes (or, `min_peak`, the least peak)."""
+        if not min_peak and all(m.floor > room or self.z[k].upBound == 0 for k, m in self.models.items()):
             return Choice("infeasible")
-        set_objective(self.prob, self.cap, budget, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
-                                                                   self.total_time, self.total_bytes))
+        self.cap.lowBound, self.cap.upBound = (0, None) if min_peak else (room, room)
+        set_objective(self.prob, self.cap, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
+                                                           self.total_time, self.total_bytes))
         status = lp.solve(self.prob, solver)
         if not lp.has_solution(status):
             return Choice(status)

@@ -1,6 +1,6 @@
 """The objective every ILP of the solver minimises, written once (ilp.py's and ilp_choice.py's models).
 
-Under a budget: the least predicted time (recomputation and casts, scaled by the step's total),
+Within the room: the least predicted time (recomputation and casts, scaled by the step's total),
 ties broken toward fewer saved bytes and toward bf16 over fp16. For the smallest peak: the least cap,
 ties broken toward the least time.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from autoremat.solve import lp
 
 # Weight of saved bytes in the budgeted objective: small enough never to outweigh recompute time,
-# large enough to break its ties toward saving less (keeps the plan's peak monotonic in the budget).
+# large enough to break its ties toward saving less (keeps the plan's peak monotonic in the room).
 TIE_BYTES = 1e-4
 # Weight of each fp16 call in the budgeted objective: fp16 needs loss scaling, so on a tie prefer bf16.
 FP16_PENALTY = 1e-3
@@ -32,14 +32,12 @@ class Terms:
     total_bytes: float
 
 
-def set_objective(prob: lp.Problem, cap: lp.Variable, budget: int | None, min_peak: bool, terms: Terms) -> None:
-    """The one objective of every model here (this one and ilp_choice's): under `budget`, the least
-    time, ties toward fewer saved bytes and bf16 over fp16; with `min_peak`, the least cap, ties toward
-    the least time. Written once so the two models cannot drift apart."""
+def set_objective(prob: lp.Problem, cap: lp.Variable, min_peak: bool, terms: Terms) -> None:
+    """The one objective of every model here (ilp's and ilp_choice's): within the room (the caller has fixed
+    `cap` to it), the least time, ties toward fewer saved bytes and bf16 over fp16; with `min_peak` (`cap`
+    free), the least cap, ties toward the least time. Written once so the two models cannot drift apart."""
     if min_peak:
-        cap.lowBound, cap.upBound = 0, None
         prob.setObjective(cap + MIN_PEAK_TIME_WEIGHT * terms.total_bytes / terms.total_time * terms.time_expr)
     else:
-        cap.lowBound = cap.upBound = budget
         prob.setObjective(terms.time_expr / terms.total_time + TIE_BYTES * terms.bytes_expr / terms.total_bytes
                           + FP16_PENALTY * terms.fp16_expr)

@@ -1,4 +1,5 @@
-"""Choose, for every forward value the backward reads, save or recompute, under a byte budget.
+"""Choose, for every forward value the backward reads, save or recompute, within the activations' room:
+the bytes the step's budget leaves them after the ledger's fixed part (`Ledger.room`).
 
 The ILP itself (variables, rows, objective) is `ilp.IlpModel`; its formulation is written out in
 ilp.py's docstring. This module is what is done with it: which models to build, how long each may
@@ -12,7 +13,7 @@ allows it inside one repeated block (e.g. "transformer.h.3", the natural checkpo
 allocates u from the earliest time a chain of recomputed consumers could need it. Each comes full
 (every node its own variables) and with identical blocks sharing decisions (smaller: the answer when
 the full one runs out of time on a huge graph). Each solution is replayed by the exact simulator and
-the ILP's budget calibrated against it (tightened on overshoot, loosened on slack). The plans of
+the ILP's room calibrated against it (tightened on overshoot, loosened on slack). The plans of
 heuristics.py (per-block modes, checkpointing, greedy) compete with it, and are the answer when the
 ILP runs out of time.
 """
@@ -49,7 +50,7 @@ MIP_SHARE = 0.7
 MIN_MIP_S = 0.5
 # Seconds kept free, besides twice the last model's build time, before building another model.
 NEXT_MODEL_MARGIN_S = 1.0
-# Calibration stops once a fitting plan leaves at most this share of the budget unused.
+# Calibration stops once a fitting plan leaves at most this share of the room unused.
 SLACK_STOP = 0.01
 # `smallest_peak`: each min-peak MIP gets this share of the time limit (but at least MIN_PEAK_MIP_S),
 # at this relative gap (the peak is what BudgetError reports, so it is solved tighter than DEFAULT_GAP)...
@@ -82,16 +83,17 @@ def _pick_solver(name: str, time_limit: float, gap: float) -> lp.Solver:
     return lp.highs(time_limit, gap)
 
 
-def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_rounds, deadline) -> Decision | None:
+def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
     If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
     were pessimistic: ask for the slack back and keep the cheapest plan that fits. If the ILP finds
     nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once; that
-    plan is kept if it fits (rows above the budget, the simulator under it: the 12-block stack at
+    plan is kept if it fits (rows above the room, the simulator within it: the 12-block stack at
     checkpointing's peak, whose retry can then run out of time on a busy machine).
     """
-    target, best, learned, overshoots = budget, None, False, 0
+    # `target` is what this round asks of the ILP: the room, calibrated against the simulator.
+    target, best, learned, overshoots = room, None, False, 0
     model.last_status = "infeasible"
     for rounds in range(1, max_rounds + 1):
         remaining = deadline - time.perf_counter()
@@ -111,27 +113,27 @@ def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
-            if low_tl.peak <= budget:  # the rows' smallest peak may fit in the simulator: a plan in hand
+            if low_tl.peak <= room:  # the rows' smallest peak may fit in the simulator: a plan in hand
                 best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
                                 "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
                                 solver=type(backend).__name__,
-                                notes=["the ILP found no plan under this budget, but its smallest-peak plan "
+                                notes=["the ILP found no plan within the activations' room, but its smallest-peak plan "
                                        "fits the simulator and is used"])
             offset = low.predicted_peak - low_tl.peak
             if offset <= 0:
                 break
-            target = budget + offset
+            target = room + offset
             continue
         schedules, tl, cost = evaluate(graphs, saved, granularity)
-        if tl.peak <= budget:
+        if tl.peak <= room:
             if best is None or cost < best.recompute_time_s:
                 path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.block_drag else "")
                         + ("/shared-blocks" if model.shared_blocks else ""))
                 best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
                                 solver=type(backend).__name__)
             overshoots = 0
-            slack = budget - tl.peak
-            if cost == 0 or slack <= SLACK_STOP * budget or time.perf_counter() > deadline:
+            slack = room - tl.peak
+            if cost == 0 or slack <= SLACK_STOP * room or time.perf_counter() > deadline:
                 break
             target += slack  # memory the rows could not see: offer it to the ILP
         else:
@@ -144,13 +146,13 @@ def _solve_model(model: IlpModel, graphs, budget, solver, gap, granularity, max_
             # less than the simulator (fused values under Inductor), a target still above that peak
             # would be lowered round after round without changing anything.
             below = min(target, result.predicted_peak) if result.predicted_peak is not None else target
-            target = below - (tl.peak - budget) * 2 ** (overshoots - 1)
+            target = below - (tl.peak - room) * 2 ** (overshoots - 1)
     return best
 
 
 def solve(
     graphs: list[GraphProfile],
-    budget: int,
+    room: int,
     *,
     granularity: int = 1,
     solver: str = "auto",
@@ -158,12 +160,12 @@ def solve(
     gap: float = DEFAULT_GAP,
     max_rounds: int = 5,
 ) -> Decision:
-    """Fastest plan whose simulated activation peak fits `budget` bytes; see the module docstring.
+    """Fastest plan whose simulated activation peak fits `room` bytes; see the module docstring.
 
     Two ILP models are solved: one that keeps recomputation local (exact start times) and one that
     lets it span a repeated block (checkpoint-like segments, start times bounded). The cheaper
     plan the simulator accepts wins; then the greedy plan, then the smallest-peak plan. Whatever
-    budget the chosen plan leaves unused is spent saving recomputed values back (`spend_slack`).
+    room the chosen plan leaves unused is spent saving recomputed values back (`spend_slack`).
     Raises `Infeasible` carrying the smallest activation peak any plan reached.
     """
     t0 = time.perf_counter()
@@ -171,13 +173,13 @@ def solve(
     solver_name = type(backend).__name__
     everything = save_all(graphs)
     schedules, tl, _ = evaluate(graphs, everything, granularity)
-    if tl.peak <= budget:  # no recomputation needed: nothing to solve
+    if tl.peak <= room:  # no recomputation needed: nothing to solve
         return Decision(everything, schedules, tl, 0.0, "optimal", "save-all", solver="none",
                         solve_time_s=time.perf_counter() - t0, granularity=granularity)
     deadline = t0 + SOLVE_SHARE * time_limit
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
     # and the answer when the ILP runs out of time on a large graph.
-    found = block_mode_plans(graphs, budget, granularity)
+    found = block_mode_plans(graphs, room, granularity)
     models = []
     # The full model first (with chained running sums it solves a 48-block stack in seconds), then
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
@@ -186,41 +188,41 @@ def solve(
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
-        d = _solve_model(models[-1], graphs, budget, solver, gap, granularity, max_rounds, deadline)
+        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline)
         if d is not None:
             found.append(d)
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
     status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
     if best is None:
-        saved = greedy(graphs, budget, granularity)
+        saved = greedy(graphs, room, granularity)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
-        if tl.peak <= budget:
+        if tl.peak <= room:
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
-    if best is not None and best.peak < budget and best.recompute_time_s > 0:
-        best = spend_slack(graphs, best, budget, granularity)
+    if best is not None and best.peak < room and best.recompute_time_s > 0:
+        best = spend_slack(graphs, best, room, granularity)
     if best is None:
         smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
                                  models=models)
-        if smallest.peak > budget:
+        if smallest.peak > room:
             raise Infeasible(smallest, status)
         best = smallest
-        best.notes.append("the ILP found no plan under this budget; used the smallest-peak plan, which fits")
+        best.notes.append("the ILP found no plan within the activations' room; used the smallest-peak plan, which fits")
     best.solve_time_s = time.perf_counter() - t0
     best.granularity = granularity
     return best
 
 
-def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_limit: float = 10.0,
+def choose_trace(model: ChoiceModel, room: int, *, solver: str = "auto", time_limit: float = 10.0,
                  gap: float = DEFAULT_GAP) -> Choice:
-    """Solve the ILP over alternative traces of the step (ilp_choice.py) under `budget` bytes.
+    """Solve the ILP over alternative traces of the step (ilp_choice.py) under `room` bytes.
 
     Its rows bound the exact simulator from above, so near the floor they may see no room that is
     there: then, as `_solve_model` does, learn how pessimistic they are from the model's own
     smallest-peak solution (its rows against the simulator's peak of the same plan) and retry once.
     """
     backend = _pick_solver(solver, time_limit, gap)
-    choice = model.solve(budget, backend)
+    choice = model.solve(room, backend)
     if choice.chosen is not None:
         return choice
     low = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
@@ -230,7 +232,7 @@ def choose_trace(model: ChoiceModel, budget: int, *, solver: str = "auto", time_
     offset = low.predicted_peak - evaluate(graphs, low.saved, model.granularity)[1].peak
     if offset <= 0:
         return choice
-    return model.solve(budget + offset, backend)
+    return model.solve(room + offset, backend)
 
 
 # The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in
@@ -324,7 +326,7 @@ class Infeasible(Exception):
 def choose_dtypes(
     graphs: list[GraphProfile],
     choices: list[DtypeChoices | None],
-    budget: int,
+    room: int,
     tolerance: float | None,
     *,
     granularity: int = 1,
@@ -342,7 +344,7 @@ def choose_dtypes(
     (the second stage), since the rows here only approximate a mixed graph.
     """
     model = IlpModel(graphs, granularity, block_drag=False, choices=choices, tolerance=tolerance)
-    result = model.solve(budget, _pick_solver(solver, time_limit, gap))
+    result = model.solve(room, _pick_solver(solver, time_limit, gap))
     if result.saved is None:
         return None
     return model.chosen_dtypes()
