@@ -27,6 +27,7 @@ from autoremat.capture.aot import CapturedGraph
 from autoremat.capture.regions import accumulate_grad
 from autoremat.model.devices import DeviceSpec, get_device
 from autoremat.model.inductor_code import mark_inductor_code
+from autoremat.model.marks import user_mark
 from autoremat.passes import fused_linear_loss
 from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs, forward_writable
@@ -77,6 +78,7 @@ class NodeProfile:
     # Inductor computes it straight into its slice of this backward cat's buffer, which exists from the
     # first such write on (fusion.concat_writes): it owns no buffer of its own (memory._run)
     into: str = ""
+    mark: str = ""  # the user's checkpoint policy for it, "must_save", "prefer_recompute", ... (marks.py)
 
 
 @dataclass
@@ -269,7 +271,7 @@ def _node_profile(n: fx.Node, kind: str, owner: dict, mutated: set[str], dev: De
     whether it may be recomputed."""
     val = n.meta.get("val")
     prof = NodeProfile(name=n.name, kind=kind, target=_target_name(n), inputs=tuple(a.name for a in n.all_input_nodes),
-                       storage="", nbytes=0, module=_module_path(n))
+                       storage="", nbytes=0, module=_module_path(n), mark=user_mark(n))
     if isinstance(val, torch.Tensor):
         prof.dtype = str(val.dtype).replace("torch.", "")
         prof.shape = tuple(int(s) for s in val.shape)
@@ -385,7 +387,7 @@ def _mutated_primals(out_node: fx.Node, primals: list[fx.Node], static: set[str]
 
 
 def fingerprint(gm: fx.GraphModule) -> str:
-    """A structural hash of a joint graph: ops, wiring, shapes and dtypes (not values, not names)."""
+    """A structural hash of a joint graph: ops, wiring, shapes, dtypes, checkpoint marks (not values, names)."""
     h = hashlib.sha256()
     index = {}
     for i, n in enumerate(gm.graph.nodes):
@@ -393,5 +395,5 @@ def fingerprint(gm: fx.GraphModule) -> str:
         val = n.meta.get("val")
         shapes = [(tuple(t.shape), str(t.dtype)) for t in _tensors(val)]
         args = fx.node.map_arg((n.args, n.kwargs), lambda a: index.get(a, -1))
-        h.update(repr((n.op, _target_name(n), args, shapes)).encode())
+        h.update(repr((n.op, _target_name(n), args, shapes)).encode() + user_mark(n).encode())  # marks bind the plan
     return h.hexdigest()[:16]

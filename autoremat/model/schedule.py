@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 
 from autoremat.model.cuts import MARK, base, cut_backward
+from autoremat.model.marks import force_marks
 from autoremat.model.memory import PlanError, Schedule
 from autoremat.model.profile import GraphProfile, NodeProfile
 from autoremat.model.recomputed_writes import write_over_dying_input, write_recomputed
@@ -65,7 +66,8 @@ def make_schedule(g: GraphProfile, saved: set[str]) -> Schedule:
     # a backward node marks a cut, its name + MARK a narrow one (cuts.py)
     cuts = {s for s in saved if s in nodes and nodes[s].kind == "backward"}
     narrow = {base(s) for s in saved if s not in nodes and base(s) in nodes and nodes[base(s)].kind == "backward"}
-    saved = _handed_over(nodes, {s for s in saved if s in nodes})
+    # the user's MUST_SAVE / MUST_RECOMPUTE marks hold whichever planner chose `saved` (marks.py)
+    saved = force_marks(g, _handed_over(nodes, {s for s in saved if s in nodes}))
     recomputed, needed_bw = _needed(g, saved)
     used_saved = set()
     for name in needed_bw | recomputed:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from autoremat.model.ledger import Ledger
+from autoremat.model.marks import mark_counts, must_marks
 from autoremat.model.memory import Schedule, Timeline
 from autoremat.model.profile import GraphProfile
 from autoremat.passes.loss_chunks import describe as describe_loss
@@ -225,7 +226,7 @@ def build_plan(
         baseline_timeline=_compress(baseline),
         versions={"torch": torch.__version__, "autoremat": _version()},
         notes=list(decision.notes) + [n for g in profiles for n in g.notes] + _solver_notes(decision)
-        + _unsupported_notes(profiles),
+        + _unsupported_notes(profiles) + _mark_notes(profiles),
     )
 
 
@@ -243,6 +244,20 @@ def _unsupported_notes(profiles: list[GraphProfile]) -> list[str]:
     if not ops:
         return []
     return [f"{len(ops)} custom or unsupported op(s) are always saved, never recomputed: {', '.join(ops)}"]
+
+
+def _mark_notes(profiles: list[GraphProfile]) -> list[str]:
+    """The user's torch.utils.checkpoint marks: the MUST ones held, the PREFER ones hints (model/marks.py)."""
+    counts: dict[str, int] = defaultdict(int)
+    for g in profiles:
+        for mark, n in mark_counts(g).items():
+            counts[mark] += n
+    if not counts:
+        return []
+    said = ", ".join(f"{n} {mark.upper()}" for mark, n in sorted(counts.items()))
+    return [f"checkpoint marks from the model ({said}): no plan recomputes a MUST_SAVE value or saves a "
+            "MUST_RECOMPUTE one; PREFER_* marks (every op of a plain checkpoint() call) only break ties"] + [
+        d for g in profiles for d in must_marks(g).dropped]
 
 
 def _module_table(g: GraphProfile, sched: Schedule) -> dict[str, dict[str, int]]:

@@ -32,7 +32,8 @@ Rows, one method of `IlpModel` per family:
   choice            (`_choice_exclusive`, `_choice_needed`)
                     s_v + r_v <= 1 for v in F;  s_v + r_v >= 1 for v in N;
                     r_v = 0 where v may not be recomputed; s_v = 0 where v is a view of a base that
-                    owns bytes (saving it would hold the base: recompute the view instead)
+                    owns bytes (saving it would hold the base: recompute the view instead);
+                    the user's MUST_SAVE / MUST_RECOMPUTE marks fix s_v, r_v (user_marks.py)
   recompute inputs  (`_recompute_inputs`)  r_v <= s_u + r_u for u in in(v) cap F
   locality          (`_recompute_inputs`)  r_u + r_v <= 1 where a recomputed v would need u before
                     first(u) accounts for (first(v) < first(u) and v is not one of u's drag users)
@@ -77,6 +78,7 @@ from autoremat.solve import lp
 from autoremat.solve.ilp_data import base_size, block_twins, owned_size, static_profile
 from autoremat.solve.objective import Terms, set_objective
 from autoremat.solve.precision_choices import DtypeChoices
+from autoremat.solve.user_marks import bound_marks, hinted_bytes
 
 if TYPE_CHECKING:  # the choice model builds this one inside its own problem
     from autoremat.solve.ilp_choice import Alternative
@@ -136,7 +138,7 @@ class IlpModel:
             self.low.append(self._dtype(gi, choice, size, s, r, saved_bytes, recomputed_bytes) if choice else {})
             graph_saved = pulp.lpSum(saved_bytes.values())
             saved_total.append(self._running(lp.zero(), graph_saved))
-            self.bytes_expr += graph_saved
+            self.bytes_expr += graph_saved + hinted_bytes(g, saved_bytes)  # PREFER_* marks: ties only
             fw_rows = self._forward_memory(g, life, saved_bytes, fw_static, core, slot)
             bw_rows = self._backward_memory(life, saved_bytes, recomputed_bytes, bw_static)
             per_graph_rows.append((fw_rows, bw_rows))
@@ -176,6 +178,7 @@ class IlpModel:
             r[v] = r[t]
             if t in s:
                 s[v] = s[t]
+        bound_marks(self.prob, g, life, s, r, self.within.gate if self.within else None)  # the user's MUST marks
         for v in life.fw_pos:
             if v in life.needed:
                 self._choice_needed(s.get(v), r[v])

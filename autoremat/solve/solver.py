@@ -246,9 +246,9 @@ _floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], str]] = Ordered
 
 def _floor_key(graphs: list[GraphProfile], granularity: int) -> tuple:
     """What a remembered plan depends on: each graph's structure, its node names, and which nodes the
-    compiler fuses or may not recompute (so an eager plan is never offered to an Inductor trace)."""
+    compiler fuses or may not recompute (so an eager plan is never offered to an Inductor trace), or the user marked."""
     return (granularity, *((g.index, g.fingerprint, tuple(g.nodes), tuple(g.released),
-                            tuple(n for n, p in g.nodes.items() if p.fused or p.recompute_ban)) for g in graphs))
+                            tuple(n for n, p in g.nodes.items() if p.fused or p.recompute_ban or p.mark)) for g in graphs))
 
 
 def _remember_floor(key: tuple, d: Decision) -> None:
