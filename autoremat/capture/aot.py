@@ -260,24 +260,31 @@ def compile_fresh(model: torch.nn.Module, backend: Callable) -> Callable:
     model with another backend can hit the first one's cache. Compiling a copy of the forward
     function (a new code object, same globals and closure) makes every plan trace afresh.
     """
-    fn = model.forward.__func__ if hasattr(model.forward, "__func__") else type(model).forward
+    bound = fresh_forward(model)
+    if any(p.is_meta for p in model.parameters()):
+        return on_meta(_compile_fresh_bound(model, bound, backend))
+    return _compile_fresh_bound(model, bound, backend)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def fresh_forward(module: torch.nn.Module) -> Callable:
+    """`module.forward` bound from a copy of its function: the same code, in a distinct code object, so a
+    dynamo cache of its own (`compile_fresh`)."""
+    fn = module.forward.__func__ if hasattr(module.forward, "__func__") else type(module).forward
     code = fn.__code__.replace()  # equal, but a distinct object: a separate dynamo cache
     fresh = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     fresh.__kwdefaults__ = fn.__kwdefaults__
     fresh.__dict__.update(fn.__dict__)
-    bound = types.MethodType(fresh, model)
+    bound = types.MethodType(fresh, module)
     if fn.__code__.co_filename.startswith(_TORCH_DIR):
         # Dynamo does not trace a torch-internal forward (nn.Sequential's) as a frame of its own: it
         # wraps it in one `inner` function that every such compile shares, so their recompiles add
         # up against torch._dynamo.config.recompile_limit until the next one runs eagerly, unplanned.
         # A frame of our own, with a code object of its own, keeps each compile's count apart.
-        bound = _own_frame(bound)
-    if any(p.is_meta for p in model.parameters()):
-        return _on_meta(_compile_fresh_bound(model, bound, backend))
-    return _compile_fresh_bound(model, bound, backend)
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
+        return _own_frame(bound)
+    return bound
 
 
 def _own_frame(fn: Callable) -> Callable:
@@ -288,7 +295,7 @@ def _own_frame(fn: Callable) -> Callable:
     return call
 
 
-def _on_meta(compiled: Callable) -> Callable:
+def on_meta(compiled: Callable) -> Callable:
     def call(*args: Any, **kwargs: Any) -> Any:
         with meta_traces_like_real():
             return compiled(*args, **kwargs)

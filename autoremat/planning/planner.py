@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture.aot import CapturedGraph, aot_backend, compile_fresh, default_split
+from autoremat.capture.blocks import compile_blocks, remember_skipped, repeated_blocks, skipped
 from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, optimizer_state_bytes
@@ -303,10 +304,22 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
     # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
     trace_only = planner.plan is None and planner.lookup is None and planner.strict
-    compiled = compile_fresh(model, planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
-                                                                 regions=planner.regions,
-                                                                 release_grads=planner.release_grads,
-                                                                 trace_only=trace_only)))
+    backend = planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
+                                           regions=planner.regions, release_grads=planner.release_grads,
+                                           trace_only=trace_only))
+    blocks = repeated_blocks(model) if skipped(model) else []
+    compiled = compile_blocks(model, blocks, backend) if blocks else compile_fresh(model, backend)
+    _trace(model, planner, compiled, args, kwargs)
+    if not planner.profiles and not blocks and (blocks := repeated_blocks(model)):
+        # Dynamo ran the whole forward eagerly (a graph break inside the block loop): compile each
+        # block on its own instead, now and in every later trace of this model (capture/blocks.py).
+        remember_skipped(model)
+        compiled = compile_blocks(model, blocks, backend)
+        _trace(model, planner, compiled, args, kwargs)
+    return compiled
+
+
+def _trace(model: torch.nn.Module, planner: CapturePlanner, compiled: Any, args: tuple, kwargs: dict) -> None:
     planner.log.recording = True
     try:
         with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
@@ -315,7 +328,6 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
         planner.log.recording = False
     del out
     reshard(model)
-    return compiled
 
 
 def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
@@ -342,6 +354,12 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decis
     ledger, dev = step.ledger, step.dev
     profiles = planner.sequence()
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
+    if skipped(step.model):
+        blocks = repeated_blocks(step.model)
+        plan.notes.append(f"dynamo skipped {type(step.model).__name__}.forward (a graph break inside the loop over its "
+                          f"blocks): each of its {len(blocks)} {type(blocks[0]).__name__} blocks was compiled on its "
+                          "own and planned jointly with the others; the code around them runs eagerly, and the real "
+                          "step's verification holds what it keeps to the budget")
     progress.info("compiling the planned step")
     if repeats(profiles):
         plan.notes.append(f"{len(profiles)} graph calls of {len({id(g) for g in profiles})} compiled graphs (a graph "
