@@ -19,43 +19,53 @@ import datetime
 import statistics
 import time
 
-import floor
-import remat_vs_peers as peers
 import torch
-from paired import paired_times
+from common import (
+    FLOOR_PT_BUDGETS,
+    OUTPUTS,
+    REPO,
+    ar_build,
+    checkpoint_every_block,
+    make_step,
+    paired_times,
+    pt_build,
+    sync,
+)
+from common_models import FLOOR_SIZES, floor_configs
+from common_rows import Bench, floor_row, run_row
 
 from autoremat.measure import measure_peak
 
 PAIRS = 21
 
 
-def ratio_to_eager(bench: peers.Bench, step) -> float:
+def ratio_to_eager(bench: Bench, step) -> float:
     """Median over PAIRS of (step / the eager step just before it), as floor.py's rows."""
-    rt, et = paired_times(bench.eager_step, step, PAIRS, lambda: peers.sync(bench.device))
+    rt, et = paired_times(bench.eager_step, step, PAIRS, lambda: sync(bench.device))
     return statistics.median(r / e for r, e in zip(rt, et))
 
 
-def models(bench: peers.Bench, budget: int) -> tuple[tuple, object, object]:
+def models(bench: Bench, budget: int) -> tuple[tuple, object, object]:
     """(the models, kept alive), autoremat's step at `budget`, checkpoint's step; each warmed up."""
-    ar, _ = peers.ar_build(budget, bench.ex, floor.OUTPUTS)(bench.fresh())
-    ckpt = floor.checkpoint_every_block(bench.fresh())
-    ar_step = peers.make_step(ar, bench.args, bench.kwargs)
-    ckpt_step = peers.make_step(ckpt, bench.args, bench.kwargs)
+    ar, _ = ar_build(budget, bench.ex, OUTPUTS)(bench.fresh())
+    ckpt = checkpoint_every_block(bench.fresh())
+    ar_step = make_step(ar, bench.args, bench.kwargs)
+    ckpt_step = make_step(ckpt, bench.args, bench.kwargs)
     ar_step(), ckpt_step()
     return (ar, ckpt), ar_step, ckpt_step
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="stack", choices=list(floor.SIZES))
+    ap.add_argument("--model", default="stack", choices=list(FLOOR_SIZES))
     ap.add_argument("--full", action="store_true", help="floor.py's default sizes (else its --quick ones)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    cfg = next(c for c in floor.configs(quick=not a.full) if c["name"] == a.model)
-    bench = peers.Bench(cfg, torch.device("cpu"), 7, lambda s: None)
-    probe = floor.checkpoint_every_block(bench.fresh())
-    step = peers.make_step(probe, bench.args, bench.kwargs)
+    cfg = next(c for c in floor_configs(quick=not a.full) if c["name"] == a.model)
+    bench = Bench(cfg, torch.device("cpu"), 7, lambda s: None)
+    probe = checkpoint_every_block(bench.fresh())
+    step = make_step(probe, bench.args, bench.kwargs)
     step()
     _, m = measure_peak(step, device=bench.device, baseline_objs=(probe, bench.ex))
     budget = m.peak_bytes  # checkpoint's steady-state peak, as floor.py's "@ checkpoint" row
@@ -68,10 +78,10 @@ def main() -> None:
 
     first, ar_step, ckpt_step = models(bench, budget)
     measure("at the start", ar_step, ckpt_step)
-    for b in floor.PT_BUDGETS:  # floor.py's rows for this model, in its order
-        floor.run_row(bench, "pt-budget", f"amb={b}", peers.pt_build(b, bench.args, bench.kwargs))
-    floor.floor_row(bench)
-    floor.run_row(bench, "autoremat", "@ checkpoint", peers.ar_build(budget, bench.ex, floor.OUTPUTS))
+    for b in FLOOR_PT_BUDGETS:  # floor.py's rows for this model, in its order
+        run_row(bench, "pt-budget", f"amb={b}", pt_build(b, bench.args, bench.kwargs))
+    floor_row(bench)
+    run_row(bench, "autoremat", "@ checkpoint", ar_build(budget, bench.ex, OUTPUTS))
     measure("after floor.py's rows, the same two models", ar_step, ckpt_step)
     second, ar_step2, ckpt_step2 = models(bench, budget)
     measure("after floor.py's rows, two new models", ar_step2, ckpt_step2)
@@ -83,7 +93,7 @@ def main() -> None:
             "step just before it).\n\n"
             "| when | autoremat vs eager | checkpoint vs eager | autoremat / checkpoint |\n|---|---|---|---|\n"
             + "".join(f"| {w} | {x:.3f} | {y:.3f} | {z:.3f} |\n" for w, x, y, z in rows))
-    out = peers.REPO / "benchmarks" / "results" / "drift_cpu.md"
+    out = REPO / "benchmarks" / "results" / "drift_cpu.md"
     out.write_text(text)
     print(text)
 

@@ -5,7 +5,7 @@ speed.py measures autoremat (compiler="inductor") at Inductor's measured peak on
 8 tokens): head-to-head at stop 32, 1.26-1.40x torch.compile's time there with dropout, 0.93-1.09x without
 (at stop 33, after the two fixes this script found, 0.96-1.01x and 0.89-0.97x: results/speed_cpu.md). This
 script takes the gap apart, per dropout setting (0.1, 0.0), all in one process and each ratio head-to-head
-(paired.head_to_head: alternating pairs, each timed step after an untimed step of the same model):
+(common.head_to_head: alternating pairs, each timed step after an untimed step of the same model):
 
   inductor            torch.compile(backend="inductor") at activation_memory_budget 1.0 (the peer)
   autoremat default   autoremat.optimize(compiler="inductor", outputs="loss") at that row's measured peak:
@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 import torch
-from paired import head_to_head
-from remat_vs_peers import Bench, MiB, git_state, make_step, sync
-from speed import compiled_graphs, configs, inductor_build
+from common import MiB, compiled_graphs, git_state, head_to_head, inductor_build, make_step, sync
+from common_models import speed_configs
+from common_rows import Bench
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -78,7 +78,7 @@ def prediction(bench: Bench, regions: bool) -> str:
 
 def measure(dropout: float, log) -> tuple[list[str], list[str], list[str]]:
     """Table lines for one dropout setting: the models, the head-to-head ratios, the memory model's error."""
-    cfg = next(c for c in configs(False, dropout) if c["name"] == "gpt2")
+    cfg = next(c for c in speed_configs(False, dropout) if c["name"] == "gpt2")
     bench = Bench(cfg, torch.device("cpu"), 5, log)
     torch._dynamo.reset()
     peer, _ = inductor_build(AMB, bench.args, bench.kwargs)(bench.fresh())
@@ -127,13 +127,13 @@ def main() -> None:
     for dropout in (0.1, 0.0):
         r, h, e = measure(dropout, lambda s: print(s, flush=True))
         rows, ratios, exact = rows + r, ratios + h, exact + e
-    cfg = next(c for c in configs(False, 0.0) if c["name"] == "gpt2")
+    cfg = next(c for c in speed_configs(False, 0.0) if c["name"] == "gpt2")
     text = (f"# speed.py's launch-bound GPT-2 at Inductor's peak: the cut and dropout, measured apart (CPU)\n\n"
             f"Command: `PYTHONPATH=.:benchmarks python benchmarks/dropout_gap.py`, {date}, torch {torch.__version__}, "
-            f"1 thread, repo {git_state()}, wall {time.perf_counter() - t0:.0f} s.\n\n"
+            f"1 thread, repo {git_state().line()}, wall {time.perf_counter() - t0:.0f} s.\n\n"
             f"Model: GPT-2 {cfg['kwargs']} (dropout per row), autoremat outputs='loss'. Step = forward + backward, "
             f"no optimizer, every `.grad` allocated by a warm-up step. Each ratio: median of {PAIRS} head-to-head "
-            f"pairs (benchmarks/paired.py), a 90% bootstrap interval of that median, and half the interquartile "
+            f"pairs (benchmarks/common.py), a 90% bootstrap interval of that median, and half the interquartile "
             f"range of the pairs (noise).\n\n"
             "| dropout | model | budget (MiB; the peer: its measured peak) | autoremat graphs | predicted recompute (ms) | "
             "why not at the peer's peak |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"

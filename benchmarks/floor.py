@@ -29,226 +29,59 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gc
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
-import remat_vs_peers as peers  # its row builders, step helpers and Bench (model copies + eager reference)
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from paired import head_to_head, paired_times
+from common import (
+    FLOOR_PT_BUDGETS,
+    OUTPUTS,
+    REPO,
+    SEED,
+    ar_build,
+    checkpoint_every_block,
+    eager_build,
+    git_state,
+    grads_of,
+    head_to_head,
+    load_average,
+    make_step,
+    max_rel_err,
+    pt_build,
+    split,
+    sync,
+)
+from common_models import FLOOR_SIZES, floor_configs
+from common_plans import meta_part, meta_table
+from common_rows import Bench, error_fields, floor_row, mib, run_row, smallest_budget
 
 import autoremat
-from autoremat.measure import measure_peak
-from examples.models import gpt2, llama, transformer_stack
 
-MiB = 2**20
-SEED = peers.SEED
-PT_BUDGETS = (0.5, 0.1, 0.0)
-# Every row's step uses only the loss (the model's other outputs are dropped before the backward): autoremat is told
-# so, as a user would tell it (for the language models the logits are then never materialised whole).
-OUTPUTS = peers.OUTPUTS
 FLOOR_VS_CHECKPOINT = {"stack": 0.9, "gpt2": 0.9}  # issue #11: floor <= this x checkpoint's peak; others 1.0
 PREDICTION_TOLERANCE = 0.05  # issue #11: predicted peak within 5% of measured at the floor
 
 
 # --------------------------------------------------------------------------------------------
-# the models this benchmark adds (examples/models.py holds the stack, GPT-2 and Llama)
+# the time goal head-to-head, and one model's rows
 
 
-def bert(batch: int, seq: int, n_layer: int, hidden: int, heads: int, vocab: int, dropout: float = 0.1):
-    """HF BERT masked-LM encoder from a config (no download), dropout on, labels = the input ids."""
-    from transformers import BertConfig, BertForMaskedLM
-
-    cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=n_layer, num_attention_heads=heads,
-                     intermediate_size=4 * hidden, max_position_embeddings=max(seq, 64),
-                     hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, use_cache=False)
-    ids = torch.randint(0, vocab, (batch, seq))
-    return BertForMaskedLM(cfg), {"input_ids": ids, "labels": ids}
-
-
-def vit(batch: int, image: int, patch: int, n_layer: int, hidden: int, heads: int, classes: int = 10,
-        dropout: float = 0.1):
-    """HF ViT image classifier from a config (no download), dropout on."""
-    from transformers import ViTConfig, ViTForImageClassification
-
-    cfg = ViTConfig(image_size=image, patch_size=patch, num_channels=3, hidden_size=hidden,
-                    num_hidden_layers=n_layer, num_attention_heads=heads, intermediate_size=4 * hidden,
-                    hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout, num_labels=classes)
-    return ViTForImageClassification(cfg), {"pixel_values": torch.randn(batch, 3, image, image),
-                                            "labels": torch.randint(0, classes, (batch,))}
-
-
-class ResidualBlock(nn.Module):
-    """conv-BN-ReLU-dropout-conv-BN, added to its input."""
-
-    def __init__(self, channels: int, dropout: float) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(),
-                                  nn.Dropout(dropout), nn.Conv2d(channels, channels, 3, padding=1),
-                                  nn.BatchNorm2d(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.relu(x + self.body(x))
-
-
-class ResNetDropout(nn.Module):
-    """A ResNet-shaped conv net: stem, residual blocks (module paths `blocks.3`), pooled linear head."""
-
-    def __init__(self, channels: int, n_block: int, classes: int, dropout: float) -> None:
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU())
-        self.blocks = nn.ModuleList(ResidualBlock(channels, dropout) for _ in range(n_block))
-        self.head = nn.Linear(channels, classes)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x.mean(dim=(2, 3))), y)
-
-
-def resnet(batch: int, size: int, channels: int, n_block: int, classes: int = 10, dropout: float = 0.1):
-    return ResNetDropout(channels, n_block, classes, dropout), (torch.randn(batch, 3, size, size),
-                                                               torch.randint(0, classes, (batch,)))
-
-
-SIZES = {  # name: (factory, --quick sizes, default sizes)
-    "stack": (transformer_stack, dict(n_layer=4, d=128, n_head=4, seq=64, batch=4, dropout=0.1),
-              dict(n_layer=12, d=256, n_head=4, seq=128, batch=4, dropout=0.1)),
-    "gpt2": (gpt2, dict(n_layer=2, n_embd=128, n_head=4, seq=64, batch=4, vocab=1024, dropout=0.1),
-             dict(n_layer=4, n_embd=256, n_head=4, seq=128, batch=8, vocab=4096, dropout=0.1)),
-    "llama": (llama, dict(n_layer=2, hidden=128, heads=4, seq=64, batch=4, vocab=1024),
-              dict(n_layer=4, hidden=256, heads=4, seq=128, batch=4, vocab=4096)),
-    "bert": (bert, dict(n_layer=2, hidden=128, heads=4, seq=64, batch=4, vocab=1024),
-             dict(n_layer=4, hidden=256, heads=4, seq=128, batch=4, vocab=4096)),
-    "vit": (vit, dict(n_layer=2, hidden=128, heads=4, image=32, patch=8, batch=4),
-            dict(n_layer=6, hidden=256, heads=4, image=64, patch=8, batch=8)),
-    "resnet": (resnet, dict(channels=16, n_block=4, size=16, batch=4), dict(channels=32, n_block=8, size=32, batch=8)),
-    # issue #13: a GPT-2 whose loss region (a 32k vocabulary) outweighs its blocks
-    "gpt2-32k": (gpt2, dict(n_layer=2, n_embd=64, n_head=4, seq=64, batch=2, vocab=32768, dropout=0.1),
-                 dict(n_layer=2, n_embd=128, n_head=4, seq=128, batch=4, vocab=32768, dropout=0.1)),
-}
-
-
-def configs(quick: bool) -> list[dict]:
-    return [dict(name=name, factory=factory, kwargs=small if quick else default)
-            for name, (factory, small, default) in SIZES.items()]
-
-
-def checkpoint_every_block(model: nn.Module) -> nn.Module:
-    """HF models: their own non-reentrant gradient checkpointing; ours: each block's forward wrapped."""
-    if getattr(model, "supports_gradient_checkpointing", False):
-        # activation_checkpointing_enable: transformers 5's name for the deprecated gradient_checkpointing_enable
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        from torch.utils.checkpoint import checkpoint
-        for block in model.blocks:
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    return model
-
-
-# --------------------------------------------------------------------------------------------
-# one row
-
-
-def run_row(bench: peers.Bench, method: str, setting: str, build) -> dict:
-    """build(model) -> (callable, info); its first call (compilation) happens in build or in the warm-up."""
-    row = dict(model=bench.cfg["name"], method=method, setting=setting, budget=getattr(build, "budget", None))
-    t0 = time.perf_counter()
-    model = fn = step = None
-    try:
-        model = bench.fresh()
-        fn, info = build(model)
-        row.update(info)
-        step = peers.make_step(fn, bench.args, bench.kwargs)
-        step()  # warm-up (compiles where not yet): every .grad exists from now on
-        peers.sync(bench.device)
-        _, steady = measure_peak(step, device=bench.device, baseline_objs=(model, bench.ex))
-        row["steady_peak"] = steady.peak_bytes
-        rt, et = paired_times(bench.eager_step, step, bench.n, lambda: peers.sync(bench.device))
-        ratios = [r / e for r, e in zip(rt, et)]
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
-        row.update(step_s=rt, eager_step_s=et, time_vs_eager=statistics.median(ratios),
-                   time_noise=(q3 - q1) / 2)
-        # the first micro-step: no .grad before it; the same seed as the eager reference, for the gradients
-        peers.zero(model)
-        torch.manual_seed(SEED)
-        _, first = measure_peak(step, device=bench.device, baseline_objs=(model, bench.ex))
-        row["first_step_peak"] = first.peak_bytes
-        row["max_grad_rel_err"] = peers.max_rel_err(peers.grads_of(model), bench.ref_grads)
-        if row.get("predicted_peak"):
-            row["predicted_vs_measured"] = row["predicted_peak"] / row["steady_peak"]
-        row["status"] = "ok"
-    except autoremat.BudgetError as e:
-        row.update(status="infeasible", smallest_budget=e.smallest_budget)
-    except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
-        row.update(error_fields(e))
-    finally:
-        model = fn = step = None  # noqa: F841 - free this row's model before the next one
-        gc.collect()
-        torch._dynamo.reset()
-    row["row_wall_s"] = time.perf_counter() - t0
-    print("  " + row_line(row), flush=True)
-    return row
-
-
-def error_fields(e: Exception) -> dict:
-    print(traceback.format_exc(), flush=True)
-    return dict(status=peers.error_status(e), traceback=traceback.format_exc())
-
-
-def smallest_budget(bench: peers.Bench, compiler: str = "eager") -> int:
-    """BudgetError.smallest_budget of autoremat.optimize at budget=1."""
-    torch._dynamo.reset()
-    try:
-        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS,
-                           compiler=compiler)
-    except autoremat.BudgetError as e:
-        if e.smallest_budget is None:
-            raise
-        return e.smallest_budget
-    finally:
-        torch._dynamo.reset()
-    raise RuntimeError("autoremat.optimize at budget=1 did not raise BudgetError")
-
-
-def floor_row(bench: peers.Bench) -> dict:
-    try:
-        first = smallest_budget(bench)
-    except Exception as e:  # noqa: BLE001 - reported in the row
-        return dict(model=bench.cfg["name"], method="autoremat", setting="floor", **error_fields(e))
-    row = run_row(bench, "autoremat", "floor", peers.ar_build(first, bench.ex, OUTPUTS))
-    if row["status"] == "infeasible" and row.get("smallest_budget"):
-        # verification at planning time can move the floor up (a measured peak above the prediction): retry
-        # once at the figure that BudgetError names, and record both
-        again = run_row(bench, "autoremat", "floor (retried)", peers.ar_build(row["smallest_budget"], bench.ex, OUTPUTS))
-        again["retried_from"] = dict(budget=first, smallest_budget=row["smallest_budget"])
-        return again
-    return row
-
-
-def time_against_checkpoint(bench: peers.Bench, budget: int, n: int) -> dict:
+def time_against_checkpoint(bench: Bench, budget: int, n: int) -> dict:
     """The time goal measured directly: autoremat at checkpoint's peak against checkpoint-every-block, in
-    `n` alternating pairs (paired.head_to_head). Returns a row of method "head-to-head" (not a table row:
+    `n` alternating pairs (common.head_to_head). Returns a row of method "head-to-head" (not a table row:
     goals() reads it)."""
     row = dict(model=bench.cfg["name"], method="head-to-head", setting="autoremat @ checkpoint / checkpoint")
     t0 = time.perf_counter()
     try:
         ckpt_model = checkpoint_every_block(bench.fresh())
-        ar, _ = peers.ar_build(budget, bench.ex, OUTPUTS)(bench.fresh())
-        ckpt_step = peers.make_step(ckpt_model, bench.args, bench.kwargs)
-        ar_step = peers.make_step(ar, bench.args, bench.kwargs)
+        ar, _ = ar_build(budget, bench.ex, OUTPUTS)(bench.fresh())
+        ckpt_step = make_step(ckpt_model, bench.args, bench.kwargs)
+        ar_step = make_step(ar, bench.args, bench.kwargs)
         ckpt_step(), ar_step()  # warm-up: every .grad exists from now on
-        row.update(status="ok", **head_to_head(ar_step, ckpt_step, n, lambda: peers.sync(bench.device)))
+        row.update(status="ok", **head_to_head(ar_step, ckpt_step, n, lambda: sync(bench.device)))
     except Exception as e:  # noqa: BLE001 - reported in the goal line
         row.update(error_fields(e))
     finally:
@@ -261,19 +94,19 @@ def time_against_checkpoint(bench: peers.Bench, budget: int, n: int) -> dict:
     return row
 
 
-def fp64_rounding(bench: peers.Bench) -> float | None:
+def fp64_rounding(bench: Bench) -> float | None:
     """The eager reference's own gradient error against the same model run in fp64 (same seed, so the same
     dropout masks): the size of fp32 rounding in this model's gradients. A row whose error vs eager is of this
     order differs by rounding (another reduction order: Inductor's kernels, a recomputation); a wrong plan
     differs by O(1). None if the model does not run in fp64."""
     try:
         model = bench.fresh().double()
-        args, kwargs = peers.split(tuple(t.double() if t.is_floating_point() else t for t in bench.ex)
+        args, kwargs = split(tuple(t.double() if t.is_floating_point() else t for t in bench.ex)
                                    if not isinstance(bench.ex, dict) else
                                    {k: v.double() if v.is_floating_point() else v for k, v in bench.ex.items()})
         torch.manual_seed(SEED)
-        peers.make_step(model, args, kwargs)()
-        return peers.max_rel_err(bench.ref_grads, {n: g.float() for n, g in peers.grads_of(model).items()})
+        make_step(model, args, kwargs)()
+        return max_rel_err(bench.ref_grads, {n: g.float() for n, g in grads_of(model).items()})
     except Exception as e:  # noqa: BLE001 - a model without fp64 kernels has no such reference
         print(f"  fp64 reference failed: {type(e).__name__}: {e}", flush=True)
         return None
@@ -282,20 +115,20 @@ def fp64_rounding(bench: peers.Bench) -> float | None:
 def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = False) -> list[dict]:
     print(f"== {cfg['name']}: {cfg['kwargs']}", flush=True)
     try:
-        bench = peers.Bench(cfg, device, n_steps, lambda s: print(s, flush=True))
+        bench = Bench(cfg, device, n_steps, lambda s: print(s, flush=True))
     except Exception as e:  # noqa: BLE001 - the model itself failed: one error row, the others go on
         return [dict(model=cfg["name"], method="eager", setting="-", **error_fields(e))]
-    rows = [run_row(bench, "eager", "-", peers.eager_build),
+    rows = [run_row(bench, "eager", "-", eager_build),
             run_row(bench, "checkpoint", "every block", lambda m: (checkpoint_every_block(m), {}))]
     rows[0]["fp64_rounding_err"] = fp64_rounding(bench)
-    rows += [run_row(bench, "pt-budget", f"amb={b}", peers.pt_build(b, bench.args, bench.kwargs)) for b in PT_BUDGETS]
+    rows += [run_row(bench, "pt-budget", f"amb={b}", pt_build(b, bench.args, bench.kwargs)) for b in FLOOR_PT_BUDGETS]
     rows.append(floor_row(bench))
     ckpt = rows[1]
     if ckpt["status"] == "ok":
-        rows.append(run_row(bench, "autoremat", "@ checkpoint", peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS)))
+        rows.append(run_row(bench, "autoremat", "@ checkpoint", ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS)))
         if inductor:  # the default compiler where Inductor runs (compiler="auto"): what a user gets
             rows.append(run_row(bench, "autoremat", "Inductor @ checkpoint",
-                                peers.ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS, compiler="auto")))
+                                ar_build(ckpt["steady_peak"], bench.ex, OUTPUTS, compiler="auto")))
         if rows[-1]["status"] == "ok":
             rows.append(time_against_checkpoint(bench, ckpt["steady_peak"], 2 * n_steps + 1))
     else:
@@ -305,7 +138,7 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
         try:
             floor = smallest_budget(bench, "inductor")
             rows.append(run_row(bench, "autoremat", "Inductor @ its floor",
-                                peers.ar_build(floor, bench.ex, OUTPUTS, compiler="inductor")))
+                                ar_build(floor, bench.ex, OUTPUTS, compiler="inductor")))
         except Exception as e:  # noqa: BLE001 - reported in the row
             rows.append(dict(model=cfg["name"], method="autoremat", setting="Inductor @ its floor", **error_fields(e)))
     return rows
@@ -313,18 +146,6 @@ def bench_model(cfg: dict, device: torch.device, n_steps: int, inductor: bool = 
 
 # --------------------------------------------------------------------------------------------
 # goals and output
-
-
-def mib(b) -> str:
-    return f"{b / MiB:.2f}" if b is not None else ""
-
-
-def row_line(r: dict) -> str:
-    if r["status"] != "ok":
-        return f"{r['model']:6} {r['method']:10} {r['setting']:16} {r['status']} ({r.get('row_wall_s', 0):.0f}s)"
-    return (f"{r['model']:6} {r['method']:10} {r['setting']:16} steady {mib(r['steady_peak'])} MiB, first "
-            f"{mib(r['first_step_peak'])} MiB, time x{r['time_vs_eager']:.3f}±{r['time_noise']:.3f}, "
-            f"err {r['max_grad_rel_err']:.1e}, pred {mib(r.get('predicted_peak')) or '-'} ({r['row_wall_s']:.0f}s)")
 
 
 def find(rows: list[dict], model: str, method: str, prefix: str) -> dict | None:
@@ -439,17 +260,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def git_state() -> dict:
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(peers.REPO), *args], capture_output=True, text=True).stdout.strip()
-    diff_stat = git("diff", "--stat").splitlines()
-    return dict(head=git("rev-parse", "--short", "HEAD"), diff_stat=diff_stat[-1].strip() if diff_stat else "")
-
-
-def load_average() -> str:
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg()) + " (1 / 5 / 15 min)"
-
-
 def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> str:
     parts = [f"# Floor benchmark (issue #11) on cpu{' (--quick)' if meta['quick'] else ''}\n",
              f"Command: `{meta['command']}`, {meta['date']}, torch {meta['torch']}, transformers "
@@ -491,22 +301,20 @@ def lm_meta_section(rows: list[dict]) -> str:
     """GPT-2 small at 8 x 1024 planned on meta for an H100: the loss region's floors (issue #13)."""
     if not rows:
         return ""
-    import loss_region
-
     return ("\n## gpt2-small 8 x 1024, planned on meta for an H100 (fp32, AdamW; the loss region, issue #13)\n\n"
             "No real step runs on meta: these are the planner's smallest feasible budgets (BudgetError.smallest_budget "
             "of budget=1), each then planned at that budget. *chunking off*: the loss rewrite disabled "
             "(loss_chunks.CANDIDATES = (1,)); *outputs=all*: the logits output kept; *outputs=loss*: only the loss "
-            "used. Rows from `benchmarks/loss_region.py`'s `meta_part`, run by this script.\n\n"
-            + loss_region.meta_table(rows) + "\n")
+            "used. Rows from `benchmarks/common_plans.py`'s `meta_part` (loss_region.py's part 2), run by this script.\n\n"
+            + meta_table(rows) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes")
     ap.add_argument("--steps", type=int, default=7, help="timed pairs per row (>= 4)")
-    ap.add_argument("--models", default=",".join(SIZES))
-    ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
+    ap.add_argument("--models", default=",".join(FLOOR_SIZES))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of models not run now (and the GPT-2 small meta rows, unless run now) from "
                          "the results file; the file lists every command its rows came from")
@@ -519,16 +327,16 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     wanted = [] if a.models == "none" else a.models.split(",")
-    cfgs = [c for c in configs(a.quick) if c["name"] in wanted]
+    cfgs = [c for c in floor_configs(a.quick) if c["name"] in wanted]
     unknown = set(wanted) - {c["name"] for c in cfgs}
     if unknown:
-        ap.error(f"unknown models {sorted(unknown)}; pick from {','.join(SIZES)}")
+        ap.error(f"unknown models {sorted(unknown)}; pick from {','.join(FLOOR_SIZES)}")
     import transformers
 
     t0 = time.perf_counter()
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(["python"] + sys.argv),
                 quick=a.quick, steps=max(4, a.steps), torch=torch.__version__, transformers=transformers.__version__,
-                threads=torch.get_num_threads(), git=git_state(), seed=SEED, load_start=load_average(),
+                threads=torch.get_num_threads(), git=git_state().as_dict(), seed=SEED, load_start=load_average(),
                 configs={c["name"]: c["kwargs"] for c in cfgs})
     print(f"autoremat from {autoremat.__file__}, repo {meta['git']}", flush=True)
     out = Path(a.out)
@@ -544,19 +352,19 @@ def main() -> None:
                                                    f"{before['git']['head']})"] if before else [])
     meta["commands"] = before_commands + [f"{meta['command']} ({meta['date']}, repo "
                                                                         f"{meta['git']['head']})"]
-    kept = [c for c in configs(a.quick) if c["name"] not in wanted and c["name"] in earlier.get("goals", {})]
+    kept = [c for c in floor_configs(a.quick) if c["name"] not in wanted and c["name"] in earlier.get("goals", {})]
     for c in kept:
         rows += [r for r in earlier["rows"] if r["model"] == c["name"]]
         all_goals[c["name"]] = earlier["goals"][c["name"]]
 
     def write() -> str:
         meta.update(wall_s=time.perf_counter() - t0, load_end=load_average())
-        # the models in SIZES's order, merged or not
-        rows.sort(key=lambda r: list(SIZES).index(r["model"]))
-        ordered = {name: all_goals[name] for name in SIZES if name in all_goals}
+        # the models in FLOOR_SIZES's order, merged or not
+        rows.sort(key=lambda r: list(FLOOR_SIZES).index(r["model"]))
+        ordered = {name: all_goals[name] for name in FLOOR_SIZES if name in all_goals}
         all_goals.clear()
         all_goals.update(ordered)
-        ran = [c for c in configs(a.quick) if c["name"] in all_goals]
+        ran = [c for c in floor_configs(a.quick) if c["name"] in all_goals]
         text = report(meta, ran, rows, all_goals) + lm_meta_section(lm_meta)
         stem.with_suffix(".md").write_text(text)
         stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, goals=all_goals, rows=rows, lm_meta=lm_meta),
@@ -570,9 +378,7 @@ def main() -> None:
     if a.quick or a.no_lm_meta:
         lm_meta = earlier.get("lm_meta", [])
     else:
-        import loss_region  # imports this module: only once it is loaded
-
-        lm_meta = loss_region.meta_part(a.time_limit)
+        lm_meta = meta_part(a.time_limit)
     text = write()
     print("\n" + text, flush=True)
     print(f"wrote {stem}.md and .json", flush=True)

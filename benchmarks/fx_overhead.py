@@ -32,24 +32,25 @@ import sys
 import time
 from pathlib import Path
 
-import floor
-import remat_vs_peers as peers
 import torch
-from paired import paired_times
+from common import checkpoint_every_block, git_state, load_average, make_step, paired_times
+from common_models import floor_configs
+from common_rows import Bench
 
 import autoremat
 from autoremat.measure import measure_peak
 from autoremat.torch_internals import accumulate_into_grad
+from examples.models import gpt2
 
 MiB = 2**20
 NO_RECOMPUTE = 64 * 2**30  # far above any of these models' no-recompute totals
 # speed.py's launch-bound GPT-2 (issue #17: 4 layers, 32 wide, 8 tokens), besides floor.py's sizes
-LAUNCH_BOUND = [dict(name="gpt2-launch", factory=floor.gpt2,
+LAUNCH_BOUND = [dict(name="gpt2-launch", factory=gpt2,
                      kwargs=dict(n_layer=4, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=0.0))]
 
 
 def checkpointed(model):
-    return floor.checkpoint_every_block(model), {}
+    return checkpoint_every_block(model), {}
 
 
 def planned(example_inputs, budget: int, compiler: str, **options):
@@ -61,10 +62,10 @@ def planned(example_inputs, budget: int, compiler: str, **options):
     return build
 
 
-def timed(bench: peers.Bench, build, n: int) -> dict:
+def timed(bench: Bench, build, n: int) -> dict:
     model = bench.fresh()
     fn, info = build(model)
-    step = peers.make_step(fn, bench.args, bench.kwargs)
+    step = make_step(fn, bench.args, bench.kwargs)
     step()
     step()  # warm: compiled, every .grad allocated
     _, m = measure_peak(step, device=bench.device, baseline_objs=(model, bench.ex))
@@ -114,7 +115,7 @@ def compiled_whole(model):
 
 
 def one(cfg: dict, n: int, inductor_rows: bool = False) -> list[str]:
-    bench = peers.Bench(cfg, torch.device("cpu"), n, print)
+    bench = Bench(cfg, torch.device("cpu"), n, print)
     rows = {"eager": timed(bench, lambda m: (m, {}), n), "checkpoint": timed(bench, checkpointed, n)}
     budget = rows["checkpoint"]["peak"]
     rows["autoremat @ checkpoint"] = timed(bench, planned(bench.ex, budget, "eager"), n)
@@ -167,12 +168,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    cfgs = [c for c in floor.configs(False) + LAUNCH_BOUND if c["name"] in a.models.split(",")]
+    cfgs = [c for c in floor_configs(False) + LAUNCH_BOUND if c["name"] in a.models.split(",")]
     body = [line for cfg in cfgs for line in one(cfg, a.steps, a.inductor_rows)]
     head = ["# The eager-FX path's own cost (issue #11) on cpu", "",
             f"Command: `python benchmarks/fx_overhead.py {' '.join(sys.argv[1:])}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
-            f"{floor.git_state()}, wall {time.perf_counter() - t0:.0f} s, load average {floor.load_average()} at "
+            f"{git_state().as_dict()}, wall {time.perf_counter() - t0:.0f} s, load average {load_average()} at "
             "the end. Each row: median over the paired ratios (row step / the eager step just before it).", ""]
     out = Path(__file__).resolve().parent / "results" / "fx_overhead_cpu.md"
     out.write_text("\n".join(head + body))

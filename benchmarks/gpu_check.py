@@ -15,7 +15,7 @@ after a warm-up step (every .grad exists). Per row: allocated = torch.cuda.max_m
 step (stats reset just before it; on CPU autoremat.measure's allocator-event peak), reserved =
 max_memory_reserved (empty_cache before that step), step time (median of --steps) and its ratio to eager,
 checkpointing and torch.compile, gradient error = max over parameters of ||g - g_eager|| / ||g_eager||
-(remat_vs_peers.max_rel_err; same seed before each step), planning seconds. A row whose allocated peak
+(common.max_rel_err; same seed before each step), planning seconds. A row whose allocated peak
 exceeds its budget gets the largest blocks live at the measured peak (CUDA memory history; on CPU the
 profiler's allocation events) set against the memory model's live set at its predicted peak
 (live_at_peak.py), so one run names the culprit.
@@ -95,9 +95,9 @@ TOP = 12  # blocks listed per side in an over-budget dump
 NEEDS_S = {"autoremat": 55.0, "compile": 25.0}
 NEEDS_S_QUICK = {"autoremat": 10.0, "compile": 5.0}
 
-# autoremat and the helper scripts are imported by sanity(), after its own checks, so that a missing
+# autoremat and the benchmarks' helper modules are imported by sanity(), after its own checks, so that a missing
 # wheel is named in one line instead of surfacing as an import traceback.
-autoremat = peers = live_at_peak = get_device = measure_peak = loss_of = None
+autoremat = common = live_at_peak = get_device = measure_peak = loss_of = None
 
 
 class Deadline(BaseException):
@@ -114,7 +114,7 @@ def elapsed() -> float:
 
 def sanity(dev: torch.device) -> dict:
     """Fail within seconds, naming the wheel, if anything the rows need is missing."""
-    global autoremat, peers, live_at_peak, get_device, measure_peak, loss_of
+    global autoremat, common, live_at_peak, get_device, measure_peak, loss_of
     t = time.monotonic()
     versions = {"torch": torch.__version__}
     for mod, wheel in (("pulp", "pulp (and for PuLP 4: orloge, cpsat-logutils, pydantic, pydantic-core, "
@@ -142,9 +142,9 @@ def sanity(dev: torch.device) -> dict:
         sys.exit(f"SANITY FAILED: PuLP {pulp.__version__} does not see HiGHS (highspy {versions['highspy']}); "
                  "carry a highspy wheel that matches this Python")
     sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
-    sys.path.insert(0, str(REPO / "benchmarks"))  # the helper scripts
-    peers = importlib.import_module("remat_vs_peers")
-    live_at_peak = importlib.import_module("live_at_peak").live_at_peak
+    sys.path.insert(0, str(REPO / "benchmarks"))  # the helper modules (common.py, common_plans.py)
+    common = importlib.import_module("common")
+    live_at_peak = importlib.import_module("common_plans").live_at_peak
     autoremat = importlib.import_module("autoremat")
     get_device = importlib.import_module("autoremat.model.devices").get_device
     measure_peak = importlib.import_module("autoremat.measure").measure_peak
@@ -282,7 +282,7 @@ def ordered(wanted: list[str], specs: dict[str, dict]) -> list[str]:
 
 
 def sync(dev):
-    peers.sync(dev)
+    common.sync(dev)
 
 
 def empty_cache(dev):
@@ -300,11 +300,11 @@ def free(dev):
 
 
 def grad_errors(g: dict, ref: dict) -> tuple[float, str]:
-    """remat_vs_peers.max_rel_err, and the parameter where it is reached."""
-    worst = peers.max_rel_err(g, ref)
+    """common.max_rel_err, and the parameter where it is reached."""
+    worst = common.max_rel_err(g, ref)
     if set(g) != set(ref) or not ref:
         return worst, "parameter sets differ"
-    per = {n: peers.max_rel_err({n: g[n]}, {n: r}) for n, r in ref.items()}
+    per = {n: common.max_rel_err({n: g[n]}, {n: r}) for n, r in ref.items()}
     return worst, max(per, key=per.get)
 
 
@@ -393,7 +393,7 @@ def cpu_live_at_peak(step, baseline: int) -> dict:
 
 
 def simulated_live_at_peak(om) -> dict:
-    """The memory model's heap at its predicted peak (benchmarks/live_at_peak.py), largest storages first."""
+    """The memory model's heap at its predicted peak (common_plans.live_at_peak), largest storages first."""
     plan, profiles = om.plan, om._planners[0].profiles
     best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs],
                         get_device(plan.device).alloc_granularity)
@@ -471,7 +471,7 @@ class Run:
         self.rows: list[dict] = []
         self.pending: list[str] = []
         self.needs = NEEDS_S_QUICK if a.quick else NEEDS_S
-        self.repo = peers.git_state() or "unknown (no git metadata here)"
+        self.repo = common.git_state().line() or "unknown (no git metadata here)"
 
     def model(self, key: str):
         if key not in self.models:
@@ -554,7 +554,7 @@ class Run:
                 times.append(time.perf_counter() - t)
                 del out
             row.update(step_s=statistics.median(times), step_samples_s=times)
-            peers.zero(model)
+            common.zero(model)
             torch.manual_seed(SEED)
             out = step()
             del out
@@ -677,7 +677,7 @@ class Run:
                 f". Step time: median of {a.steps}; ratios to the same model's eager, checkpoint (GPT-2: "
                 "autocast(bf16) + checkpoint) and torch.compile rows. grad err: max over parameters of "
                 "||g - g_eager|| / ||g_eager|| against fp32 eager, same seed before each step "
-                "(remat_vs_peers.max_rel_err); torch.compile's Inductor draws dropout masks with its own generator, so "
+                "(common.max_rel_err); torch.compile's Inductor draws dropout masks with its own generator, so "
                 "its error on the dropout models (BERT, GPT-2) is expected. plan: seconds of autoremat.optimize "
                 "(capture, solve, compile, verify).",
                 "", "Models:", models, "", *lines, "",

@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))
-
-import remat_vs_peers as peers  # noqa: E402
-import speed  # noqa: E402
+from common import SEED, make_step, split
+from common_models import speed_configs
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1, "torch.int64": 8,
                "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1}
@@ -98,8 +93,8 @@ def main() -> None:
     codes: list[str] = []
     config.force_disable_caches = True
     GraphLowering.save_output_code = staticmethod(codes.append)
-    cfg = next(c for c in speed.configs(True, a.dropout) if c["name"] == a.model)
-    torch.manual_seed(peers.SEED)
+    cfg = next(c for c in speed_configs(True, a.dropout) if c["name"] == a.model)
+    torch.manual_seed(SEED)
     model, ex = cfg["factory"](**cfg["kwargs"])
     model.train()
     om = autoremat.optimize(model, budget=a.budget, example_inputs=ex, optimizer=None, compiler="inductor",
@@ -124,8 +119,8 @@ def main() -> None:
     print("memory model, live activations at each graph's peak (all graphs' values):")
     for (graph, phase), (during, node) in peaks.items():
         print(f"    graph {graph} {phase:8s} {during} B at {node}")
-    args, kwargs = peers.split(ex)
-    step = peers.make_step(om, args, kwargs)
+    args, kwargs = split(ex)
+    step = make_step(om, args, kwargs)
     step()
     step()
     _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))

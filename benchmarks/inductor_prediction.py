@@ -2,8 +2,8 @@
 
 For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2), and `floor.py --quick`'s
 ResNet-shaped conv net (conv-BN-ReLU-dropout blocks, `conv`), and each dropout setting:
-the smallest feasible budget and the least that recomputes nothing under Inductor (speed.limits), then a plan at
-the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
+the smallest feasible budget and the least that recomputes nothing under Inductor (common_plans.inductor_limits,
+as speed.py finds them), then a plan at the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
 with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
 one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). A smallest
 budget that verification refuses (it measured more than predicted and the re-plan no longer fits) is
@@ -24,34 +24,29 @@ import argparse
 import copy
 import datetime
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
+from common import REPO, SEED, git_state, make_step, split
+from common_models import FLOOR_SIZES, resnet, speed_configs
+from common_plans import inductor_limits
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))
-
-import floor  # noqa: E402
-import remat_vs_peers as peers  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
-import speed  # noqa: E402
-
-import autoremat  # noqa: E402
-from autoremat.measure import measure_peak  # noqa: E402
-from autoremat.model.devices import get_device  # noqa: E402
-from autoremat.model.ledger import SLACK, Ledger  # noqa: E402
-from autoremat.planning.pipeline import loss_of  # noqa: E402
-from autoremat.solve.solver import evaluate  # noqa: E402
+import autoremat
+from autoremat.measure import measure_peak
+from autoremat.model.devices import get_device
+from autoremat.model.ledger import SLACK, Ledger
+from autoremat.planning.pipeline import loss_of
+from autoremat.solve.solver import evaluate
 
 MiB = 2**20
 
 
 class _Bench:
-    """What speed.limits needs: a fresh copy of the model and its example inputs."""
+    """What common_plans.inductor_limits needs: a fresh copy of the model and its example inputs."""
 
     def __init__(self, cfg: dict) -> None:
-        torch.manual_seed(peers.SEED)
+        torch.manual_seed(SEED)
         self.pristine, self.ex = cfg["factory"](**cfg["kwargs"])
         self.pristine.train()
 
@@ -97,12 +92,12 @@ def row(bench: _Bench, budget: int) -> dict:
     om = autoremat.optimize(model, budget=budget, example_inputs=bench.ex, optimizer=None, compiler="inductor",
                             progress=False)
     plan_s = time.perf_counter() - t0
-    args, kwargs = peers.split(bench.ex)
+    args, kwargs = split(bench.ex)
 
     def held() -> None:  # the outputs (GPT-2's logits) live through the backward, as the memory model assumes
         out = om(*args, **kwargs)
         loss_of(out).backward()
-    dropped = peers.make_step(om, args, kwargs)  # only the loss outlives the forward
+    dropped = make_step(om, args, kwargs)  # only the loss outlives the forward
     measured = {}
     for step in (held, dropped):
         step()
@@ -128,12 +123,12 @@ def main() -> None:
              "| plan s | verification |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for drop in (float(x) for x in a.dropout.split(",")):
-        conv = dict(name="conv", factory=floor.resnet, kwargs={**floor.SIZES["resnet"][1], "dropout": drop})
-        for cfg in [*speed.configs(True, drop), conv]:
+        conv = dict(name="conv", factory=resnet, kwargs={**FLOOR_SIZES["resnet"][1], "dropout": drop})
+        for cfg in [*speed_configs(True, drop), conv]:
             if cfg["name"] not in a.models.split(","):
                 continue
             bench = _Bench(cfg)
-            lo, hi, _ = speed.limits(bench, "all")  # row() plans with optimize's default outputs="all"
+            lo, hi, _ = inductor_limits(bench, "all")  # row() plans with optimize's default outputs="all"
             for point, budget in (("smallest", lo), ("middle", (lo + hi) // 2), ("top", hi)):
                 try:
                     r = row(bench, int(budget))
@@ -154,7 +149,7 @@ def main() -> None:
     head = ["# autoremat's prediction under Inductor, CPU (issue #17)", "",
             f"Command: `python benchmarks/inductor_prediction.py --models {a.models} --dropout {a.dropout}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
-            f"{peers.git_state()}, wall {time.perf_counter() - started:.0f} s.", "",
+            f"{git_state().line()}, wall {time.perf_counter() - started:.0f} s.", "",
             "Models: `speed.py --quick`'s (stack, gpt2) and `floor.py --quick`'s resnet (conv). Budgets: the smallest feasible, the middle and the top (the least budget "
             "that recomputes nothing, Plan.no_recompute_budget) of autoremat's range under Inductor. Measured: one steady-state step, `measure_peak`, with "
             "the model's outputs held through the backward (`out = model(...); loss_of(out).backward()`: what the memory "

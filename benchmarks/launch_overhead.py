@@ -13,7 +13,7 @@ block with the gradients returned at each region's end (release_grads=False, as 
 and one graph (regions=False). The second against the third, over the number of extra graphs, is the
 cost of one AOTAutograd call (its forward and its backward); the first against the second, over the
 number of parameters, is the cost of one hand-off. The forms are timed against each other in
-alternating pairs (benchmarks/paired.py), so that the machine's drift between them cancels.
+alternating pairs (benchmarks/common.py), so that the machine's drift between them cancels.
 
     PYTHONPATH=.:benchmarks python benchmarks/launch_overhead.py      # ~2 min on a 2-core CPU
 
@@ -26,13 +26,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.fx as fx
-from paired import head_to_head
+from common import REPO, head_to_head
 
-REPO = Path(__file__).resolve().parent.parent
 COUNTS = (16, 256)
 REGION_BLOCKS = 16
 PAIRS = 401  # head-to-head pairs per comparison of two forms (odd: the median is one pair's)
@@ -82,7 +80,7 @@ class TinyStack(torch.nn.Module):
 def region_call_seconds(compiler: str) -> dict:
     """Step time of TinyStack cut per block (gradients handed to .grad one by one, and returned at each
     region's end) and as one graph, the forms timed against each other in alternating pairs
-    (paired.head_to_head): the cost of one more graph call, and of one gradient hand-off."""
+    (common.head_to_head): the cost of one more graph call, and of one gradient hand-off."""
     import autoremat
 
     torch.manual_seed(0)

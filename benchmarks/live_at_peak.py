@@ -18,62 +18,24 @@ import sys
 import time
 from pathlib import Path
 
-import floor
-import remat_vs_peers as peers
 import torch
+from common import REPO, git_state, make_step, split
+from common_models import floor_configs
+from common_plans import live_at_peak
 
 import autoremat
 from autoremat.measure import measure_peak
-from autoremat.model import memory
 from autoremat.model.cuts import base
 from autoremat.model.devices import get_device
-from autoremat.solve.decision import evaluate
 
 MiB = 2**20
-
-
-def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
-    """Replay the plan in memory.simulate, keeping a copy of the heap at its peak step."""
-    best: dict = {"during": -1}
-    heaps: list = []
-    graph_position = {g.index: k for k, g in enumerate(profiles)}
-    plain_heap, plain_step = memory._Heap, memory.Step
-
-    class Observed(plain_heap):
-        def __init__(self, *a) -> None:
-            super().__init__(*a)
-            heaps.append(self)
-            self.snap: dict | None = None
-
-        def add(self, name: str, nbytes: int) -> None:
-            super().add(name, nbytes)
-            # the heap as the op runs (its inputs and its output), before its inputs' last uses free them
-            self.snap = (self.scope, name, dict(self.size))
-
-    def step(graph, phase, node, during):
-        if during > best["during"] and heaps:
-            h = heaps[-1]
-            # the op allocated (or wrote into a dying input's buffer: recomputed_writes.py) since the last step
-            ran = h.snap is not None and h.snap[0] == h.scope
-            best.update(during=during, graph=graph_position[graph], phase=phase, node=node,
-                        live=h.snap[2] if ran else dict(h.size))
-        if heaps:
-            heaps[-1].snap = None
-        return plain_step(graph, phase, node, during)
-
-    memory._Heap, memory.Step = Observed, step
-    try:
-        evaluate(profiles, saved, granularity)
-    finally:
-        memory._Heap, memory.Step = plain_heap, plain_step
-    return best
 
 
 def one(cfg: dict, top: int) -> str:
     torch.manual_seed(0)
     model, ex = cfg["factory"](**cfg["kwargs"])
     model.train()
-    args, kwargs = peers.split(ex)
+    args, kwargs = split(ex)
     torch._dynamo.reset()
     try:
         autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
@@ -84,7 +46,7 @@ def one(cfg: dict, top: int) -> str:
     torch._dynamo.reset()
     om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
                            compiler="eager")
-    step = peers.make_step(om, args, kwargs)
+    step = make_step(om, args, kwargs)
     step()
     _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
     plan = om.plan
@@ -117,12 +79,12 @@ def main() -> None:
     ap.add_argument("--models", default="stack,gpt2")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--top", type=int, default=5, help="how many live storages to list (0: all of them)")
-    ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--name", default="live_at_peak_cpu", help="the results file's stem")
     ap.add_argument("--note", default="", help="a sentence for the header (e.g. which autoremat was imported)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    cfgs = {c["name"]: c for c in floor.configs(a.quick)}
+    cfgs = {c["name"]: c for c in floor_configs(a.quick)}
     unknown = [m for m in a.models.split(",") if m not in cfgs]
     if unknown:
         ap.error(f"unknown models {unknown}; pick from {','.join(cfgs)}")
@@ -130,7 +92,7 @@ def main() -> None:
     parts = [one(cfgs[m], a.top) for m in a.models.split(",")]
     head = ["# Live at the floor's peak (issue #11) on cpu", "",
             f"Command: `python {' '.join(sys.argv)}`, {datetime.datetime.now().isoformat(timespec='seconds')}, "
-            f"torch {torch.__version__}, repo {floor.git_state()}, wall {time.perf_counter() - t0:.0f} s. The heap "
+            f"torch {torch.__version__}, repo {git_state().as_dict()}, wall {time.perf_counter() - t0:.0f} s. The heap "
             "is the memory model's (autoremat.model.memory.simulate) replaying the plan; the measured peak says it is "
             f"the real one. Sizes of the benchmark's rows (benchmarks/floor.py). autoremat from {autoremat.__file__}. "
             f"{a.note}", ""]

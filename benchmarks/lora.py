@@ -6,16 +6,16 @@ step = forward, backward and the AdamW step (the adapter's AdamW state exists: t
 the only output read (autoremat: `outputs="loss"`). Rows:
 
   LoRA                       plain, nothing recomputed
-  checkpointing + LoRA       HF's non-reentrant gradient checkpointing on every block (floor.checkpoint_every_block)
+  checkpointing + LoRA       HF's non-reentrant gradient checkpointing on every block (common.checkpoint_every_block)
   autoremat floor (eager)    autoremat.optimize at BudgetError.smallest_budget of budget=1, compiler="eager"
                              (retried once at a new smallest_budget if verification refuses the first)
   autoremat floor (default)  the same with compiler="auto" (Inductor where it runs here)
   autoremat @ checkpointing  compiler="eager" at checkpointing's measured peak: step time at equal memory,
-                             timed head-to-head against checkpointing (paired.head_to_head)
+                             timed head-to-head against checkpointing (common.head_to_head)
 
 Peaks: `autoremat.measure_peak` of the third step, baseline = model + optimizer + batch. Gradient error: the
 adapters' gradients after one forward + backward from no .grad, same seed as eager LoRA's, max over tensors
-of the relative norm (remat_vs_peers.max_rel_err).
+of the relative norm (common.max_rel_err).
 
     PYTHONPATH=.:benchmarks python benchmarks/lora.py                # about 25 minutes on a shared 2-core CPU
     PYTHONPATH=.:benchmarks python benchmarks/lora.py --no-inductor  # about 10: the compiler='auto' floor search
@@ -37,10 +37,8 @@ import time
 import warnings
 from pathlib import Path
 
-import floor  # benchmarks/floor.py: checkpoint_every_block, git_state, load_average
-import remat_vs_peers as peers  # max_rel_err, SEED, REPO
 import torch
-from paired import head_to_head, paired_times
+from common import REPO, SEED, checkpoint_every_block, git_state, head_to_head, load_average, max_rel_err, paired_times
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -74,7 +72,7 @@ def make_step(fn, opt, batch):
 
 def adapter_grads(model, fn, batch) -> dict[str, torch.Tensor]:
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(peers.SEED)
+    torch.manual_seed(SEED)
     fn(**batch).loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
@@ -88,7 +86,7 @@ def optimize(model, opt, batch, budget: int, compiler: str):
 
 
 def smallest_budget(compiler: str) -> int:
-    """BudgetError.smallest_budget of budget=1 (floor.smallest_budget's method, with the AdamW optimizer)."""
+    """BudgetError.smallest_budget of budget=1 (common_rows.smallest_budget's method, with the AdamW optimizer)."""
     model, batch, opt = fresh()
     try:
         optimize(model, opt, batch, 1, compiler)
@@ -110,7 +108,7 @@ def row(name: str, build, ref_grads: dict | None, n_time: int, eager_step=None) 
         model, fn, opt, batch, info = build()
         r.update(info)
         if ref_grads is not None:
-            r["max_grad_rel_err"] = peers.max_rel_err(adapter_grads(model, fn, batch), ref_grads)
+            r["max_grad_rel_err"] = max_rel_err(adapter_grads(model, fn, batch), ref_grads)
         step = make_step(fn, opt, batch)
         step(), step()
         _, m = measure_peak(step, baseline_objs=(model, opt, batch))
@@ -185,7 +183,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=9, help="timed pairs per row")
     ap.add_argument("--no-inductor", action="store_true", help="skip the compiler='auto' floor row")
-    ap.add_argument("--out", default=str(peers.REPO / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--json", default=None, help="also write every row, timings included, to this file")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -197,7 +195,7 @@ def main() -> None:
     t_all = time.perf_counter()
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(["python"] + sys.argv),
                 torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
-                threads=torch.get_num_threads(), git=floor.git_state(), load_start=floor.load_average(),
+                threads=torch.get_num_threads(), git=git_state().as_dict(), load_start=load_average(),
                 sizes=SIZES, batch=BATCH)
 
     # eager LoRA: the reference for gradients and the paired partner for time
@@ -211,7 +209,7 @@ def main() -> None:
 
     def ckpt_build():
         model, b, opt = fresh()
-        return floor.checkpoint_every_block(model), model, opt, b, {}
+        return checkpoint_every_block(model), model, opt, b, {}
 
     ckpt, ckpt_step = row("checkpointing + LoRA", ckpt_build, ref, a.steps, eager_step)
     rows.append(ckpt)
@@ -228,7 +226,7 @@ def main() -> None:
         print(f"  head-to-head autoremat @ checkpointing / checkpointing: {h2h['ratio']:.3f} ± {h2h['noise']:.3f}",
               flush=True)
 
-    meta.update(wall_s=time.perf_counter() - t_all, load_end=floor.load_average())
+    meta.update(wall_s=time.perf_counter() - t_all, load_end=load_average())
     floors = [r for r in rows if r["method"].startswith("autoremat floor") and r["status"] == "ok"]
     lines = [f"- {r['method']}: smallest budget {mib(r['budget'])} MiB, measured {mib(r['steady_peak'])} MiB = "
              f"{r['steady_peak'] / ckpt_peak:.3f} x checkpointing + LoRA's {mib(ckpt_peak)} MiB (budget / checkpointing "
@@ -249,7 +247,7 @@ def main() -> None:
         "(autoremat: outputs='loss'). Steady peak: `autoremat.measure_peak` of the third step, baseline = model + "
         "optimizer + batch. Time: median over pairs of (row step / the plain LoRA step just before it), noise = half "
         "the interquartile range. Grad error: adapters only, one step from no .grad, same seed as plain LoRA "
-        "(dropout 0.1 on), max over tensors of ||g - g_ref|| / ||g_ref|| (remat_vs_peers.max_rel_err).\n",
+        "(dropout 0.1 on), max over tensors of ||g - g_ref|| / ||g_ref|| (common.max_rel_err).\n",
         table(rows, ckpt_peak), "", *lines, ""])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

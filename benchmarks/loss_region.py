@@ -15,7 +15,7 @@ gradient error vs eager):
 Part 2, GPT-2 small at 8 x 1024 planned on the meta device for an H100 roofline (what
 `autoremat plan examples/models.py:gpt2_small --batch 8 --seq 1024 --device h100 [--outputs loss]` reports):
 the smallest feasible budget without the rewrite, with it (outputs=all) and with outputs=loss, each then planned
-at that budget to show that it is feasible.
+at that budget to show that it is feasible (common_plans.meta_part: floor.py adds these rows to its results too).
 
     python benchmarks/loss_region.py            # both parts
     python benchmarks/loss_region.py --quick    # smaller CPU model, part 2 skipped
@@ -32,29 +32,17 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
-import floor
-import remat_vs_peers as peers
 import torch
+from common import checkpoint_every_block, eager_build, git_state, load_average
+from common_plans import chunking_off, meta_part, meta_table
+from common_rows import Bench, run_row
 
 import autoremat
-from autoremat.passes import loss_chunks
-from examples.models import gpt2, gpt2_small
+from examples.models import gpt2
 
-GiB, MiB = 2**30, 2**20
-GOALS = {"all": 9 * GiB, "loss": 6 * GiB}  # issue #13: GPT-2 small 8 x 1024 floors
-
-
-@contextlib.contextmanager
-def chunking_off():
-    kept = loss_chunks.CANDIDATES
-    loss_chunks.CANDIDATES = (1,)
-    try:
-        yield
-    finally:
-        loss_chunks.CANDIDATES = kept
+MiB = 2**20
 
 
 def ar_build(budget: int, ex, outputs: str, off: bool = False):
@@ -66,7 +54,7 @@ def ar_build(budget: int, ex, outputs: str, off: bool = False):
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     chunks=p.loss.get("chunks", 1), outputs=outputs, predicted_overhead=p.overhead)
         # optimize's own check: one step with the outputs held through the backward, as the plan assumes
-        # (floor.run_row's step drops the logits before its backward, so its peak can sit below the plan's)
+        # (common_rows.run_row's step drops the logits before its backward, so its peak can sit below the plan's)
         found = [re.search(r"measured activation peak (\d+) B, predicted (\d+) B", n) for n in p.notes]
         found = [m for m in found if m]
         if found:
@@ -88,10 +76,10 @@ def floor_budget(bench, outputs: str, off: bool = False) -> int:
 
 def floor_row(bench, outputs: str, setting: str, off: bool = False) -> dict:
     first = floor_budget(bench, outputs, off)
-    row = floor.run_row(bench, "autoremat", setting, ar_build(first, bench.ex, outputs, off))
+    row = run_row(bench, "autoremat", setting, ar_build(first, bench.ex, outputs, off))
     if row["status"] == "infeasible" and row.get("smallest_budget"):  # verification moved the floor: once more
-        row = floor.run_row(bench, "autoremat", setting + " (retried)",
-                            ar_build(row["smallest_budget"], bench.ex, outputs, off))
+        row = run_row(bench, "autoremat", setting + " (retried)",
+                      ar_build(row["smallest_budget"], bench.ex, outputs, off))
     return row
 
 
@@ -100,55 +88,18 @@ def cpu_part(quick: bool, n_steps: int) -> tuple[dict, list[dict]]:
         dict(batch=4, seq=128, n_layer=2, n_embd=128, n_head=4, vocab=32768)
     cfg = dict(name="gpt2-32k", factory=gpt2, kwargs=kw)
     print(f"== {cfg['name']}: {kw}", flush=True)
-    bench = peers.Bench(cfg, torch.device("cpu"), n_steps, lambda s: print(s, flush=True))
-    rows = [floor.run_row(bench, "eager", "-", peers.eager_build),
-            floor.run_row(bench, "checkpoint", "every block", lambda m: (floor.checkpoint_every_block(m), {})),
+    bench = Bench(cfg, torch.device("cpu"), n_steps, lambda s: print(s, flush=True))
+    rows = [run_row(bench, "eager", "-", eager_build),
+            run_row(bench, "checkpoint", "every block", lambda m: (checkpoint_every_block(m), {})),
             floor_row(bench, "all", "floor, chunking off", off=True),
             floor_row(bench, "all", "floor, outputs=all"),
             floor_row(bench, "loss", "floor, outputs=loss")]
     ckpt = rows[1]
     for outputs in ("all", "loss"):
         if ckpt["status"] == "ok":
-            rows.append(floor.run_row(bench, "autoremat", f"@ checkpoint, outputs={outputs}",
-                                      ar_build(ckpt["steady_peak"], bench.ex, outputs)))
+            rows.append(run_row(bench, "autoremat", f"@ checkpoint, outputs={outputs}",
+                                ar_build(ckpt["steady_peak"], bench.ex, outputs)))
     return cfg, rows
-
-
-def meta_part(time_limit: float) -> list[dict]:
-    """GPT-2 small 8 x 1024 on meta (H100 roofline): floors and a plan at each floor."""
-    rows = []
-    for setting, outputs, off in (("chunking off", "all", True), ("outputs=all", "all", False),
-                                  ("outputs=loss", "loss", False)):
-        row = dict(model="gpt2-small 8x1024 (meta, h100)", setting=setting)
-        t0 = time.perf_counter()
-        with chunking_off() if off else contextlib.nullcontext():
-            torch._dynamo.reset()
-            with torch.device("meta"):
-                model, inputs = gpt2_small(batch=8, seq=1024)
-            try:
-                autoremat.optimize(model, 1, inputs, device="h100", time_limit=time_limit, outputs=outputs, compiler="eager")
-            except autoremat.BudgetError as e:
-                row["smallest_budget"] = e.smallest_budget
-            torch._dynamo.reset()
-            try:
-                om = autoremat.optimize(model, row["smallest_budget"], inputs, device="h100", time_limit=time_limit,
-                                        outputs=outputs, compiler="eager")
-                row.update(status="planned at the floor", predicted_peak=om.plan.predicted_peak,
-                           chunks=om.plan.loss.get("chunks", 1), summary_line=_loss_line(om.plan))
-            except autoremat.BudgetError as e:
-                row.update(status="infeasible at the floor", retry_budget=e.smallest_budget)
-        row["wall_s"] = time.perf_counter() - t0
-        goal = GOALS.get(outputs) if not off else None
-        row["goal"] = f"<= {goal / GiB:.0f} GiB: {'met' if row['smallest_budget'] <= goal else 'NOT met'}" \
-            if goal else "-"
-        print(f"  {setting}: floor {row['smallest_budget'] / GiB:.2f} GiB, {row['status']}, {row['goal']}",
-              flush=True)
-        rows.append(row)
-    return rows
-
-
-def _loss_line(plan) -> str:
-    return next((line for line in plan.summary().splitlines() if line.startswith("loss ")), "")
 
 
 def cpu_table(rows: list[dict]) -> str:
@@ -165,14 +116,6 @@ def cpu_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def meta_table(rows: list[dict]) -> str:
-    lines = ["| setting | smallest feasible budget | at that budget | plan says | goal |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['setting']} | {r['smallest_budget'] / GiB:.2f} GiB ({r['smallest_budget']} B) | "
-                     f"{r['status']} | {r.get('summary_line', '-')} | {r['goal']} |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -181,12 +124,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     started = datetime.datetime.now(datetime.timezone.utc)
-    git = floor.git_state()  # the code the rows run, before anything can change it
+    git = git_state().as_dict()  # the code the rows run, before anything can change it
     cfg, rows = cpu_part(args.quick, args.steps)
     meta = [] if args.quick else meta_part(args.time_limit)
     out = Path(__file__).parent / "results" / f"loss_region_cpu{'_quick' if args.quick else ''}"
     info = dict(started=started.isoformat(timespec="seconds"), torch=torch.__version__, git=git,
-                load=floor.load_average(), cpu_model=cfg["kwargs"], command=" ".join(["python", *sys.argv]),
+                load=load_average(), cpu_model=cfg["kwargs"], command=" ".join(["python", *sys.argv]),
                 threads=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
     text = "\n".join([
         "# Loss region (issue #13)", "", f"`{info['command']}` on {info['started']}, torch {info['torch']}, "

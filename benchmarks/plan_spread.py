@@ -6,8 +6,8 @@
 Planning at a 7B Llama's scale stops the ILP at wall-clock limits (solver.py: `time_limit`); the heuristics'
 searches (`heuristics.block_mode_plans`, `heuristics.spend_slack`) are bounded by counts of simulations, so
 where the ILP finds no plan the answer is the same on every request. This measures the spread of identical
-requests, the noise under which precision_at_scale.py's rows are compared. Each request is
-`precision_at_scale.step` (meta device, H100 roofline, AdamW, the loss in 16 chunks, compiler="eager").
+requests, the noise under which precision_at_scale.py's rows are compared. Each request is one of those rows'
+(`common_plans.scale_step`: meta device, H100 roofline, AdamW, the loss in 16 chunks, compiler="eager").
 Writes benchmarks/results/plan_spread_llama.md.
 """
 
@@ -16,9 +16,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import precision_at_scale as pas
 import torch
-from precision_at_scale import REPO
+from common import REPO
+from common_models import llama_7b
+from common_plans import scale_step
+
+from autoremat.passes import loss_chunks
 
 DEFAULT_BUDGET = 110570796456  # precision_at_scale_llama_loss.md's lowest budget (102.98 GiB)
 
@@ -30,13 +33,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    pas.OUTPUTS = "loss"
-    pas.loss_chunks.CANDIDATES = (16,)
-    model, inputs, label = pas.llama_7b()
+    loss_chunks.CANDIDATES = (16,)
+    model, inputs, label = llama_7b()
     rows = []
     for k in range(a.repeats):
         t0 = time.perf_counter()
-        r, om = pas.step(model, inputs, a.budget, a.precision)
+        r, om = scale_step(model, inputs, a.budget, a.precision, outputs="loss")
         s = om.plan.solver
         rows.append((k + 1, r["time_s"] * 1e3, r["recompute_s"] * 1e3, r["peak"], s["status"], s["path"],
                      s["solve_time_s"], time.perf_counter() - t0))

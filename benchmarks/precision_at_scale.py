@@ -24,7 +24,8 @@ differ only in precision and plan; one candidate instead of four also keeps the 
 
 --outputs loss plans every row with optimize(outputs="loss") (no logits returned; a 16-bit head is then
 one fused projection + cross-entropy). Writes benchmarks/results/precision_at_scale.md and .json (--out NAME:
-NAME.md and NAME.json).
+NAME.md and NAME.json). The models and the planning calls are common_models.SCALE_MODELS and common_plans'
+scale_* helpers, which plan_spread.py and precision_live_at_peak.py make the same requests with.
 """
 
 from __future__ import annotations
@@ -33,85 +34,26 @@ import argparse
 import json
 import sys
 import time
-import warnings
-from pathlib import Path
 
 import torch
+from common import REPO
+from common_models import SCALE_MODELS
+from common_plans import SCALE_DEVICE, SCALE_MODES, scale_floor, scale_step
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))
-
-import autoremat  # noqa: E402
-from autoremat.model.devices import get_device  # noqa: E402
-from autoremat.model.ledger import Ledger  # noqa: E402
-from autoremat.passes import loss_chunks  # noqa: E402
-from autoremat.solve.decision import evaluate  # noqa: E402
-from autoremat.solve.heuristics import checkpoint_blocks  # noqa: E402
+from autoremat.model.devices import get_device
+from autoremat.model.ledger import Ledger
+from autoremat.passes import loss_chunks
+from autoremat.solve.decision import evaluate
+from autoremat.solve.heuristics import checkpoint_blocks
 
 GiB = 2**30
-TINY = 10**9  # 1 GB: below every floor here, so optimize reports the smallest budget that fits
 HUGE = 10**13  # nothing recomputed
-MODES = ("fp32", "bf16", "auto")
-DEVICE = "h100"
-OUTPUTS = "all"  # optimize's outputs= for every row (--outputs)
-
-
-def gpt2_small():
-    from examples.models import gpt2_small as factory
-
-    with torch.device("meta"):
-        model, inputs = factory(batch=8, seq=1024)
-    return model, inputs, "GPT-2 small (124M), batch 8 x 1024"
-
-
-def llama_7b():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048, use_cache=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-        ids = torch.randint(0, cfg.vocab_size, (1, 2048))
-    return model, {"input_ids": ids, "labels": ids}, "Llama 7B shape (6.74B), batch 1 x 2048"
-
-
-MODELS = {"gpt2-small": gpt2_small, "llama-7b": llama_7b}
-
-
-def optimize(model, inputs, budget: int, precision: str, regions: bool | str = "auto"):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return autoremat.optimize(model, budget=budget, example_inputs=inputs, device=DEVICE, optimizer="adamw",
-                                  precision=precision, progress=False, compiler="eager", outputs=OUTPUTS,
-                                  regions=regions)
-
-
-def floor(model, inputs, precision: str) -> dict:
-    try:
-        optimize(model, inputs, TINY, precision)
-    except autoremat.BudgetError as e:
-        fixed = e.ledger.fixed
-        return {"total": e.smallest_budget, "fixed": fixed, "activations": e.smallest_budget - fixed}
-    raise SystemExit(f"{precision}: 1 GB fits; pick a larger model")
-
-
-def step(model, inputs, budget: int, precision: str, regions: bool | str = "auto") -> dict:
-    try:
-        om = optimize(model, inputs, budget, precision, regions)
-    except autoremat.BudgetError:
-        return {"fits": False}
-    p = om.plan
-    out = {"fits": True, "time_s": p.forward_time_s + p.recompute_time_s, "peak": p.predicted_peak,
-           "recompute_s": p.recompute_time_s}
-    if precision == "auto":
-        out["chosen"] = p.precision.get("auto", {}).get("chosen")
-    return out, om
 
 
 def autocast_checkpoint(om) -> dict:
     """Checkpoint-every-block on the graphs `om` (a bf16 plan) captured, through the same simulator."""
     profiles = om._planner.profiles
-    dev = get_device(DEVICE)
+    dev = get_device(SCALE_DEVICE)
     saved = checkpoint_blocks(profiles)
     _, timeline, recompute = evaluate(profiles, saved, dev.alloc_granularity)
     fixed = Ledger.from_dict(om.plan.ledger).fixed
@@ -120,15 +62,15 @@ def autocast_checkpoint(om) -> dict:
             "time_s": every_op + recompute, "recompute_s": recompute}
 
 
-def run_model(name: str, log, floors_only: bool = False) -> dict:
-    model, inputs, label = MODELS[name]()
+def run_model(name: str, log, outputs: str, floors_only: bool = False) -> dict:
+    model, inputs, label = SCALE_MODELS[name]()
     t0 = time.perf_counter()
-    floors = {m: floor(model, inputs, m) for m in MODES}
+    floors = {m: scale_floor(model, inputs, m, outputs) for m in SCALE_MODES}
     log(f"{name}: floors " + ", ".join(f"{m} {f['total'] / GiB:.2f} GiB" for m, f in floors.items()))
     # One graph per block (regions=True), as the autocast row's eager autograd hands each gradient to
     # AccumulateGrad as it is computed; regions="auto" keeps one graph where everything saved fits, and one
     # graph returns every gradient at its end (a 7B Llama's 25 GiB of fp32 gradients held at once).
-    bf16_all = step(model, inputs, HUGE, "bf16", regions=True)
+    bf16_all = scale_step(model, inputs, HUGE, "bf16", outputs, regions=True)
     ac = autocast_checkpoint(bf16_all[1])
     floors["autocast + ckpt"] = {k: ac[k] for k in ("total", "fixed", "activations")}
     log(f"{name}: autocast + ckpt {ac['total'] / GiB:.2f} GiB, {ac['time_s'] * 1e3:.1f} ms")
@@ -145,7 +87,7 @@ def run_model(name: str, log, floors_only: bool = False) -> dict:
         budgets.append(int(budgets[-1] * 1.25))
     rows = {}
     for b in ([] if floors_only else budgets):
-        row = {m: step(model, inputs, b, m) for m in MODES}
+        row = {m: scale_step(model, inputs, b, m, outputs) for m in SCALE_MODES}
         row = {m: (r[0] if isinstance(r, tuple) else r) for m, r in row.items()}
         row["autocast + ckpt"] = ({"fits": True, "time_s": ac["time_s"], "peak": ac["total"]}
                                   if ac["total"] <= b else {"fits": False})
@@ -172,7 +114,7 @@ def goals(res: dict) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Mixed precision at scale, planned on the meta device ({DEVICE} roofline)", "",
+    lines = [f"# Mixed precision at scale, planned on the meta device ({SCALE_DEVICE} roofline)", "",
              f"torch {torch.__version__}; outputs={results.get('outputs', 'all')!r} for every row; the loss region "
              f"is planned whole and in {results['chunks']} chunks for every row (a floor is the lower of the two; "
              "whole, 16-bit logits get one fused cross-entropy; with outputs='loss' a 16-bit head is one fused "
@@ -202,7 +144,7 @@ def markdown(results: dict) -> str:
         lines += ["", "Predicted step time (ms) at each budget (- : does not fit):", "",
                   "| row | " + " | ".join(f"{int(b) / GiB:.2f} GiB" for b in budgets) + " |",
                   "|---|" + "---|" * len(budgets)]
-        for m in (*MODES, "autocast + ckpt"):
+        for m in (*SCALE_MODES, "autocast + ckpt"):
             cells = []
             for b in budgets:
                 r = res["budgets"][b][m]
@@ -220,7 +162,7 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    ap.add_argument("--models", nargs="+", choices=list(SCALE_MODELS), default=list(SCALE_MODELS))
     ap.add_argument("--floors-only", action="store_true", help="the smallest budgets and autocast + ckpt only")
     ap.add_argument("--chunks", type=int, default=16, help="the loss region's chunk count, the same for every row")
     ap.add_argument("--outputs", choices=loss_chunks.OUTPUTS, default="all",
@@ -230,15 +172,13 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     loss_chunks.CANDIDATES = (a.chunks,)
-    global OUTPUTS
-    OUTPUTS = a.outputs
 
     def log(s: str) -> None:
         print(s, flush=True)
 
-    results = {"device": DEVICE, "chunks": a.chunks, "outputs": a.outputs, "torch": torch.__version__, "models": {}}
+    results = {"device": SCALE_DEVICE, "chunks": a.chunks, "outputs": a.outputs, "torch": torch.__version__, "models": {}}
     for name in a.models:
-        res = run_model(name, log, a.floors_only)
+        res = run_model(name, log, a.outputs, a.floors_only)
         res["goals"] = goals(res)
         results["models"][name] = res
     out = REPO / "benchmarks" / "results" / a.out

@@ -4,7 +4,7 @@
 
 One row of benchmarks/precision_at_scale.py at a time: the step is planned at its smallest feasible budget
 (the BudgetError of a 1 GB budget says it) and the plan is replayed in the memory model with its heap observed
-(benchmarks/live_at_peak.py): at the step where the simulated peak falls, every live storage, largest first.
+(common_plans.live_at_peak, as benchmarks/live_at_peak.py): at the step where the simulated peak falls, every live storage, largest first.
 --layers cuts the Llama's depth (same widths) for a quicker look; the benchmark's rows use the full 32.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import time
 
-import precision_at_scale as scale
 import torch
-from live_at_peak import live_at_peak
+from common_models import SCALE_MODELS
+from common_plans import SCALE_DEVICE, SCALE_MODES, live_at_peak, scale_floor, scale_optimize
 
 from autoremat.model.devices import get_device
 from autoremat.passes import loss_chunks
@@ -34,28 +34,27 @@ def model_of(name: str, layers: int | None):
             model = LlamaForCausalLM(cfg)
             ids = torch.randint(0, cfg.vocab_size, (1, 2048))
         return model, {"input_ids": ids, "labels": ids}, f"Llama 7B widths, {layers} layers, batch 1 x 2048"
-    return scale.MODELS[name]()
+    return SCALE_MODELS[name]()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=list(scale.MODELS), default="llama-7b")
-    ap.add_argument("--precision", choices=scale.MODES, default="bf16")
+    ap.add_argument("--model", choices=list(SCALE_MODELS), default="llama-7b")
+    ap.add_argument("--precision", choices=SCALE_MODES, default="bf16")
     ap.add_argument("--layers", type=int, default=None, help="Llama depth (default: the model's own)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--chunks", type=int, default=16)
     ap.add_argument("--outputs", choices=loss_chunks.OUTPUTS, default="all")
     a = ap.parse_args()
-    scale.OUTPUTS = a.outputs
     torch.set_num_threads(1)
     loss_chunks.CANDIDATES = (a.chunks,)
     model, inputs, label = model_of(a.model, a.layers)
     t0 = time.perf_counter()
-    f = scale.floor(model, inputs, a.precision)
-    om = scale.optimize(model, inputs, f["total"], a.precision)
+    f = scale_floor(model, inputs, a.precision, a.outputs)
+    om = scale_optimize(model, inputs, f["total"], a.precision, a.outputs)
     plan = om.plan
     profiles = om._planner.profiles
-    best = live_at_peak(profiles, [set(g.saved) for g in plan.graphs], get_device(scale.DEVICE).alloc_granularity)
+    best = live_at_peak(profiles, [set(g.saved) for g in plan.graphs], get_device(SCALE_DEVICE).alloc_granularity)
     g = profiles[best["graph"]]
     where = g.nodes[best["node"]]
     live = sorted(best["live"].items(), key=lambda kv: -kv[1])

@@ -25,39 +25,23 @@ Writes benchmarks/results/remat_vs_peers_<device>[_quick].md and .json.
 from __future__ import annotations
 
 import argparse
-import copy
 import datetime
 import functools
-import gc
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
+from common import OUTPUTS, REPO, SEED, MiB, ar_build, eager_build, git_state, pt_build
+from common_rows import Bench, table, timing_noise
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
+import autoremat
+from examples.models import gpt2, transformer_stack
 
-from paired import paired_times  # noqa: E402  # benchmarks/paired.py (this script's folder is on sys.path)
-
-import autoremat  # noqa: E402
-from autoremat.measure import measure_peak  # noqa: E402
-from examples.models import gpt2, loss_of, transformer_stack  # noqa: E402
-
-MiB = 2**20
-SEED = 1234
 PT_BUDGETS = (1.0, 0.5, 0.1, 0.0)
-# The step below reads only the loss and drops the model's other outputs before the backward, as every peer
-# row's step does, so autoremat is told so (as floor.py and speed.py do). With the default outputs="all" the
-# plan would count GPT-2's logits as held by the caller through the backward: 16 MiB here that the measured
-# step never holds (the run at ab9bac2, and one at 38c540a, showed that gap on every GPT-2 row).
-OUTPUTS = "loss"
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,58 +64,6 @@ def configs(quick: bool) -> list[dict]:
     ]
 
 
-def split(ex) -> tuple[tuple, dict]:
-    return ((), dict(ex)) if isinstance(ex, dict) else (tuple(ex), {})
-
-
-def to_device(ex, device):
-    if isinstance(ex, dict):
-        return {k: v.to(device) for k, v in ex.items()}
-    return tuple(t.to(device) for t in ex)
-
-
-def make_step(fn, args, kwargs):
-    def step():
-        loss = loss_of(fn(*args, **kwargs))
-        loss.backward()
-        return None
-    return step
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def grads_of(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def zero(model):
-    for p in model.parameters():
-        p.grad = None
-
-
-# A parameter whose gradient is zero in exact arithmetic (an attention key bias: softmax ignores a constant
-# added to every key) is computed as rounding noise, ~1e-9 where others are ~0.3, and two roundings of zero
-# differ by O(1) relative. Each gradient is therefore measured against at least this share of the whole
-# model's gradient norm: sqrt(fp32 eps), far above rounding of the sums involved, far below any real error.
-NOISE_FLOOR = torch.finfo(torch.float32).eps ** 0.5
-
-
-def max_rel_err(g: dict, ref: dict) -> float:
-    """max over parameters of ||g - ref|| / max(||ref||, NOISE_FLOOR * ||ref of the whole model||)."""
-    if set(g) != set(ref):
-        return float("inf")
-    total = sum(r.double().norm().item() ** 2 for r in ref.values()) ** 0.5
-    worst = 0.0
-    for n, r in ref.items():
-        d = (g[n].double() - r.double()).norm().item()
-        s = max(r.double().norm().item(), NOISE_FLOOR * total)
-        worst = max(worst, d / s if s > 0 else (0.0 if d == 0 else float("inf")))
-    return worst
-
-
 # --------------------------------------------------------------------------------------------
 # the rows: each builds a callable that runs the model, on its own copy of the model
 
@@ -146,119 +78,9 @@ def build_checkpoint(model, cfg):
     return model
 
 
-class Bench:
-    def __init__(self, cfg, device, n_steps, log):
-        self.cfg, self.device, self.n, self.log = cfg, device, n_steps, log
-        torch.manual_seed(0)
-        model, ex = cfg["factory"](**cfg["kwargs"])
-        self.pristine = model.to(device).train()
-        self.ex = to_device(ex, device)
-        self.args, self.kwargs = split(self.ex)
-        # the eager reference: its own copy, never compiled, used for the gradient reference and
-        # as the paired timing partner of every row
-        self.eager = copy.deepcopy(self.pristine)
-        self.eager_step = make_step(self.eager, self.args, self.kwargs)
-        zero(self.eager)
-        torch.manual_seed(SEED)
-        self.eager_step()
-        self.ref_grads = grads_of(self.eager)
-        self.eager_step()  # warm
-
-    def fresh(self):
-        return copy.deepcopy(self.pristine)
-
-    def run_row(self, method, setting, build, extra=None, retry=None) -> dict:
-        """build(model) -> (callable, info dict); the first call (compilation) happens in build."""
-        row = dict(model=self.cfg["name"], method=method, setting=setting, device=str(self.device))
-        row.update(extra or {})
-        row["budget_asked"] = getattr(build, "budget", None)
-        t0 = time.perf_counter()
-        try:
-            model = self.fresh()
-            fn, info = build(model)
-            row.update(info)
-            step = make_step(fn, self.args, self.kwargs)
-            # warm-up (compiles where it has not yet), without zeroing: grads exist from now on
-            step()
-            sync(self.device)
-            _, m = measure_peak(step, device=self.device, baseline_objs=(model, self.ex))
-            row["measured_peak"] = m.peak_bytes
-            row["measure_method"] = m.method
-            # timing: each row step right after an eager step
-            rt, et = paired_times(self.eager_step, step, self.n, lambda: sync(self.device))
-            row["step_s"] = statistics.median(rt)
-            row["eager_step_s"] = statistics.median(et)
-            row["step_vs_eager"] = row["step_s"] / row["eager_step_s"]
-            row["step_samples_s"] = rt
-            row["eager_samples_s"] = et
-            # gradients of one step from zero, same seed as the eager reference
-            zero(model)
-            torch.manual_seed(SEED)
-            step()
-            row["max_grad_rel_err"] = max_rel_err(grads_of(model), self.ref_grads)
-            row["status"] = "ok"
-        except autoremat.BudgetError as e:
-            row["status"] = "infeasible"
-            row["smallest_budget"] = e.smallest_budget
-            if retry is not None and e.smallest_budget and e.smallest_budget > row.get("budget_asked", 0):
-                # autoremat's smallest_budget is not always feasible on a second try (it moved by ~2 KB
-                # here: scratch calibration differs between runs): retry once at the new figure, and say so
-                self.log(f"  {fmt_row_line({**row, 'row_wall_s': time.perf_counter() - t0})}; retrying at "
-                         f"the BudgetError's smallest_budget {e.smallest_budget}")
-                again = self.run_row(method, setting + f" (retried at {e.smallest_budget / MiB:.2f} MiB)",
-                                     retry(e.smallest_budget), extra)
-                again["retried_from"] = {"budget": row.get("budget_asked"), "smallest_budget": e.smallest_budget}
-                return again
-        except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
-            row["status"] = error_status(e)
-            row["traceback"] = traceback.format_exc()
-            self.log(row["traceback"])
-        finally:
-            fn = model = step = None  # noqa: F841
-            gc.collect()
-            torch._dynamo.reset()
-        row["row_wall_s"] = time.perf_counter() - t0
-        self.log(fmt_row_line(row))
-        return row
-
-
-def error_status(e: BaseException) -> str:
-    """A failed row's status: the exception's type and the first line of its message."""
-    first_line = str(e).splitlines()[0][:200] if str(e) else ""
-    return f"error: {type(e).__name__}: {first_line}"
-
-
-def eager_build(model):
-    return model, {}
-
-
 def ckpt_build(cfg):
     def build(model):
         return build_checkpoint(model, cfg), {}
-    return build
-
-
-def pt_build(b, args, kwargs):
-    def build(model):
-        torch._dynamo.reset()
-        with torch._functorch.config.patch(activation_memory_budget=b):
-            cm = torch.compile(model, backend="aot_eager")
-            loss_of(cm(*args, **kwargs)).backward()  # first call (compile + partition) inside the patch
-        return cm, {}
-    return build
-
-
-def ar_build(budget, ex, outputs: str = OUTPUTS, compiler: str = "eager"):
-    def build(model):
-        torch._dynamo.reset()
-        om = autoremat.optimize(model, budget=int(budget), example_inputs=ex, optimizer=None, outputs=outputs,
-                                compiler=compiler)
-        p = om.plan
-        info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
-                    baseline_peak=p.baseline_peak, predicted_overhead=p.overhead, num_graphs=om.num_graphs,
-                    solver_status=p.solver.get("status"), compiler_used=p.compiler.get("used"))
-        return om, info
-    build.budget = int(budget)
     return build
 
 
@@ -288,38 +110,6 @@ def ar_limits(bench) -> dict:
 
 # --------------------------------------------------------------------------------------------
 # output
-
-
-def fmt_row_line(r) -> str:
-    if r["status"] != "ok":
-        return f"  {r['model']:6} {r['method']:22} {r['setting']:18} {r['status']} ({r['row_wall_s']:.1f}s)"
-    pp = f" pred {r['predicted_peak'] / MiB:8.1f}" if "predicted_peak" in r else ""
-    return (f"  {r['model']:6} {r['method']:22} {r['setting']:18} peak {r['measured_peak'] / MiB:8.1f} MiB{pp}"
-            f"  time x{r['step_vs_eager']:.3f}  err {r['max_grad_rel_err']:.2e}  ({r['row_wall_s']:.1f}s)")
-
-
-def table(rows) -> str:
-    head = ("| model | method | setting | measured peak (MiB) | peak vs eager | step time vs eager | "
-            "max grad rel err | predicted peak (MiB) |")
-    lines = [head, "|" + "---|" * 8]
-    eager_peak = {(r["model"], r["device"]): r["measured_peak"] for r in rows
-                  if r["method"] == "eager" and r["status"] == "ok"}
-    for r in rows:
-        pred = f"{r['predicted_peak'] / MiB:.1f}" if r.get("predicted_peak") is not None else ""
-        if r["status"] == "ok":
-            ep = eager_peak.get((r["model"], r["device"]))
-            lines.append(
-                f"| {r['model']} | {r['method']} | {r['setting']} | {r['measured_peak'] / MiB:.1f} | "
-                f"{r['measured_peak'] / ep:.3f} | {r['step_vs_eager']:.3f} | {r['max_grad_rel_err']:.1e} | {pred} |"
-                if ep else f"| {r['model']} | {r['method']} | {r['setting']} | {r['measured_peak'] / MiB:.1f} | | "
-                f"{r['step_vs_eager']:.3f} | {r['max_grad_rel_err']:.1e} | {pred} |")
-        elif r["status"] == "infeasible":
-            sb = r.get("smallest_budget")
-            note = f"infeasible (BudgetError: smallest {sb / MiB:.1f} MiB)" if sb else "infeasible (BudgetError)"
-            lines.append(f"| {r['model']} | {r['method']} | {r['setting']} | {note} | | | | |")
-        else:
-            lines.append(f"| {r['model']} | {r['method']} | {r['setting']} | {r['status']} | | | | |")
-    return "\n".join(lines)
 
 
 def goal_check(rows, noise) -> tuple[str, dict]:
@@ -359,30 +149,6 @@ def goal_check(rows, noise) -> tuple[str, dict]:
                + ("GOAL MET." if failed == 0 else "GOAL NOT MET."))
     return summary + "\n" + "\n".join(lines), dict(held=held, failed=failed, failed_within_noise=failed_in_noise,
                                                     comparisons=n)
-
-
-def timing_noise(rows) -> dict:
-    """Relative spread of the eager steps paired with every row: (p90 - p10) / median / 2, per model/device."""
-    out = {}
-    for key in {(r["model"], r["device"]) for r in rows}:
-        samples = [s for r in rows if (r["model"], r["device"]) == key and r["status"] == "ok"
-                   for s in r["eager_samples_s"]]
-        if len(samples) >= 5:
-            q = statistics.quantiles(samples, n=10)
-            out[key] = (q[-1] - q[0]) / statistics.median(samples) / 2
-    return out
-
-
-def git_state() -> str:
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-        # the library and the benchmark scripts (not their results, which a run rewrites)
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "autoremat", "benchmarks",
-                                ":!benchmarks/results"], capture_output=True, text=True).stdout.strip()
-        return head + (" (autoremat/ or benchmarks/ has uncommitted changes)" if dirty else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,7 +200,7 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv),
                 quick=a.quick, steps=a.steps, grid=a.grid, torch=torch.__version__, threads=torch.get_num_threads(),
                 python=platform.python_version(), machine=platform.processor() or platform.machine(),
-                autoremat_file=autoremat.__file__, repo_git=git_state(), seed=SEED,
+                autoremat_file=autoremat.__file__, repo_git=git_state().line(), seed=SEED,
                 configs={c["name"]: c["kwargs"] for c in cfgs})
     try:
         import transformers

@@ -18,8 +18,9 @@ import datetime
 import time
 from pathlib import Path
 
-import floor
 import torch
+from common import SEED
+from common_models import FLOOR_SIZES
 
 import autoremat
 import autoremat.planning.planner as planner
@@ -59,14 +60,14 @@ def survey(factory, kwargs: dict, precision: str) -> tuple[list[tuple], float, f
 
 def main() -> None:
     torch.set_num_threads(1)
-    torch.manual_seed(floor.SEED)
+    torch.manual_seed(SEED)
     lines = ["# Kernel scratch: measured against the estimate", "",
              f"`python benchmarks/scratch_survey.py`, {datetime.date.today()}, torch {torch.__version__}, 1 thread, "
              "CPU. Models: floor.py's --quick sizes, planned at a roomy budget, outputs=\"loss\".", "",
              "| model | precision | nodes with measured scratch | of them over the estimate | calibration s | planning s |",
              "|---|---|---|---|---|---|"]
     over: dict[tuple[str, str], tuple[float, int, int]] = {}
-    for name, (factory, small, _) in floor.SIZES.items():
+    for name, (factory, small, _) in FLOOR_SIZES.items():
         for precision in ("fp32", "bf16", "fp16"):
             if precision != "fp32" and name not in SIXTEEN_BIT:
                 continue

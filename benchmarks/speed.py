@@ -19,14 +19,14 @@ GPT-2's autoremat rows pass outputs="loss": the step below reads only the loss a
 
 Each row: measured peak of one training step (forward + backward, no optimizer, gradients already
 allocated by a warm-up step), step time relative to eager (median of N steps, each paired with an
-eager step right before it: benchmarks/paired.py), and the largest relative gradient error vs eager
+eager step right before it: benchmarks/common.py), and the largest relative gradient error vs eager
 (the same seed before each forward). With dropout on, Inductor draws its own random numbers, so
 the error column says how far the compiled step's gradients are from eager's, not a bug; with dropout
 off the error is rounding only and the time comparison is like for like.
 
 Goal checked: at every memory level autoremat's step time is at most that of every Inductor row whose
 measured peak is at or below it (per model and dropout setting). Each such pair, and each at-peer row
-with its Inductor row, is timed head-to-head after the rows (paired.head_to_head: alternating pairs, no
+with its Inductor row, is timed head-to-head after the rows (common.head_to_head: alternating pairs, no
 eager step between, a 90% bootstrap interval of the median ratio); the two rows' ratios to eager were
 taken minutes apart and drift (benchmarks/drift.py), so they are context only.
 
@@ -50,65 +50,33 @@ import time
 from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.append(str(REPO))  # for `examples`
-
-from paired import head_to_head  # noqa: E402  # benchmarks/ is this script's folder, on sys.path
-from remat_vs_peers import (  # noqa: E402
-    Bench,
+from common import (
+    REPO,
     MiB,
+    compiled_graphs,
     eager_build,
     error_status,
     git_state,
-    loss_of,
+    head_to_head,
+    inductor_build,
     make_step,
     sync,
-    table,
-    timing_noise,
 )
+from common_models import speed_configs
+from common_plans import inductor_limits
+from common_rows import Bench, table, timing_noise
 
-import autoremat  # noqa: E402
-from autoremat.measure import measure_peak  # noqa: E402
-from autoremat.model.ledger import Ledger  # noqa: E402
-from examples.models import gpt2, transformer_stack  # noqa: E402
+import autoremat
+from autoremat.measure import measure_peak
 
 AMB = (1.0, 0.5, 0.1)
 AT_PEER, GRID, ROOMY = "autoremat-inductor @ peer", "autoremat-inductor grid", "autoremat-inductor, no limit"
 JUDGED = (AT_PEER, GRID, ROOMY)  # the default autoremat rows: the goal compares each with the Inductor rows
 
 
-def configs(quick: bool, dropout: float) -> list[dict]:
-    if quick:
-        return [
-            dict(name="stack", factory=transformer_stack,
-                 kwargs=dict(n_layer=2, d=128, n_head=4, seq=64, batch=4, dropout=dropout)),
-            dict(name="gpt2", factory=gpt2, outputs="loss",
-                 kwargs=dict(n_layer=2, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=dropout)),
-        ]
-    return [
-        # the issue's stack (6 layers, d=256, seq 128, batch 4) and its launch-bound GPT-2 (4 layers, d=32, 8 tokens)
-        dict(name="stack", factory=transformer_stack,
-             kwargs=dict(n_layer=6, d=256, n_head=4, seq=128, batch=4, dropout=dropout)),
-        dict(name="gpt2", factory=gpt2, outputs="loss",
-             kwargs=dict(n_layer=4, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=dropout)),
-    ]
-
-
 def model_line(cfg: dict) -> str:
     extra = f", autoremat outputs={cfg['outputs']!r}" if "outputs" in cfg else ""
     return f"{cfg['name']}: {cfg['kwargs']}{extra}"
-
-
-def inductor_build(b: float, args: tuple, kwargs: dict):
-    def build(model):
-        torch._dynamo.reset()
-        t0 = time.perf_counter()
-        with torch._functorch.config.patch(activation_memory_budget=b):
-            cm = torch.compile(model, backend="inductor")
-            loss_of(cm(*args, **kwargs)).backward()  # the first call compiles and partitions inside the patch
-        return cm, {"compile_s": time.perf_counter() - t0}
-    return build
 
 
 def ar_build(budget: int, ex, regions: bool | str = "auto", outputs: str = "all", plan=None, reset: bool = True):
@@ -131,24 +99,6 @@ def ar_build(budget: int, ex, regions: bool | str = "auto", outputs: str = "all"
     return build
 
 
-def limits(bench: Bench, outputs: str) -> tuple[int, int, int]:
-    """(smallest feasible budget, the least budget that recomputes nothing, fixed bytes) under compiler="inductor"."""
-    torch._dynamo.reset()
-    big = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None,
-                             compiler="inductor", verify=False, progress=False, outputs=outputs)
-    fixed = Ledger.from_dict(big.plan.ledger).fixed
-    hi = big.plan.no_recompute_budget
-    torch._dynamo.reset()
-    try:
-        autoremat.optimize(bench.fresh(), budget=fixed + 1, example_inputs=bench.ex, optimizer=None,
-                           compiler="inductor", verify=False, progress=False, outputs=outputs)
-        lo = fixed + 1
-    except autoremat.BudgetError as e:
-        lo = e.smallest_budget
-    torch._dynamo.reset()
-    return lo, hi, fixed
-
-
 CUT = "ablation: autoremat-inductor @ peer, regions=True"  # always one graph per block; not in the goal
 CUT_ROOMY = "ablation: autoremat-inductor, no limit, regions=True"
 
@@ -163,7 +113,7 @@ def bench_model(cfg: dict, tag: str, n_steps: int, n_grid: int, n_pairs: int, lo
     for b in AMB:
         rows.append(bench.run_row("inductor", f"amb={b}", inductor_build(b, bench.args, bench.kwargs), extra))
     out = cfg.get("outputs", "all")
-    lo, hi, fixed = limits(bench, out)
+    lo, hi, fixed = inductor_limits(bench, out)
     log(f"  autoremat-inductor limits: smallest {lo / MiB:.2f} MiB, no-recompute {hi / MiB:.2f} MiB")
     for p in list(rows):
         if p["method"] == "inductor" and p["status"] == "ok":
@@ -211,10 +161,6 @@ def comparisons(rows: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def compiled_graphs() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
 def same_program(bench: Bench, step, model, row: dict, num_graphs: int | None = None) -> None:
     """The rebuilt model must be the program its row measured: the same peak (within 1%) and, for autoremat,
     as many graphs, or no comparison. `model` is the raw module, the baseline its row was measured on."""
@@ -229,7 +175,7 @@ def same_program(bench: Bench, step, model, row: dict, num_graphs: int | None = 
 
 def time_head_to_head(bench: Bench, rows: list[dict], plans: dict[int, object], outputs: str, n: int,
                       log) -> list[dict]:
-    """Each comparison timed directly (paired.head_to_head), not through two ratios to eager taken minutes
+    """Each comparison timed directly (common.head_to_head), not through two ratios to eager taken minutes
     apart (benchmarks/drift.py: such ratios drift). Each Inductor row is compiled again under its budget and
     each autoremat row rebuilt from its plan; both must measure their row's peak again, and nothing may
     compile while they are timed."""
@@ -414,11 +360,11 @@ def main() -> None:
     t0 = time.perf_counter()
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(sys.argv), quick=a.quick,
                 steps=a.steps, torch=torch.__version__, python=platform.python_version(),
-                machine=platform.processor() or platform.machine(), repo_git=git_state())
+                machine=platform.processor() or platform.machine(), repo_git=git_state().line())
     rows, lims, pairs = [], {}, []
     for d in (float(x) for x in a.dropout.split(",")):
         tag = f"dropout {d}"
-        for cfg in (c for c in configs(a.quick, d) if c["name"] in a.models.split(",")):
+        for cfg in (c for c in speed_configs(a.quick, d) if c["name"] in a.models.split(",")):
             r, lim, h = bench_model(cfg, tag, max(5, a.steps), a.grid, max(5, a.pairs), log, with_cut=a.with_cut)
             rows += r
             pairs += h
@@ -429,14 +375,14 @@ def main() -> None:
     text = (f"# autoremat with Inductor vs torch.compile with Inductor, CPU{' (--quick)' if a.quick else ''}\n\n"
             f"Command: `python benchmarks/speed.py {' '.join(sys.argv[1:])}`, {meta['date']}, torch {torch.__version__}, "
             f"1 thread, repo {meta['repo_git']}, wall {wall:.0f} s.\n\n"
-            + "Models: " + "; ".join(model_line(c) for c in configs(a.quick, 0.0)) + ".\n\n"
+            + "Models: " + "; ".join(model_line(c) for c in speed_configs(a.quick, 0.0)) + ".\n\n"
             f"Step = forward + backward, no optimizer, gradients allocated by a warm-up step. Step time: median of "
             f"{max(5, a.steps)} steps, each paired with an eager step just before it. Timing noise (eager p10-p90 "
             f"half-spread): " + ", ".join(f"{k[0]} {100 * v:.1f}%" for k, v in sorted(noise.items())) + ".\n\n"
             f"The goal and the equal-memory ratios are measured head-to-head: after the rows, each Inductor row is "
             f"compiled again under its budget and each autoremat row rebuilt from its plan (both must measure their "
             f"row's peak again, within 1%), and the two are timed against each other in {max(5, a.pairs)} pairs whose "
-            f"order alternates, each timed step right after an untimed step of the same model (benchmarks/paired.py). "
+            f"order alternates, each timed step right after an untimed step of the same model (benchmarks/common.py). "
             f"The ratio is the median per-pair ratio, with a 90% bootstrap interval of that median. Ratios of two rows' "
             f"times vs eager, taken minutes apart, drift (benchmarks/drift.py) and are shown only as context.\n\n"
             + table(rows) + "\n\n## At equal memory: autoremat at each Inductor row's measured peak\n\n"

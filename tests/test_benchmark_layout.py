@@ -1,0 +1,112 @@
+"""The benchmarks' import graph (issue #39): scripts share helpers through helper modules, never each other.
+
+benchmarks/ holds scripts (each runs one benchmark) and a few helper modules, split by job so that each stays
+readable (the package's ~400-line rule): common.py (steps, timing, row builders, the run's facts),
+common_rows.py (the row runners), common_models.py (shared models and sizes) and common_plans.py (helpers
+that plan without timing a step). A helper module is `common.py` or `common_<job>.py`. Checked here, from
+the source alone (ast: nothing is imported, so no torch):
+
+  - no script imports another script: a script imports benchmark code only from the helper modules;
+  - no helper module imports a script;
+  - so the import graph among benchmark modules has no cycle (checked directly too, helpers among
+    themselves included).
+
+Imports inside functions and `importlib.import_module("name")` calls (gpu_check.py imports its helpers
+late) count as imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+MAX_HELPER_LINES = 400
+
+
+def is_helper(name: str) -> bool:
+    return name == "common" or name.startswith("common_")
+
+
+def imported_names(tree: ast.AST) -> set[str]:
+    """Top-level module names a module imports anywhere in its body, import_module("...") calls included."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == "import_module":
+                out.add(node.args[0].value.split(".")[0])
+    return out
+
+
+def import_graph(folder: Path) -> dict[str, set[str]]:
+    """Benchmark module -> the benchmark modules it imports."""
+    sources = {p.stem: p for p in sorted(folder.glob("*.py"))}
+    return {name: imported_names(ast.parse(path.read_text(), filename=str(path))) & set(sources) - {name}
+            for name, path in sources.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path of module names (its first and last the same), or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once every path from it is explored
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [node, nxt] if nxt in path else [node, nxt]
+            if nxt not in state and (found := visit(nxt, path + [node])):
+                return found
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start, [])):
+            return found
+    return None
+
+
+def layout_problems(folder: Path) -> list[str]:
+    graph = import_graph(folder)
+    problems = [f"script {name}.py imports script {other}.py (take shared code from a common*.py module)"
+                for name, deps in graph.items() if not is_helper(name) for other in sorted(deps) if not is_helper(other)]
+    problems += [f"helper {name}.py imports script {other}.py" for name, deps in graph.items() if is_helper(name)
+                 for other in sorted(deps) if not is_helper(other)]
+    cycle = find_cycle(graph)
+    if cycle:
+        problems.append("import cycle: " + " -> ".join(cycle))
+    return problems
+
+
+def test_the_graph_sees_imports() -> None:
+    """The checks below are only as good as the graph: it must see the imports the scripts really make."""
+    graph = import_graph(BENCHMARKS)
+    assert {"common", "common_rows", "common_models", "common_plans"} <= set(graph)
+    assert {"common", "common_rows", "common_models", "common_plans"} <= graph["floor"]
+    assert {"common", "common_plans"} <= graph["gpu_check"]  # importlib.import_module, inside a function
+    assert imported_names(ast.parse("def f():\n    import floor.x\n    from speed import y")) == {"floor", "speed"}
+
+
+def test_scripts_share_helpers_only_through_common_modules_and_nothing_goes_round() -> None:
+    assert layout_problems(BENCHMARKS) == []
+
+
+def test_find_cycle_finds_one() -> None:
+    # the cycle issue #39 names: floor.py imported loss_region.py, which imported floor.py
+    assert find_cycle({"floor": {"loss_region", "common"}, "loss_region": {"floor"}, "common": set()}) \
+        in (["floor", "loss_region", "floor"], ["loss_region", "floor", "loss_region"])
+    assert find_cycle({"a": {"common"}, "b": {"common", "common_rows"}, "common_rows": {"common"}, "common": set()}) \
+        is None
+
+
+def test_helper_modules_stay_readable() -> None:
+    """Why there are several helper modules and not one: each stays under the package's ~400-line rule."""
+    for path in BENCHMARKS.glob("common*.py"):
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_HELPER_LINES, f"{path.name}: {lines} lines; split it by job into another common_*.py"
