@@ -38,6 +38,7 @@ from autoremat.api import optimize
 from autoremat.measure import live_tensor_bytes
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import ledger_for_model
+from autoremat.planning.options import PlanOptions, split_options
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.remat_module import RematModule
 from autoremat.units import format_bytes, parse_budget
@@ -46,7 +47,7 @@ log = logging.getLogger("autoremat")
 
 # optimize's arguments the callback supplies itself; world_size/sharding belong to multi-device strategies
 _SUPPLIED = {"model", "budget", "example_inputs", "optimizer", "world_size", "sharding"}
-_OPTIONS = [n for n in inspect.signature(optimize).parameters if n not in _SUPPLIED]
+_OPTIONS = [n for n in inspect.signature(optimize).parameters if n not in _SUPPLIED | {"options"}]
 # Lightning's 32-true runs no GradScaler: an fp16 plan ("fp16", or "auto" choosing fp16) would need one
 _PRECISIONS = ("fp32", "bf16")
 _FULL_PRECISION = ("32-true", "32", 32)
@@ -62,26 +63,30 @@ class Budget(Callback):
         or a function from the LightningModule to that submodule.
     reserve: bytes to hold back for what `training_step` allocates outside the submodule (a loss over its
         output, a metric); the submodule's own step is planned within the rest.
-    options: any other `autoremat.optimize` keyword (compiler="eager", precision="bf16", outputs="loss",
-        verify, cache, progress, ...).
+    options, **keywords: the planning options as one `autoremat.PlanOptions`, or as `autoremat.optimize`'s
+        keywords (compiler="eager", precision="bf16", outputs="loss", verify, ...), and its other keywords
+        (device, cache, progress).
     """
 
     def __init__(self, budget: int | str, *, module: ModuleSpec = "model", reserve: int | str = 0,
-                 **options: Any) -> None:
+                 options: PlanOptions | None = None, **keywords: Any) -> None:
         self.budget = parse_budget(budget)
         self.reserve = 0 if reserve == 0 else parse_budget(reserve)
-        unknown = sorted(set(options) - set(_OPTIONS))
+        unknown = sorted(set(keywords) - set(_OPTIONS))
         if unknown:
             raise TypeError(f"Budget: unknown option(s) {', '.join(unknown)}; autoremat.optimize's options are "
                             f"{', '.join(_OPTIONS)} (the model, inputs and optimizer come from the Trainer)")
-        if options.get("precision", "fp32") not in _PRECISIONS:
-            raise ValueError(f"Budget(precision={options['precision']!r}): under Lightning's 32-true precision "
+        plan_options, rest = split_options(options, keywords)
+        plan_options.check()
+        if plan_options.precision not in _PRECISIONS:
+            raise ValueError(f"Budget(precision={plan_options.precision!r}): under Lightning's 32-true precision "
                              f"no GradScaler runs, which fp16 calls need; use one of {', '.join(_PRECISIONS)}")
         if not (isinstance(module, str) or callable(module)):
             raise TypeError(f"Budget(module={module!r}): give the submodule's dotted name (e.g. 'model') or a "
                             "function from the LightningModule to the submodule")
         self.target = module
-        self.options = options
+        self.options = plan_options
+        self.keywords = rest  # optimize's keywords that are not planning options (device, cache, progress)
         self.plan: Plan | None = None  # the plan of the last fit's first training call
         self.planned: RematModule | None = None  # ... and the module that ran it
         self.reserved = 0  # bytes the last plan left to what runs outside the submodule
@@ -147,7 +152,7 @@ class Budget(Callback):
     def _plan(self, pl_module: LightningModule, sub: torch.nn.Module, args: tuple, kwargs: dict) -> RematModule:
         example, keywords = _example_inputs(sub, args, kwargs)
         where = next((p.device for p in sub.parameters()), torch.device("cpu"))
-        granularity = get_device(self.options.get("device") or where).alloc_granularity
+        granularity = get_device(self.keywords.get("device") or where).alloc_granularity
         self.reserved = self.reserve + _outside_bytes(pl_module, sub, self._optimizer, (self._batch, args, kwargs),
                                                       granularity)
         self._batch = None
@@ -157,7 +162,7 @@ class Budget(Callback):
             raise BudgetError(f"Budget({format_bytes(self.budget)}): {what} leave nothing for the submodule "
                               f"{self._name()!r}; a budget above {format_bytes(self.reserved)} is needed", None, None)
         try:
-            planned = optimize(sub, given, example, optimizer=self._optimizer, **self.options)
+            planned = optimize(sub, given, example, optimizer=self._optimizer, options=self.options, **self.keywords)
         except BudgetError as e:
             if not self.reserved:
                 raise

@@ -1,5 +1,5 @@
 """The budget fails closed through `optimize`: graph breaks, eager code between graphs, new input
-shapes, many shapes, and a forward dynamo cannot capture. Every budget here is within 5% of the
+shapes, many shapes, and a graph break inside the block loop. Every budget here is within 5% of the
 smallest one that fits, and every step is measured in the accumulation steady state."""
 
 import logging
@@ -133,9 +133,37 @@ def test_eager_code_that_cannot_fit_raises_instead_of_running_over():
         autoremat.optimize(model, budget=floor, example_inputs=(x,), compiler="eager")
 
 
-def test_a_forward_dynamo_cannot_capture_is_refused():
+def test_a_graph_break_inside_the_block_loop_compiles_each_block_on_its_own():
+    """Dynamo skips LoopBreak.forward whole, and does not compile its blocks' frames either (torch's own
+    nn.Sequential): each block is compiled on its own, and the six graphs are planned under one budget."""
+    torch.manual_seed(0)
     model, x = LoopBreak(), _x()
-    with pytest.raises(autoremat.CaptureError, match="captured no graph"):
+    budget = int(_floor(model, x) * NEAR)
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,), compiler="eager")
+    assert any("each of its 6 Block blocks was compiled on its own" in n for n in om.plan.notes), om.plan.notes
+    assert om.num_graphs >= 6
+    assert any(n.startswith("verified") for n in om.plan.notes), om.plan.notes
+    assert _steady_total(om, model, x, om.plan) <= budget
+    _assert_same_grads(model, om, x)
+
+
+class LoopOfWeights(nn.Module):
+    """A graph break inside a loop over bare weights: no block of its own for dynamo or autoremat to compile."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(d, d) / d**0.5) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w in self.weights:
+            x = torch.tanh(x @ w)
+            torch._dynamo.graph_break()
+        return x.square().mean()
+
+
+def test_a_forward_dynamo_cannot_capture_and_without_blocks_is_refused():
+    model, x = LoopOfWeights(), _x()
+    with pytest.raises(autoremat.CaptureError, match="captured no graph.*no repeated blocks"):
         autoremat.optimize(model, budget="1GB", example_inputs=(x,), compiler="eager")
 
 

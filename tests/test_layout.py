@@ -263,4 +263,4 @@ def test_the_budget_is_parsed_only_by_the_faces():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and "parse_budget" in ast.unparse(node.func):
                 callers.add(_module(path))
-    assert callers <= {"api", "fit", "backend", "cli"}, callers
+    assert callers <= {"api", "fit", "backend", "cli", "lightning"}, callers

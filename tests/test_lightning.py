@@ -11,21 +11,23 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import lightning as L  # in the `test` extra (pyproject.toml)
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-L = pytest.importorskip("lightning")  # in the `test` extra (pyproject.toml): CI installs it
-
-import autoremat  # noqa: E402
-from autoremat.lightning import Budget  # noqa: E402
-from autoremat.measure import PeakMeter  # noqa: E402
-from autoremat.model.ledger import Ledger  # noqa: E402
-from examples.models import Block  # noqa: E402
-from tests.tolerances import assert_close_for  # noqa: E402
+import autoremat
+from autoremat.lightning import Budget
+from autoremat.measure import PeakMeter
+from autoremat.model.ledger import Ledger
+from examples.models import Block
+from tests.tolerances import assert_close_for
 
 torch.set_num_threads(1)
+# Lit defines validation_step for the tests that validate; Lightning warns in the others, which fit without
+# a val_dataloader on purpose (validation is not what they check).
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step` but have no `val_dataloader`")
 D, HEADS, SEQ, BATCH, LAYERS, STEPS, LR = 32, 4, 16, 4, 2, 3, 0.1
 OPTIONS = {"compiler": "eager", "progress": False}  # eager: no Inductor compile on a 2-core CPU
 

@@ -295,9 +295,11 @@ def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
     reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
     raise CaptureError(
         f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
-        "budget could not be held: dynamo ran the whole forward eagerly. A graph break inside a loop (e.g. "
-        "torch._dynamo.graph_break() or an unsupported call in `for block in self.blocks:`) makes dynamo skip the "
-        "frame. Remove the break, or move it out of the loop." + (f" Graph breaks seen: {reasons}" if reasons else ""))
+        "budget could not be held: dynamo ran the whole forward eagerly, and the model has no repeated blocks (an "
+        "nn.ModuleList or nn.Sequential of one module class) for autoremat to compile one by one. A graph break "
+        "inside a loop (e.g. torch._dynamo.graph_break() or an unsupported call in `for w in self.weights:`) makes "
+        "dynamo skip the frame. Remove the break, move it out of the loop, or put the loop body in a module of its "
+        "own held in an nn.ModuleList." + (f" Graph breaks seen: {reasons}" if reasons else ""))
 
 
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
