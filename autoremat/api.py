@@ -76,6 +76,19 @@ def _check_signature(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
                         f"({describe(args, kwargs)}): {e}") from None
 
 
+def _check_trainable(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """A step whose nothing requires grad has no backward: there is no training step to plan."""
+    if any(p.requires_grad for p in model.parameters()):
+        return
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+        return
+    frozen = sum(1 for _ in model.parameters())
+    raise ValueError(f"{type(model).__name__} has no trainable parameter ({frozen} parameter tensor(s), every one with "
+                     "requires_grad=False) and no example input requires grad, so its step has no backward to plan: "
+                     "unfreeze what should train (PEFT's get_peft_model leaves the LoRA adapters trainable; "
+                     "model.requires_grad_(True) for full fine-tuning)")
+
+
 def _model_device(model: torch.nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for t in [*model.parameters(), *tree_leaves((args, kwargs))]:
         if isinstance(t, torch.Tensor):
@@ -176,6 +189,7 @@ def optimize(
     with stages_on_stderr(progress), pulse():
         args, kwargs = _split_inputs(example_inputs)
         _check_signature(model, args, kwargs)
+        _check_trainable(model, args, kwargs)
         where = _model_device(model, args, kwargs)
         options = _checked(asked, where, plan, world_size, sharding)
         first_choice = choose_compiler(options.compiler, where)

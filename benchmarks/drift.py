@@ -22,17 +22,20 @@ import time
 import torch
 from common import (
     FLOOR_PT_BUDGETS,
+    FLOOR_SIZES,
     OUTPUTS,
     REPO,
+    Bench,
     ar_build,
     checkpoint_every_block,
+    floor_configs,
+    floor_row,
     make_step,
     paired_times,
     pt_build,
+    run_row,
     sync,
 )
-from common_models import FLOOR_SIZES, floor_configs
-from common_rows import Bench, floor_row, run_row
 
 from autoremat.measure import measure_peak
 

@@ -35,9 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import MiB, compiled_graphs, git_state, head_to_head, inductor_build, make_step, sync
-from common_models import speed_configs
-from common_rows import Bench
+from common import Bench, MiB, compiled_graphs, git_state, head_to_head, inductor_build, make_step, speed_configs, sync
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -133,7 +131,7 @@ def main() -> None:
             f"1 thread, repo {git_state().line()}, wall {time.perf_counter() - t0:.0f} s.\n\n"
             f"Model: GPT-2 {cfg['kwargs']} (dropout per row), autoremat outputs='loss'. Step = forward + backward, "
             f"no optimizer, every `.grad` allocated by a warm-up step. Each ratio: median of {PAIRS} head-to-head "
-            f"pairs (benchmarks/common.py), a 90% bootstrap interval of that median, and half the interquartile "
+            f"pairs (benchmarks/common/), a 90% bootstrap interval of that median, and half the interquartile "
             f"range of the pairs (noise).\n\n"
             "| dropout | model | budget (MiB; the peer: its measured peak) | autoremat graphs | predicted recompute (ms) | "
             "why not at the peer's peak |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"

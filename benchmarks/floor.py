@@ -39,25 +39,32 @@ from pathlib import Path
 import torch
 from common import (
     FLOOR_PT_BUDGETS,
+    FLOOR_SIZES,
     OUTPUTS,
     REPO,
     SEED,
+    Bench,
     ar_build,
     checkpoint_every_block,
     eager_build,
+    error_fields,
+    floor_configs,
+    floor_row,
     git_state,
     grads_of,
     head_to_head,
     load_average,
     make_step,
     max_rel_err,
+    meta_part,
+    meta_table,
+    mib,
     pt_build,
+    run_row,
+    smallest_budget,
     split,
     sync,
 )
-from common_models import FLOOR_SIZES, floor_configs
-from common_plans import meta_part, meta_table
-from common_rows import Bench, error_fields, floor_row, mib, run_row, smallest_budget
 
 import autoremat
 
@@ -305,7 +312,7 @@ def lm_meta_section(rows: list[dict]) -> str:
             "No real step runs on meta: these are the planner's smallest feasible budgets (BudgetError.smallest_budget "
             "of budget=1), each then planned at that budget. *chunking off*: the loss rewrite disabled "
             "(loss_chunks.CANDIDATES = (1,)); *outputs=all*: the logits output kept; *outputs=loss*: only the loss "
-            "used. Rows from `benchmarks/common_plans.py`'s `meta_part` (loss_region.py's part 2), run by this script.\n\n"
+            "used. Rows from `benchmarks/common/plans.py`'s `meta_part` (loss_region.py's part 2), run by this script.\n\n"
             + meta_table(rows) + "\n")
 
 

@@ -33,9 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import checkpoint_every_block, git_state, load_average, make_step, paired_times
-from common_models import floor_configs
-from common_rows import Bench
+from common import Bench, checkpoint_every_block, floor_configs, git_state, load_average, make_step, paired_times
 
 import autoremat
 from autoremat.measure import measure_peak

@@ -142,9 +142,9 @@ def sanity(dev: torch.device) -> dict:
         sys.exit(f"SANITY FAILED: PuLP {pulp.__version__} does not see HiGHS (highspy {versions['highspy']}); "
                  "carry a highspy wheel that matches this Python")
     sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
-    sys.path.insert(0, str(REPO / "benchmarks"))  # the helper modules (common.py, common_plans.py)
+    sys.path.insert(0, str(REPO / "benchmarks"))  # the shared helpers (benchmarks/common/)
     common = importlib.import_module("common")
-    live_at_peak = importlib.import_module("common_plans").live_at_peak
+    live_at_peak = importlib.import_module("common").live_at_peak
     autoremat = importlib.import_module("autoremat")
     get_device = importlib.import_module("autoremat.model.devices").get_device
     measure_peak = importlib.import_module("autoremat.measure").measure_peak
@@ -393,7 +393,7 @@ def cpu_live_at_peak(step, baseline: int) -> dict:
 
 
 def simulated_live_at_peak(om) -> dict:
-    """The memory model's heap at its predicted peak (common_plans.live_at_peak), largest storages first."""
+    """The memory model's heap at its predicted peak (common.live_at_peak), largest storages first."""
     plan, profiles = om.plan, om._planners[0].profiles
     best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs],
                         get_device(plan.device).alloc_granularity)

@@ -22,8 +22,7 @@ import re
 from pathlib import Path
 
 import torch
-from common import SEED, make_step, split
-from common_models import speed_configs
+from common import SEED, make_step, speed_configs, split
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1, "torch.int64": 8,
                "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1}

@@ -2,7 +2,7 @@
 
 For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2), and `floor.py --quick`'s
 ResNet-shaped conv net (conv-BN-ReLU-dropout blocks, `conv`), and each dropout setting:
-the smallest feasible budget and the least that recomputes nothing under Inductor (common_plans.inductor_limits,
+the smallest feasible budget and the least that recomputes nothing under Inductor (common.inductor_limits,
 as speed.py finds them), then a plan at the smallest, the middle and the top of that range (speed.py's grid with 3 points), each planned
 with verification on (a plan whose measured peak exceeds its budget is planned again, or refused), and
 one steady-state step measured (`measure_peak`, gradients present from two warm-up steps). A smallest
@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, SEED, git_state, make_step, split
-from common_models import FLOOR_SIZES, resnet, speed_configs
-from common_plans import inductor_limits
+from common import FLOOR_SIZES, REPO, SEED, git_state, inductor_limits, make_step, resnet, speed_configs, split
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -43,7 +41,7 @@ MiB = 2**20
 
 
 class _Bench:
-    """What common_plans.inductor_limits needs: a fresh copy of the model and its example inputs."""
+    """What common.inductor_limits needs: a fresh copy of the model and its example inputs."""
 
     def __init__(self, cfg: dict) -> None:
         torch.manual_seed(SEED)

@@ -13,7 +13,7 @@ block with the gradients returned at each region's end (release_grads=False, as 
 and one graph (regions=False). The second against the third, over the number of extra graphs, is the
 cost of one AOTAutograd call (its forward and its backward); the first against the second, over the
 number of parameters, is the cost of one hand-off. The forms are timed against each other in
-alternating pairs (benchmarks/common.py), so that the machine's drift between them cancels.
+alternating pairs (benchmarks/common/), so that the machine's drift between them cancels.
 
     PYTHONPATH=.:benchmarks python benchmarks/launch_overhead.py      # ~2 min on a 2-core CPU
 

@@ -19,9 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import REPO, git_state, make_step, split
-from common_models import floor_configs
-from common_plans import live_at_peak
+from common import REPO, floor_configs, git_state, live_at_peak, make_step, split
 
 import autoremat
 from autoremat.measure import measure_peak

@@ -86,7 +86,7 @@ def optimize(model, opt, batch, budget: int, compiler: str):
 
 
 def smallest_budget(compiler: str) -> int:
-    """BudgetError.smallest_budget of budget=1 (common_rows.smallest_budget's method, with the AdamW optimizer)."""
+    """BudgetError.smallest_budget of budget=1 (common.smallest_budget's method, with the AdamW optimizer)."""
     model, batch, opt = fresh()
     try:
         optimize(model, opt, batch, 1, compiler)

@@ -15,7 +15,7 @@ gradient error vs eager):
 Part 2, GPT-2 small at 8 x 1024 planned on the meta device for an H100 roofline (what
 `autoremat plan examples/models.py:gpt2_small --batch 8 --seq 1024 --device h100 [--outputs loss]` reports):
 the smallest feasible budget without the rewrite, with it (outputs=all) and with outputs=loss, each then planned
-at that budget to show that it is feasible (common_plans.meta_part: floor.py adds these rows to its results too).
+at that budget to show that it is feasible (common.meta_part: floor.py adds these rows to its results too).
 
     python benchmarks/loss_region.py            # both parts
     python benchmarks/loss_region.py --quick    # smaller CPU model, part 2 skipped
@@ -35,9 +35,17 @@ import sys
 from pathlib import Path
 
 import torch
-from common import checkpoint_every_block, eager_build, git_state, load_average
-from common_plans import chunking_off, meta_part, meta_table
-from common_rows import Bench, run_row
+from common import (
+    Bench,
+    checkpoint_every_block,
+    chunking_off,
+    eager_build,
+    git_state,
+    load_average,
+    meta_part,
+    meta_table,
+    run_row,
+)
 
 import autoremat
 from examples.models import gpt2
@@ -54,7 +62,7 @@ def ar_build(budget: int, ex, outputs: str, off: bool = False):
         info = dict(budget=int(budget), predicted_peak=p.predicted_peak, activation_peak=p.activation_peak,
                     chunks=p.loss.get("chunks", 1), outputs=outputs, predicted_overhead=p.overhead)
         # optimize's own check: one step with the outputs held through the backward, as the plan assumes
-        # (common_rows.run_row's step drops the logits before its backward, so its peak can sit below the plan's)
+        # (common.run_row's step drops the logits before its backward, so its peak can sit below the plan's)
         found = [re.search(r"measured activation peak (\d+) B, predicted (\d+) B", n) for n in p.notes]
         found = [m for m in found if m]
         if found:

@@ -7,7 +7,7 @@ Planning at a 7B Llama's scale stops the ILP at wall-clock limits (solver.py: `t
 searches (`heuristics.block_mode_plans`, `heuristics.spend_slack`) are bounded by counts of simulations, so
 where the ILP finds no plan the answer is the same on every request. This measures the spread of identical
 requests, the noise under which precision_at_scale.py's rows are compared. Each request is one of those rows'
-(`common_plans.scale_step`: meta device, H100 roofline, AdamW, the loss in 16 chunks, compiler="eager").
+(`common.scale_step`: meta device, H100 roofline, AdamW, the loss in 16 chunks, compiler="eager").
 Writes benchmarks/results/plan_spread_llama.md.
 """
 
@@ -17,9 +17,7 @@ import argparse
 import time
 
 import torch
-from common import REPO
-from common_models import llama_7b
-from common_plans import scale_step
+from common import REPO, llama_7b, scale_step
 
 from autoremat.passes import loss_chunks
 

@@ -214,7 +214,7 @@ def issue_budget(model, inputs) -> int:
 
 
 def bert(batch, seq, n_layer, hidden, heads, vocab):
-    from common_models import bert as make
+    from common import bert as make
     return make(batch, seq, n_layer, hidden, heads, vocab)
 
 

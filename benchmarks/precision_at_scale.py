@@ -24,7 +24,7 @@ differ only in precision and plan; one candidate instead of four also keeps the 
 
 --outputs loss plans every row with optimize(outputs="loss") (no logits returned; a 16-bit head is then
 one fused projection + cross-entropy). Writes benchmarks/results/precision_at_scale.md and .json (--out NAME:
-NAME.md and NAME.json). The models and the planning calls are common_models.SCALE_MODELS and common_plans'
+NAME.md and NAME.json). The models and the planning calls are common.SCALE_MODELS and common's
 scale_* helpers, which plan_spread.py and precision_live_at_peak.py make the same requests with.
 """
 
@@ -36,9 +36,7 @@ import sys
 import time
 
 import torch
-from common import REPO
-from common_models import SCALE_MODELS
-from common_plans import SCALE_DEVICE, SCALE_MODES, scale_floor, scale_step
+from common import REPO, SCALE_DEVICE, SCALE_MODELS, SCALE_MODES, scale_floor, scale_step
 
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger

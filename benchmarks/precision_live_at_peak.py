@@ -4,7 +4,7 @@
 
 One row of benchmarks/precision_at_scale.py at a time: the step is planned at its smallest feasible budget
 (the BudgetError of a 1 GB budget says it) and the plan is replayed in the memory model with its heap observed
-(common_plans.live_at_peak, as benchmarks/live_at_peak.py): at the step where the simulated peak falls, every live storage, largest first.
+(common.live_at_peak, as benchmarks/live_at_peak.py): at the step where the simulated peak falls, every live storage, largest first.
 --layers cuts the Llama's depth (same widths) for a quicker look; the benchmark's rows use the full 32.
 """
 
@@ -14,8 +14,7 @@ import argparse
 import time
 
 import torch
-from common_models import SCALE_MODELS
-from common_plans import SCALE_DEVICE, SCALE_MODES, live_at_peak, scale_floor, scale_optimize
+from common import SCALE_DEVICE, SCALE_MODELS, SCALE_MODES, live_at_peak, scale_floor, scale_optimize
 
 from autoremat.model.devices import get_device
 from autoremat.passes import loss_chunks

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
 
-from common import paired_times  # noqa: E402  # benchmarks/common.py (this script's folder is on sys.path)
+from common import paired_times  # noqa: E402  # benchmarks/common/ (this script's folder is on sys.path)
 
 import autoremat  # noqa: E402
 from autoremat.measure import live_tensor_bytes, measure_peak  # noqa: E402

@@ -35,8 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import OUTPUTS, REPO, SEED, MiB, ar_build, eager_build, git_state, pt_build
-from common_rows import Bench, table, timing_noise
+from common import OUTPUTS, REPO, SEED, Bench, MiB, ar_build, eager_build, git_state, pt_build, table, timing_noise
 
 import autoremat
 from examples.models import gpt2, transformer_stack

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import SEED
-from common_models import FLOOR_SIZES
+from common import FLOOR_SIZES, SEED
 
 import autoremat
 import autoremat.planning.planner as planner

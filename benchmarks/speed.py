@@ -19,7 +19,7 @@ GPT-2's autoremat rows pass outputs="loss": the step below reads only the loss a
 
 Each row: measured peak of one training step (forward + backward, no optimizer, gradients already
 allocated by a warm-up step), step time relative to eager (median of N steps, each paired with an
-eager step right before it: benchmarks/common.py), and the largest relative gradient error vs eager
+eager step right before it: benchmarks/common/), and the largest relative gradient error vs eager
 (the same seed before each forward). With dropout on, Inductor draws its own random numbers, so
 the error column says how far the compiled step's gradients are from eager's, not a bug; with dropout
 off the error is rounding only and the time comparison is like for like.
@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 from common import (
     REPO,
+    Bench,
     MiB,
     compiled_graphs,
     eager_build,
@@ -59,12 +60,13 @@ from common import (
     git_state,
     head_to_head,
     inductor_build,
+    inductor_limits,
     make_step,
+    speed_configs,
     sync,
+    table,
+    timing_noise,
 )
-from common_models import speed_configs
-from common_plans import inductor_limits
-from common_rows import Bench, table, timing_noise
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -382,7 +384,7 @@ def main() -> None:
             f"The goal and the equal-memory ratios are measured head-to-head: after the rows, each Inductor row is "
             f"compiled again under its budget and each autoremat row rebuilt from its plan (both must measure their "
             f"row's peak again, within 1%), and the two are timed against each other in {max(5, a.pairs)} pairs whose "
-            f"order alternates, each timed step right after an untimed step of the same model (benchmarks/common.py). "
+            f"order alternates, each timed step right after an untimed step of the same model (benchmarks/common/). "
             f"The ratio is the median per-pair ratio, with a 90% bootstrap interval of that median. Ratios of two rows' "
             f"times vs eager, taken minutes apart, drift (benchmarks/drift.py) and are shown only as context.\n\n"
             + table(rows) + "\n\n## At equal memory: autoremat at each Inductor row's measured peak\n\n"

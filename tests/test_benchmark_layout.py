@@ -1,15 +1,12 @@
-"""The benchmarks' import graph (issue #39): scripts share helpers through helper modules, never each other.
+"""The benchmarks' import graph (issue #39): scripts share helpers through one module, `common`, never each other.
 
-benchmarks/ holds scripts (each runs one benchmark) and a few helper modules, split by job so that each stays
-readable (the package's ~400-line rule): common.py (steps, timing, row builders, the run's facts),
-common_rows.py (the row runners), common_models.py (shared models and sizes) and common_plans.py (helpers
-that plan without timing a step). A helper module is `common.py` or `common_<job>.py`. Checked here, from
-the source alone (ast: nothing is imported, so no torch):
+benchmarks/ holds scripts (each runs one benchmark) and the shared module `common` (the package
+benchmarks/common/, its files split by job so that each stays readable under the package's ~400-line rule).
+Checked here, from the source alone (ast: nothing is imported, so no torch):
 
-  - no script imports another script: a script imports benchmark code only from the helper modules;
-  - no helper module imports a script;
-  - so the import graph among benchmark modules has no cycle (checked directly too, helpers among
-    themselves included).
+  - no script imports another script: a script imports benchmark code only from `common`;
+  - no file of `common` imports a script;
+  - so the import graph among benchmark modules has no cycle (checked directly too).
 
 Imports inside functions and `importlib.import_module("name")` calls (gpu_check.py imports its helpers
 late) count as imports.
@@ -25,7 +22,7 @@ MAX_HELPER_LINES = 400
 
 
 def is_helper(name: str) -> bool:
-    return name == "common" or name.startswith("common_")
+    return name == "common"
 
 
 def imported_names(tree: ast.AST) -> set[str]:
@@ -47,9 +44,10 @@ def imported_names(tree: ast.AST) -> set[str]:
 
 def import_graph(folder: Path) -> dict[str, set[str]]:
     """Benchmark module -> the benchmark modules it imports."""
-    sources = {p.stem: p for p in sorted(folder.glob("*.py"))}
-    return {name: imported_names(ast.parse(path.read_text(), filename=str(path))) & set(sources) - {name}
-            for name, path in sources.items()}
+    sources = {p.stem: [p] for p in sorted(folder.glob("*.py"))}
+    sources["common"] = sorted((folder / "common").glob("*.py"))  # one module, several files
+    return {name: set().union(*(imported_names(ast.parse(p.read_text(), filename=str(p))) for p in paths))
+            & set(sources) - {name} for name, paths in sources.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -74,7 +72,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def layout_problems(folder: Path) -> list[str]:
     graph = import_graph(folder)
-    problems = [f"script {name}.py imports script {other}.py (take shared code from a common*.py module)"
+    problems = [f"script {name}.py imports script {other}.py (take shared code from `common`)"
                 for name, deps in graph.items() if not is_helper(name) for other in sorted(deps) if not is_helper(other)]
     problems += [f"helper {name}.py imports script {other}.py" for name, deps in graph.items() if is_helper(name)
                  for other in sorted(deps) if not is_helper(other)]
@@ -87,9 +85,9 @@ def layout_problems(folder: Path) -> list[str]:
 def test_the_graph_sees_imports() -> None:
     """The checks below are only as good as the graph: it must see the imports the scripts really make."""
     graph = import_graph(BENCHMARKS)
-    assert {"common", "common_rows", "common_models", "common_plans"} <= set(graph)
-    assert {"common", "common_rows", "common_models", "common_plans"} <= graph["floor"]
-    assert {"common", "common_plans"} <= graph["gpu_check"]  # importlib.import_module, inside a function
+    assert {"common", "floor", "loss_region", "gpu_check"} <= set(graph)
+    assert "common" in graph["floor"] and "common" in graph["loss_region"]
+    assert "common" in graph["gpu_check"]  # importlib.import_module, inside a function
     assert imported_names(ast.parse("def f():\n    import floor.x\n    from speed import y")) == {"floor", "speed"}
 
 
@@ -101,12 +99,11 @@ def test_find_cycle_finds_one() -> None:
     # the cycle issue #39 names: floor.py imported loss_region.py, which imported floor.py
     assert find_cycle({"floor": {"loss_region", "common"}, "loss_region": {"floor"}, "common": set()}) \
         in (["floor", "loss_region", "floor"], ["loss_region", "floor", "loss_region"])
-    assert find_cycle({"a": {"common"}, "b": {"common", "common_rows"}, "common_rows": {"common"}, "common": set()}) \
-        is None
+    assert find_cycle({"a": {"common"}, "b": {"common", "a"}, "common": set()}) is None
 
 
 def test_helper_modules_stay_readable() -> None:
-    """Why there are several helper modules and not one: each stays under the package's ~400-line rule."""
-    for path in BENCHMARKS.glob("common*.py"):
+    """Why `common` is a package of several files: each stays under the package's ~400-line rule."""
+    for path in (BENCHMARKS / "common").glob("*.py"):
         lines = len(path.read_text().splitlines())
-        assert lines <= MAX_HELPER_LINES, f"{path.name}: {lines} lines; split it by job into another common_*.py"
+        assert lines <= MAX_HELPER_LINES, f"common/{path.name}: {lines} lines; split it by job into another file"

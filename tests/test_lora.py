@@ -143,3 +143,30 @@ def test_training_step_stays_within_the_budget(planned):
     opt.zero_grad(set_to_none=True)
     moved = [n for n, p in _adapters(model).items() if not torch.equal(p, state[n])]
     assert moved and math.isfinite(om(**batch).loss.item())
+
+
+def test_a_model_with_nothing_to_train_is_refused_in_one_line():
+    """Every weight frozen (an adapter never attached, or requires_grad turned off): no backward, no step to plan."""
+    model, batch = _model_and_batch()
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"has no trainable parameter .*get_peft_model leaves the LoRA adapters "
+                                         r"trainable") as err:
+        autoremat.optimize(model, budget="1GB", example_inputs=batch, optimizer=None, compiler="eager", progress=False)
+    assert "\n" not in str(err.value)
+
+
+def test_a_budget_below_the_adapters_floor_names_the_smallest_that_fits(planned):
+    """The fixed bytes alone (frozen weights, the adapters' gradients and AdamW state, the batch) leave the
+    activations nothing: the first line of the error names the smallest budget that fits, and that one plans."""
+    model, batch, opt, _, _, _ = planned
+    fixed = _fixed_by_hand(model, batch)
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget=fixed, example_inputs=batch, optimizer=opt, compiler="eager", progress=False,
+                           verify=False)
+    first = str(err.value).splitlines()[0]
+    smallest = err.value.smallest_budget
+    assert f"the smallest budget that fits is {autoremat.format_bytes(smallest)} ({smallest} bytes)" in first
+    assert smallest > fixed
+    om = autoremat.optimize(model, budget=smallest, example_inputs=batch, optimizer=opt, compiler="eager",
+                            progress=False, verify=False)
+    assert om.plan.predicted_peak <= smallest

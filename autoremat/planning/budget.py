@@ -6,7 +6,6 @@ budget that would fit (`Ledger.needs` of the smallest peak found).
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 from autoremat.model.devices import DeviceSpec
@@ -17,9 +16,6 @@ from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.solver import Infeasible, smallest_peak, solve
-
-# Stages say what they are doing on this logger (the faces print it: autoremat/progress.py).
-progress = logging.getLogger("autoremat.progress")
 
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner
@@ -46,8 +42,6 @@ def plan_graphs(
     solver, time_limit, gap = options.solver, options.time_limit, options.gap
     budget = budget_or_memory(budget, device)
     room = room_for(budget, ledger, device)
-    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
-                  sum(len(g.nodes) for g in profiles), len(profiles), time_limit)
     one_set = one_set and repeats(profiles)
 
     def smallest() -> Decision:

@@ -36,6 +36,7 @@ from autoremat.planning.planner import (
     planner_for,
     progress,
     require_graphs,
+    say_solving,
     solve_step,
     trace_step,
 )
@@ -121,7 +122,8 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         store.discard(store_key)
         planner = trace.planner(planner.regions, lookup=False)
         compiled = trace_step(step, planner)
-    decision = traced.decision or plan_graphs(planner.sequence(), budget, ledger, dev, options, one_set=True)
+    decision = traced.decision or plan_graphs(say_solving(planner.sequence(), options), budget, ledger, dev, options,
+                                              one_set=True)
     plan, compiled, planner = plan_jointly(step, planner, budget, decision)
     measured: Any = UNMEASURED
     if cut_step is not None and checked:

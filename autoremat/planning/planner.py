@@ -293,6 +293,12 @@ def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
     if planner.profiles:
         return
     reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
+    if skipped(model):
+        raise CaptureError(
+            f"torch.compile captured no graph of {type(model).__name__}.forward, nor of its "
+            f"{len(repeated_blocks(model))} blocks compiled one by one, so there is nothing to plan and the budget "
+            "could not be held: dynamo ran them all eagerly. Remove the graph breaks it reports, or compile the "
+            "model with fullgraph=True to see where they are." + (f" Graph breaks seen: {reasons}" if reasons else ""))
     raise CaptureError(
         f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
         "budget could not be held: dynamo ran the whole forward eagerly, and the model has no repeated blocks (an "
@@ -348,7 +354,15 @@ def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
     model does not predict); the plan built from the answer still reports `step.ledger`.
     """
-    return plan_graphs(planner.sequence(), budget, reserve or step.ledger, step.dev, step.options, one_set=True)
+    profiles = say_solving(planner.sequence(), step.options)
+    return plan_graphs(profiles, budget, reserve or step.ledger, step.dev, step.options, one_set=True)
+
+
+def say_solving(profiles: list[GraphProfile], options: PlanOptions) -> list[GraphProfile]:
+    """The solving stage's progress line; returns `profiles`."""
+    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                  sum(len(g.nodes) for g in profiles), len(profiles), options.time_limit)
+    return profiles
 
 
 def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decision: Decision):

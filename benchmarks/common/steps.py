@@ -1,19 +1,6 @@
-"""The benchmarks' shared helpers: steps, timing, row builders and the facts of a run.
-
-The scripts in benchmarks/ import their shared helpers from four helper modules, split by job, and from
-`examples` and `autoremat`; a helper module imports no script (tests/test_benchmark_layout.py checks both),
-so no script is another's library and no import goes round in a circle. What one script alone uses stays
-in that script.
-
-  common.py         this module: steps (split, make_step, sync, zero, grads_of, max_rel_err), paired timing
-                    (paired_times, head_to_head), row builders (eager_build, pt_build, inductor_build,
-                    ar_build, checkpoint_every_block: build(model) -> (callable, info)), and the run's facts
-                    (git_state, load_average)
-  common_rows.py    the two row runners: Bench and Bench.run_row (remat_vs_peers.py's and speed.py's rows),
-                    run_row and floor_row (floor.py's rows), with their log lines and tables
-  common_models.py  the models and sizes several scripts run (those of examples/models.py stay there)
-  common_plans.py   helpers that plan without timing a step: Inductor's budget range, the loss region and
-                    mixed precision planned on meta, the memory model's live set at its peak
+"""The benchmarks' shared steps: a training step and its gradients, paired timing with its noise, the peer
+rows' builders (build(model) -> (callable, info)), and the facts of a run (git_state, load_average). Part of
+the shared module `common` (see its __init__).
 """
 
 from __future__ import annotations
@@ -31,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
 
 import autoremat  # noqa: E402

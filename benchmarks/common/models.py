@@ -1,4 +1,4 @@
-"""The models and sizes that several benchmark scripts run (see common.py for the helper modules; this one
+"""The models and sizes that several benchmark scripts run (part of the shared module `common`; this file
 imports no script). The stack, GPT-2, Llama and GPT-2 small builders live in examples/models.py.
 
   bert, vit, resnet                 the models floor.py adds to examples/models.py's (HF configs, no download)
@@ -11,12 +11,13 @@ imports no script). The stack, GPT-2, Llama and GPT-2 small builders live in exa
 
 from __future__ import annotations
 
-import common  # noqa: F401 - puts the repository on sys.path for `examples`
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from examples.models import gpt2, llama, transformer_stack
+
+from . import steps  # noqa: F401 - puts the repository on sys.path for `examples`
 
 # --------------------------------------------------------------------------------------------
 # floor.py's models

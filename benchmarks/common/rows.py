@@ -1,4 +1,4 @@
-"""The benchmarks' two row runners (see common.py for the helper modules; this one imports no script).
+"""The benchmarks' two row runners (part of the shared module `common`, which imports no script).
 
   Bench, Bench.run_row   a model's pristine copy and eager reference; remat_vs_peers.py's and speed.py's rows
                          (steady peak, median step time over eager's, gradient error), their log line, table
@@ -17,7 +17,11 @@ import traceback
 from collections.abc import Callable
 
 import torch
-from common import (
+
+import autoremat
+from autoremat.measure import measure_peak
+
+from .steps import (
     OUTPUTS,
     SEED,
     Build,
@@ -33,9 +37,6 @@ from common import (
     to_device,
     zero,
 )
-
-import autoremat
-from autoremat.measure import measure_peak
 
 # --------------------------------------------------------------------------------------------
 # Bench: remat_vs_peers.py's and speed.py's rows

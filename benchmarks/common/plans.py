@@ -1,4 +1,4 @@
-"""Benchmark helpers that plan without timing a step (see common.py for the helper modules; this one imports
+"""Benchmark helpers that plan without timing a step (part of the shared module `common`; this file imports
 no script).
 
   inductor_limits                   the budget range under compiler="inductor" (speed.py, inductor_prediction.py)
@@ -17,7 +17,6 @@ import time
 import warnings
 from collections.abc import Iterator
 
-import common  # noqa: F401 - puts the repository on sys.path for `examples`
 import torch
 
 import autoremat
@@ -26,6 +25,8 @@ from autoremat.model.ledger import Ledger
 from autoremat.passes import loss_chunks
 from autoremat.solve.decision import evaluate
 from examples.models import gpt2_small
+
+from . import steps  # noqa: F401 - puts the repository on sys.path for `examples`
 
 GiB = 2**30
 
@@ -36,7 +37,7 @@ GiB = 2**30
 
 def inductor_limits(bench, outputs: str) -> tuple[int, int, int]:
     """(smallest feasible budget, the least budget that recomputes nothing, fixed bytes) under compiler="inductor".
-    `bench` needs fresh() (a copy of the model) and ex (its example inputs), as common_rows.Bench has."""
+    `bench` needs fresh() (a copy of the model) and ex (its example inputs), as common.Bench has."""
     torch._dynamo.reset()
     big = autoremat.optimize(bench.fresh(), budget=1 << 50, example_inputs=bench.ex, optimizer=None,
                              compiler="inductor", verify=False, progress=False, outputs=outputs)

@@ -1,0 +1,82 @@
+"""The benchmarks' shared helpers: the one module every script imports (`from common import ...`), which
+imports no script (tests/test_benchmark_layout.py checks both). Its files split it by job, each readable
+on its own:
+
+- steps.py: a training step, its timing (paired, with the noise), the peer rows' builders (eager,
+  checkpointing, PyTorch's activation_memory_budget, Inductor, autoremat), the run's facts (git, load);
+- rows.py: the row runners (`Bench`, the floor rows) and their tables;
+- models.py: the models and sizes several scripts measure;
+- plans.py: helpers that plan without timing a step (meta-device parts, planning at scale, live-at-peak).
+
+Importing it puts the repository on sys.path, for `examples`.
+"""
+
+from .models import (  # noqa: F401
+    FLOOR_SIZES,
+    SCALE_MODELS,
+    ResidualBlock,
+    ResNetDropout,
+    bert,
+    floor_configs,
+    gpt2_small_meta,
+    llama_7b,
+    resnet,
+    speed_configs,
+    vit,
+)
+from .plans import (  # noqa: F401
+    LOSS_GOALS,
+    SCALE_DEVICE,
+    SCALE_MODES,
+    TINY,
+    GiB,
+    chunking_off,
+    inductor_limits,
+    live_at_peak,
+    meta_part,
+    meta_table,
+    scale_floor,
+    scale_optimize,
+    scale_step,
+)
+from .rows import (  # noqa: F401
+    Bench,
+    error_fields,
+    floor_row,
+    fmt_row_line,
+    mib,
+    row_line,
+    run_row,
+    smallest_budget,
+    table,
+    timing_noise,
+)
+from .steps import (  # noqa: F401
+    FLOOR_PT_BUDGETS,
+    NOISE_FLOOR,
+    OUTPUTS,
+    REPO,
+    SEED,
+    Build,
+    GitState,
+    MiB,
+    ar_build,
+    bootstrap_median_interval,
+    checkpoint_every_block,
+    compiled_graphs,
+    eager_build,
+    error_status,
+    git_state,
+    grads_of,
+    head_to_head,
+    inductor_build,
+    load_average,
+    make_step,
+    max_rel_err,
+    paired_times,
+    pt_build,
+    split,
+    sync,
+    to_device,
+    zero,
+)
