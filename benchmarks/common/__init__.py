@@ -11,7 +11,12 @@ on its own:
 Importing it puts the repository on sys.path, for `examples`.
 """
 
-from .models import (  # noqa: F401
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository, for `examples`; appended: PYTHONPATH wins
+
+from .models import (  # noqa: E402, F401
     FLOOR_SIZES,
     SCALE_MODELS,
     ResidualBlock,
@@ -24,7 +29,7 @@ from .models import (  # noqa: F401
     speed_configs,
     vit,
 )
-from .plans import (  # noqa: F401
+from .plans import (  # noqa: E402, F401
     LOSS_GOALS,
     SCALE_DEVICE,
     SCALE_MODES,
@@ -39,7 +44,7 @@ from .plans import (  # noqa: F401
     scale_optimize,
     scale_step,
 )
-from .rows import (  # noqa: F401
+from .rows import (  # noqa: E402, F401
     Bench,
     error_fields,
     floor_row,
@@ -51,7 +56,7 @@ from .rows import (  # noqa: F401
     table,
     timing_noise,
 )
-from .steps import (  # noqa: F401
+from .steps import (  # noqa: E402, F401
     FLOOR_PT_BUDGETS,
     NOISE_FLOOR,
     OUTPUTS,

@@ -17,8 +17,6 @@ import torch.nn.functional as F
 
 from examples.models import gpt2, llama, transformer_stack
 
-from . import steps  # noqa: F401 - puts the repository on sys.path for `examples`
-
 # --------------------------------------------------------------------------------------------
 # floor.py's models
 

@@ -26,8 +26,6 @@ from autoremat.passes import loss_chunks
 from autoremat.solve.decision import evaluate
 from examples.models import gpt2_small
 
-from . import steps  # noqa: F401 - puts the repository on sys.path for `examples`
-
 GiB = 2**30
 
 
