@@ -2,11 +2,11 @@
 
 The pipeline, one folder per stage; each imports only the stages above it (tests/test_layout.py):
 
-    capture/   the step as AOTAutograd joint graphs, a graph per repeated block   (aot, regions, tracing)
+    capture/   the step as AOTAutograd joint graphs, a graph per repeated block   (aot, regions, blocks, tracing)
     model/     bytes, FLOPs and time per node; the exact memory schedule of a plan; the ledger
     solve/     save or recompute (and dtypes): the ILP, its heuristics, the simulator's checks
     planning/  the pipeline the faces call: capture -> model -> solve -> passes -> compile -> verify -> Plan
-    faces      api (optimize), remat_module, fit, backend, cli, plots, progress: at the top of the package
+    faces      api (optimize), remat_module, fit, backend, lightning, cli, plots, progress: at the top of the package
 
 passes/ holds the graph rewrites, a library every stage may call (it imports no stage but a few helpers
 of model/); measure, units and torch_internals (every private torch API) sit at the top, used by all.
