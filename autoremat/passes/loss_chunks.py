@@ -26,7 +26,7 @@ outputs="loss", a 16-bit bias-free linear site becomes one fused projection + lo
 master weight whatever the chunk count (passes/fused_linear_loss.py: no logits, no 16-bit weight copy).
 
 `outputs`: "all" keeps the model's logits output (the projection is computed whole once more for it,
-and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
+after the chunked loss so that its backward runs first and its tangent dies early, and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
 None, so the full logits are never allocated.
 
 This module imports nothing from later pipeline stages; `choose` takes the planning step as a
