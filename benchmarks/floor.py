@@ -1,8 +1,9 @@
 """The floor benchmark (issue #11, "Below checkpointing"): how little memory each method reaches, side by side.
 
 Models: a transformer stack, HF GPT-2, HF Llama, a BERT-style encoder with dropout (HF BertForMaskedLM), a
-ViT-style model (HF ViTForImageClassification), a ResNet-shaped conv net with BatchNorm and dropout, and HF GPT-2
-with a 32k vocabulary (issue #13: its loss region outweighs its blocks).
+ViT-style model (HF ViTForImageClassification), a ResNet-shaped conv net with BatchNorm and dropout, HF GPT-2
+with a 32k vocabulary (issue #13: its loss region outweighs its blocks), and a 6-layer HF Llama with grouped-query
+attention, 4 query heads sharing 2 K/V heads (issue #40).
 Rows per model, each on its own deep copy of the same initial model:
   eager                  plain PyTorch, not compiled: the reference for time and gradients
   checkpoint             torch.utils.checkpoint (non-reentrant) on every block
@@ -22,7 +23,9 @@ predicted/measured (autoremat); the goals of issue #11 are computed from the row
     python benchmarks/floor.py --models stack,gpt2 --merge   # rerun two models, keep the others' rows
     python benchmarks/floor.py --models none --merge         # only the GPT-2 small meta rows
 
-Writes benchmarks/results/floor_cpu[_quick].md and .json (rewritten after each model).
+    python benchmarks/floor.py --models gqa-decoder --tag gqa --no-lm-meta   # one model, in a file of its own
+
+Writes benchmarks/results/floor_cpu[_quick][_TAG].md and .json (rewritten after each model).
 """
 
 from __future__ import annotations
@@ -329,6 +332,9 @@ def main() -> None:
                     help="skip GPT-2 small 8 x 1024 planned on meta for an H100 (the loss region's floors, issue #13)")
     ap.add_argument("--inductor", action="store_true",
                     help="add a row: autoremat with compiler='auto' (Inductor where it compiles) at checkpoint's peak")
+    ap.add_argument("--tag", default="",
+                    help="write floor_cpu[_quick]_TAG.md/.json instead: a run of some models kept apart from the "
+                         "results file of all of them (and from report.py's tables, which read that one)")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit per solve (the meta rows)")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -348,7 +354,7 @@ def main() -> None:
     print(f"autoremat from {autoremat.__file__}, repo {meta['git']}", flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"floor_cpu{'_quick' if a.quick else ''}"
+    stem = out / f"floor_cpu{'_quick' if a.quick else ''}{'_' + a.tag if a.tag else ''}"
     rows: list[dict] = []
     all_goals: dict = {}
     lm_meta: list[dict] = []

@@ -1,9 +1,11 @@
 """What is live at the floor's peak (issue #11's closing note): the largest tensors when the step peaks.
 
 For each model, autoremat is planned at its smallest feasible budget (`BudgetError.smallest_budget` of
-budget=1, outputs="loss", no optimizer, verify off so the first plan is the one measured), one steady-state
-step is measured (`measure_peak`, every `.grad` present), and the plan is replayed in the memory model with
-its heap observed: at the step where the simulated peak falls, every live storage, largest first.
+budget=1, outputs="loss" (or --outputs all), no optimizer, verify off so the first plan is the one measured), one
+steady-state step is measured (`measure_peak`, every `.grad` present; the step drops the model's outputs but the
+loss before its backward, so with --outputs all the measured peak lies below the predicted one by what the plan
+holds for the caller), and the plan is replayed in the memory model with its heap observed: at the step where the
+simulated peak falls, every live storage, largest first.
 
     python benchmarks/live_at_peak.py --models stack,gpt2 [--quick] [--top 5]   # --top 0 lists every storage
 
@@ -29,20 +31,20 @@ from autoremat.model.devices import get_device
 MiB = 2**20
 
 
-def one(cfg: dict, top: int) -> str:
+def one(cfg: dict, top: int, outputs: str = "loss") -> str:
     torch.manual_seed(0)
     model, ex = cfg["factory"](**cfg["kwargs"])
     model.train()
     args, kwargs = split(ex)
     torch._dynamo.reset()
     try:
-        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
+        autoremat.optimize(model, budget=1, example_inputs=ex, optimizer=None, outputs=outputs, verify=False,
                            compiler="eager")
         raise RuntimeError("budget=1 did not raise BudgetError")
     except autoremat.BudgetError as e:
         budget = e.smallest_budget
     torch._dynamo.reset()
-    om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
+    om = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, outputs=outputs, verify=False,
                            compiler="eager")
     step = make_step(om, args, kwargs)
     step()
@@ -54,7 +56,7 @@ def one(cfg: dict, top: int) -> str:
     g = profiles[best["graph"]]
     where = g.nodes[base(best["node"])]
     live = sorted(best["live"].items(), key=lambda kv: -kv[1])
-    lines = [f"## {cfg['name']}: {cfg['kwargs']}", "",
+    lines = [f"## {cfg['name']}: {cfg['kwargs']}" + (f", outputs={outputs!r}" if outputs != "loss" else ""), "",
              f"floor budget {budget / MiB:.2f} MiB; predicted peak {plan.predicted_peak / MiB:.2f} MiB, measured "
              f"{m.peak_bytes / MiB:.2f} MiB (predicted / measured {plan.predicted_peak / m.peak_bytes:.4f}); "
              f"activations at the peak {best['during'] / MiB:.2f} MiB, of which live storages "
@@ -76,6 +78,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="stack,gpt2")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--outputs", default="loss", choices=("loss", "all"),
+                    help="autoremat's outputs=: 'all' keeps the logits output whole, as a loop that holds it needs")
     ap.add_argument("--top", type=int, default=5, help="how many live storages to list (0: all of them)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--name", default="live_at_peak_cpu", help="the results file's stem")
@@ -87,7 +91,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown models {unknown}; pick from {','.join(cfgs)}")
     t0 = time.perf_counter()
-    parts = [one(cfgs[m], a.top) for m in a.models.split(",")]
+    parts = [one(cfgs[m], a.top, a.outputs) for m in a.models.split(",")]
     head = ["# Live at the floor's peak (issue #11) on cpu", "",
             f"Command: `python {' '.join(sys.argv)}`, {datetime.datetime.now().isoformat(timespec='seconds')}, "
             f"torch {torch.__version__}, repo {git_state().as_dict()}, wall {time.perf_counter() - t0:.0f} s. The heap "

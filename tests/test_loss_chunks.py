@@ -11,12 +11,13 @@ import copy
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import autoremat
-from autoremat.capture.aot import aot_backend, compile_fresh, default_split
+from autoremat.capture.aot import aot_backend, capture, compile_fresh, default_split
 from autoremat.measure import allocation_deltas, measure_peak
 from autoremat.passes import loss_chunks as LC
 from autoremat.planning.plan import Plan
@@ -297,3 +298,41 @@ def test_cli_outputs_loss_prints_the_chunks(tmp_path) -> None:
     k = plan.loss["chunks"]
     assert k > 1 and plan.loss["outputs"] == "loss"
     assert f"loss chunked into {k} pieces of {-(-BATCH * SEQ // k)} token rows; logits not returned" in out.getvalue()
+
+
+class HeadAndLogits(Head):
+    """Head's "view" form returning (loss, logits), as an HF causal LM does under outputs="all"."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(torch.tanh(self.trunk(x)))
+        return F.cross_entropy(logits.float().view(-1, self.vocab), y.reshape(-1)), logits
+
+
+def test_kept_logits_tangent_dies_before_the_chunks_backward() -> None:
+    """outputs="all" keeps the logits output, so the joint graph has a tangent for it, tokens x vocabulary
+    (autograd's zeros in a loop that calls only loss.backward()). Its backward is one view and two matmuls
+    (into grad h and grad W); issue #40 found them run after every chunk's backward, the tangent live through
+    all of them. Expected by hand: with the projection moved after the chunked loss, autograd runs that
+    backward first, so every reader of the tangent comes before the first tokens x vocabulary gradient that
+    the loss's own tangent produces (a chunk's softmax gradient)."""
+    torch.manual_seed(0)
+    model = HeadAndLogits("view")
+    x, y = inputs()
+    report = LC.Report()
+    joint = capture(model, (x, y), pre_pass=lambda i, gm, ex: LC.rewrite(gm, 4, "all", report))
+    assert report.rewritten == 1 and report.logits_kept == 1, report
+    graph = joint[0].joint.graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    tangents = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    by_rank = {n.meta["val"].dim(): n for n in tangents}
+    loss_tangent, logits_tangent = by_rank[0], by_rank[3]
+    assert tuple(logits_tangent.meta["val"].shape) == (3, 10, model.vocab)
+    from_loss: set[fx.Node] = {loss_tangent}
+    for n in graph.nodes:  # graph order is topological: one pass finds everything the loss's tangent reaches
+        if any(a in from_loss for a in n.all_input_nodes):
+            from_loss.add(n)
+    chunk_grads = [pos[n] for n in from_loss if isinstance(n.meta.get("val"), torch.Tensor)
+                   and n.meta["val"].dim() == 2 and n.meta["val"].shape[-1] == model.vocab]
+    assert chunk_grads, "no tokens x vocabulary gradient reached from the loss's tangent"
+    assert len(logits_tangent.users) >= 1
+    assert max(pos[u] for u in logits_tangent.users) < min(chunk_grads)

@@ -26,7 +26,7 @@ outputs="loss", a 16-bit bias-free linear site becomes one fused projection + lo
 master weight whatever the chunk count (passes/fused_linear_loss.py: no logits, no 16-bit weight copy).
 
 `outputs`: "all" keeps the model's logits output (the projection is computed whole once more for it,
-and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
+after the chunked loss so that its backward runs first and its tangent dies early, and the caller holds it); "loss" declares that only the loss is used, and the logits output becomes
 None, so the full logits are never allocated.
 
 This module imports nothing from later pipeline stages; `choose` takes the planning step as a
@@ -276,6 +276,7 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
             out.args = fx.node.map_arg(out.args, lambda a, p=s.proj: None if a is p else a)
         if s.proj.users:
             report.logits_kept += 1
+            _project_after(graph, s.proj, new)
         else:
             weight = _linear_args(s.proj)[0] if s.kind == "linear" else None
             graph.erase_node(s.proj)
@@ -285,6 +286,20 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     graph.lint()
     gm.recompile()
     return len(sites)
+
+
+def _project_after(graph: fx.Graph, proj: fx.Node, loss: fx.Node) -> None:
+    """Move the kept logits' projection from before the chunked loss to just after it (outputs="all").
+
+    Why: autograd runs the ready backward node created last first, so the logits output's backward (its
+    tangent, tokens x vocabulary, read by two matmuls into grad h and grad W) then runs before the chunks'
+    backward and its tangent dies there. Left before the loss, that backward ran after all the chunks and the
+    tangent stayed live through them: a whole tokens x vocabulary tensor at the loss region's peak (issue #40:
+    2 MiB of a 19.09 MiB floor), though a loop that only calls loss.backward() hands the logits no gradient
+    (the tangent is autograd's zeros). Left where it is when one of its readers comes before the loss."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    if all(order[u] > order[loss] for u in proj.users):
+        loss.append(proj)
 
 
 def _replace_loss(graph: fx.Graph, s: Site, new: fx.Node) -> None:

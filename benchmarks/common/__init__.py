@@ -24,6 +24,7 @@ from .models import (  # noqa: E402, F401
     bert,
     floor_configs,
     gpt2_small_meta,
+    gqa_decoder,
     llama_7b,
     resnet,
     speed_configs,

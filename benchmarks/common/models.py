@@ -1,8 +1,8 @@
 """The models and sizes that several benchmark scripts run (part of the shared module `common`; this file
 imports no script). The stack, GPT-2, Llama and GPT-2 small builders live in examples/models.py.
 
-  bert, vit, resnet                 the models floor.py adds to examples/models.py's (HF configs, no download)
-  FLOOR_SIZES, floor_configs        floor.py's seven models at its --quick and default sizes (also run by
+  bert, vit, resnet, gqa_decoder    the models floor.py adds to examples/models.py's (HF configs, no download)
+  FLOOR_SIZES, floor_configs        floor.py's eight models at its --quick and default sizes (also run by
                                     drift.py, fx_overhead.py, live_at_peak.py, scratch_survey.py, ...)
   speed_configs                     speed.py's stack and launch-bound GPT-2 (also dropout_gap.py's and the
                                     inductor_*.py scripts')
@@ -78,6 +78,19 @@ def resnet(batch: int, size: int, channels: int, n_block: int, classes: int = 10
                                                                torch.randint(0, classes, (batch,)))
 
 
+def gqa_decoder(batch: int, seq: int, n_layer: int, hidden: int, heads: int, kv_heads: int, vocab: int):
+    """HF Llama causal LM from a config (no download) with grouped-query attention: `kv_heads` K/V heads, each
+    repeated to heads // kv_heads query heads (HF's repeat_kv), RoPE, RMSNorm; issue #40's held-out shape.
+    The MLP width follows examples/models.llama (8/3 x hidden, rounded down to a multiple of 8)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(hidden * 8 / 3) // 8 * 8,
+                      num_hidden_layers=n_layer, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=max(seq, 64), use_cache=False)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return LlamaForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
 FLOOR_SIZES = {  # name: (factory, --quick sizes, default sizes)
     "stack": (transformer_stack, dict(n_layer=4, d=128, n_head=4, seq=64, batch=4, dropout=0.1),
               dict(n_layer=12, d=256, n_head=4, seq=128, batch=4, dropout=0.1)),
@@ -93,6 +106,9 @@ FLOOR_SIZES = {  # name: (factory, --quick sizes, default sizes)
     # issue #13: a GPT-2 whose loss region (a 32k vocabulary) outweighs its blocks
     "gpt2-32k": (gpt2, dict(n_layer=2, n_embd=64, n_head=4, seq=64, batch=2, vocab=32768, dropout=0.1),
                  dict(n_layer=2, n_embd=128, n_head=4, seq=128, batch=4, vocab=32768, dropout=0.1)),
+    # issue #40: a deeper decoder with grouped-query attention (4 query heads sharing 2 K/V heads), 4 x 128 tokens
+    "gqa-decoder": (gqa_decoder, dict(n_layer=2, hidden=64, heads=4, kv_heads=2, seq=64, batch=2, vocab=1024),
+                    dict(n_layer=6, hidden=128, heads=4, kv_heads=2, seq=128, batch=4, vocab=1024)),
 }
 
 
