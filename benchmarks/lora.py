@@ -38,7 +38,17 @@ import warnings
 from pathlib import Path
 
 import torch
-from common import REPO, SEED, checkpoint_every_block, git_state, head_to_head, load_average, max_rel_err, paired_times
+from common import (
+    REPO,
+    SEED,
+    checkpoint_every_block,
+    floor_of,
+    git_state,
+    head_to_head,
+    load_average,
+    max_rel_err,
+    paired_times,
+)
 
 import autoremat
 from autoremat.measure import measure_peak
@@ -88,15 +98,7 @@ def optimize(model, opt, batch, budget: int, compiler: str):
 def smallest_budget(compiler: str) -> int:
     """BudgetError.smallest_budget of budget=1 (common.smallest_budget's method, with the AdamW optimizer)."""
     model, batch, opt = fresh()
-    try:
-        optimize(model, opt, batch, 1, compiler)
-    except autoremat.BudgetError as e:
-        if e.smallest_budget is None:
-            raise
-        return e.smallest_budget
-    finally:
-        torch._dynamo.reset()
-    raise RuntimeError("budget=1 did not raise BudgetError")
+    return floor_of(lambda: optimize(model, opt, batch, 1, compiler))
 
 
 def row(name: str, build, ref_grads: dict | None, n_time: int, eager_step=None) -> tuple[dict, object]:

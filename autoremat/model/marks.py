@@ -63,9 +63,9 @@ def must_marks(g: GraphProfile) -> MustMarks:
     draw would draw again, a custom op, ...: `NodeProfile.recompute_ban`), and MUST_SAVE on a value Inductor
     fuses into its readers (it is never written out). A storage marked both ways is saved.
     """
-    hit = _MEMO.get(id(g))
-    if hit is not None and hit[0] is g:
-        return hit[1]
+    known = g.__dict__.get(_KNOWN)
+    if known is not None:
+        return known
     save: set[str] = set()
     recompute: set[str] = set()
     dropped: list[str] = []
@@ -84,21 +84,18 @@ def must_marks(g: GraphProfile) -> MustMarks:
             recompute.add(v)
     marks = MustMarks(frozenset(save), frozenset(recompute - save), tuple(dropped)) if save or recompute or dropped \
         else NO_MARKS
-    _MEMO[id(g)] = (g, marks)
+    g.__dict__[_KNOWN] = marks
     return marks
 
 
-# must_marks per graph while it lives (a profiled graph's nodes never change); make_schedule asks on every
-# simulation. Strong references, a few graphs at a time: bounded below.
-_MEMO: dict[int, tuple[GraphProfile, MustMarks]] = {}
-_MEMO_SIZE = 64
+# must_marks kept on the graph it was computed for (a profiled graph's nodes never change; make_schedule asks
+# on every simulation): it lives and dies with the graph, and is not one of GraphProfile's fields (to_dict).
+_KNOWN = "_must_marks"
 
 
 def force_marks(g: GraphProfile, saved: set[str]) -> set[str]:
     """`saved` (storages a plan hands to the backward) with the MUST marks applied: MUST_SAVE values
     added (unused ones are dropped by the schedule), MUST_RECOMPUTE values taken out."""
-    if len(_MEMO) > _MEMO_SIZE:
-        _MEMO.clear()
     marks = must_marks(g)
     if marks is NO_MARKS:
         return saved

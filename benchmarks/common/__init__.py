@@ -48,6 +48,7 @@ from .plans import (  # noqa: E402, F401
 from .rows import (  # noqa: E402, F401
     Bench,
     error_fields,
+    floor_of,
     floor_row,
     fmt_row_line,
     mib,

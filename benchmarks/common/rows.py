@@ -15,6 +15,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -235,9 +236,14 @@ def row_line(r: dict) -> str:
 def smallest_budget(bench: Bench, compiler: str = "eager") -> int:
     """BudgetError.smallest_budget of autoremat.optimize at budget=1."""
     torch._dynamo.reset()
+    return floor_of(lambda: autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None,
+                                               outputs=OUTPUTS, compiler=compiler))
+
+
+def floor_of(plan_at_one_byte: Callable[[], Any]) -> int:
+    """The smallest budget the BudgetError of `plan_at_one_byte()` (an optimize call at budget=1) names."""
     try:
-        autoremat.optimize(bench.fresh(), budget=1, example_inputs=bench.ex, optimizer=None, outputs=OUTPUTS,
-                           compiler=compiler)
+        plan_at_one_byte()
     except autoremat.BudgetError as e:
         if e.smallest_budget is None:
             raise
