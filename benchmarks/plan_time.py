@@ -46,7 +46,7 @@ from autoremat.capture import aot as capture
 from autoremat.measure import measure_peak
 from autoremat.planning import pipeline, planner
 from autoremat.planning.compilers import inductor_problem
-from autoremat.solve import ilp, ilp_choice, solver
+from autoremat.solve import ilp, solver
 from examples import models as ex
 
 RESULTS = Path(__file__).parent / "results"
@@ -61,8 +61,8 @@ BUDGET_SHARE = 0.6  # issue 38's budget: fixed bytes + this share of eager's act
 def _outer(message: str) -> str:
     """The stage a progress record starts (its first words name it)."""
     for head, stage in (("capturing", "capture"), ("tracing the loss region", "loss-region tracing"),
-                        ("the ILP chose", "loss-region choice"), ("the chunk-count ILP", "loss-region choice"),
-                        ("choosing the chunk count", "loss-region choice"),
+                        ("the ILP chose", "loss-region choice"), ("the ILP found no plan", "loss-region choice"),
+                        ("solving the ILP for the loss region", "loss-region choice"),
                         ("planning the loss region", "loss-region full plans"),
                         ("tracing the step again", "capture (one graph)"), ("solving for", "solve (heuristics, sim)"),
                         ("compiling the planned", "compile"), ("verifying", "verification"),
@@ -141,8 +141,6 @@ def install_hooks() -> None:
     planner.calibrate_scratch = _hooked("profile", planner.calibrate_scratch)
     ilp.IlpModel.__init__ = _hooked("ILP build", ilp.IlpModel.__init__)
     ilp.IlpModel.solve = _hooked("ILP solve", ilp.IlpModel.solve)
-    ilp_choice.ChoiceModel.__init__ = _hooked("ILP build", ilp_choice.ChoiceModel.__init__)
-    ilp_choice.ChoiceModel.solve = _hooked("ILP solve", ilp_choice.ChoiceModel.solve)
     pipeline.measure_step = _hooked("verification", pipeline.measure_step)
     timed = capture.CompileClock.timed
     capture.CompileClock.timed = lambda self, fn: timed(self, _hooked("inductor compile", fn))

@@ -1,6 +1,6 @@
 """Random draws that the backward can replay: a dropout mask costs its generator state, not its bytes.
 
-Dropout reaches the joint graph as a bool mask drawn by `aten.bernoulli.p` (CPU) or by the device's
+Dropout reaches the joint graph as a bool mask drawn by `autoremat::bool_bernoulli` (CPU) or by the device's
 fused kernel (`autoremat::dropout_mask`, CUDA), and a masked scale (`decompositions._native_dropout`). The mask is a random value: recomputed as it is, it would be a fresh
 draw, so the plan had to save it, 1 byte per element. `torch.utils.checkpoint` saves the random
 generator's state instead and replays the draw; on a 12-block transformer at its smallest budget the
@@ -29,12 +29,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoremat.passes.decompositions import dropout_mask  # noqa: F401 - registers autoremat::dropout_mask
+from autoremat.passes.decompositions import bool_bernoulli, dropout_mask  # noqa: F401 - registers the draw ops
 from autoremat.passes.joint import backward_side
 
 # Random ops whose draws we replay: the bool mask of autoremat's dropout decomposition, drawn by bernoulli
-# (CPU) or by the device's fused dropout kernel (`decompositions.dropout_mask`: CUDA).
-REPLAYED = (torch.ops.aten.bernoulli.p, torch.ops.autoremat.dropout_mask.default)
+# (`decompositions.bool_bernoulli`: CPU) or by the device's fused dropout kernel (`decompositions.dropout_mask`:
+# CUDA), and a model's own `torch.bernoulli(x, p)`.
+REPLAYED = (torch.ops.autoremat.bool_bernoulli.default, torch.ops.autoremat.dropout_mask.default,
+            torch.ops.aten.bernoulli.p)
 # Bytes of the generator state saved per draw: torch.get_rng_state() (the CPU Mersenne Twister) or
 # torch.cuda.get_rng_state() (Philox seed and offset).
 STATE_BYTES = {"cuda": 16}

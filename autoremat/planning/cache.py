@@ -93,9 +93,12 @@ class PlanCache:
 
     def store(self, key: str, plan: Plan, fields: dict[str, Any]) -> Path | None:
         """Write `plan` under `key`. A cache that cannot be written is only worth a warning."""
+        return self._write(key, {"fields": fields, "plan": plan.to_dict()})
+
+    def _write(self, key: str, entry: dict[str, Any]) -> Path | None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"key": key, "fields": fields, "plan": plan.to_dict()}, sort_keys=True, default=str)
+            text = json.dumps({"key": key, **entry}, sort_keys=True, default=str)
             # Write then rename: a reader never sees half a file, even with two processes planning.
             fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
@@ -106,6 +109,35 @@ class PlanCache:
             log.warning("autoremat: could not write the plan cache at %s: %s", self.root, e)
             return None
         return self.path(key)
+
+    @staticmethod
+    def count_key(key: str) -> str:
+        """Where the loss region's chosen chunk count is kept for the unchunked trace stored under `key`."""
+        return hashlib.sha256(f"{key}/loss_chunks".encode()).hexdigest()[:32]
+
+    def store_count(self, key: str, chunks: int) -> None:
+        """Remember that the step whose unchunked trace has cache key `key` was planned with its loss region
+        in `chunks` pieces. That plan is stored under the chunked trace's own key, which is known only
+        once the chunked step is traced: this lets a later run trace that count alone, not every candidate."""
+        self._write(self.count_key(key), {"chunks": chunks, "autoremat": _version(), "torch": torch.__version__})
+
+    def load_count(self, key: str) -> int | None:
+        """The chunk count `store_count` kept for `key`, or None (none, unreadable, or from other versions)."""
+        path = self.path(self.count_key(key))
+        if not path.exists():
+            return None
+        try:
+            entry = json.loads(path.read_text())
+            if entry.get("key") != self.count_key(key) or entry.get("autoremat") != _version() \
+                    or entry.get("torch") != torch.__version__:
+                raise ValueError("entry is for another key or version")
+            chunks = entry["chunks"]
+            if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+                raise ValueError(f"chunk count {chunks!r}")
+        except Exception as e:
+            log.warning("autoremat: ignoring unusable plan cache entry %s (%s: %s)", path, type(e).__name__, e)
+            return None
+        return chunks
 
     def discard(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

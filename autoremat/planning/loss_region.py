@@ -1,17 +1,20 @@
-"""How many pieces the loss region is chunked into: chosen by one ILP over the candidate traces.
+"""How many pieces the loss region is chunked into: chosen by the ILP, count by count.
 
 The loss rewrite (autoremat.passes.loss_chunks) turns the output projection + cross-entropy into k
-chunks of token rows; each k is a trace of its own. The step is traced at every candidate k
-(loss_chunks.CANDIDATES), and one ILP (autoremat.solve.ilp_choice) picks k together with the
-save/recompute plan of that trace, under the budget, at the least predicted step time: more chunks
-only where the memory they free saves more recomputation than their smaller matmuls cost.
+chunks of token rows; each k is a trace of its own. The counts (loss_chunks.CANDIDATES) are traced
+in increasing order, and each trace's ILP (`solver.trace_time`) gives its least predicted step time
+under the budget: its ops once (more chunks, more and smaller kernels) plus the recomputation its plan
+adds (more chunks, more memory freed). Tracing stops at the first count that is no faster than a
+smaller one: each count frees a quarter of the region the count before it left, for more kernels,
+so the gain only shrinks (issue 38: the 64-chunk trace, the costliest, then is never traced at a
+budget where 4 chunks are best).
 
-The chosen trace is then planned in full and verified (`pipeline.build`, from that trace: the step is
-not traced again). The ILP's rows bound the exact simulator conservatively, so if the full plan
-refuses the chosen k, the ILP is asked again without it; and if the ILP finds no trace at all (its
-rows see no room where calibration against the simulator might, or it ran out of time), the
-remaining counts are planned in full, fastest first, skipping those that cannot beat the fastest plan
-that fits, and the fastest that fits is kept (with its plan: it is not solved again).
+The fastest count is then planned in full and verified (`pipeline.build`, from that trace: the step
+is not traced again). The ILP's rows bound the exact simulator conservatively, so if the full plan
+refuses that count, the next fastest is planned; and if the rows see no plan for any count (near the
+floor they see no room that the simulator has), the counts are planned in full, each calibrated
+against the simulator, fastest first, skipping those that cannot beat the fastest plan that fits,
+and the fastest that fits is kept (with its plan: it is not solved again).
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ from autoremat.planning.planner import (
 )
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
-from autoremat.solve.ilp_choice import ChoiceModel, ops_once_time
-from autoremat.solve.solver import choose_trace
+from autoremat.solve.solver import ops_once_time, trace_time
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -79,54 +81,88 @@ class Candidate:
     decision: Decision | None = None  # plan_graphs' plan of its calls at the budget
 
 
-def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable):
-    """Trace the step at each candidate chunk count, let the ILP choose one, and `build` the step with it.
+class Traces:
+    """The step traced at each chunk count, each on first use (count 1: the trace `build` started from)."""
+
+    def __init__(self, step: TrainingStep, first: Candidate, budget: int, dtypes) -> None:
+        self.step, self.budget, self.dtypes = step, budget, dtypes
+        self.counts = loss_chunks.candidates(first.loss.rows())
+        self.traced: dict[int, Candidate] = {1: first}
+        self.base_time: dict[int, float] = {1: ops_once_time(first.planner.profiles)}
+
+    def __getitem__(self, k: int) -> Candidate:
+        if k not in self.traced:
+            progress.info("tracing the loss region in %d chunks", k)
+            along(f"chunk count {self.counts.index(k) + 1} of {len(self.counts)}: the whole step is traced "
+                  "with the rewrite")
+            self.traced[k] = _trace(self.step, self.traced[1].loss, k, self.budget, self.dtypes)
+            self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
+        return self.traced[k]
+
+
+def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable,
+                  store_key: str | None = None):
+    """Trace the step at more chunk counts while more chunks pay, and `build` it with the fastest count.
 
     `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
     trace (and its plan, if one was made here). Returns build's (plan, compiled, planner), with the
-    candidates and how the count was chosen in `plan.loss`.
+    counts considered and how the count was chosen in `plan.loss`. `store_key`: the plan cache's key
+    of `first`, under which the count chosen is remembered; a count remembered there is traced alone.
     """
-    loss = first.loss
-    traces = {1: first}
-    counts = [k for k in loss_chunks.candidates(loss.rows()) if k > 1]
-    for i, k in enumerate(counts):
-        progress.info("tracing the loss region in %d chunks", k)
-        along(f"chunk count {i + 1} of {len(counts)}: the whole step is traced with the rewrite")
-        traces[k] = _trace(step, loss, k, budget, dtypes)
+    known = store.load_count(store_key) if store is not None and store_key else None
+    if known is not None:  # planned before: its plan is cached under that count's own trace
+        progress.info("the plan cache chose %d chunk(s) for the loss region before: tracing that count", known)
+        return build(step, budget, dtypes, store, fields, chunks=known)
+    out = _choose(step, first, budget, dtypes, store, fields, build)
+    if store is not None and store_key:
+        store.store_count(store_key, out[0].loss["chunks"])
+    return out
+
+
+def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, build: Callable):
+    traces = Traces(step, first, budget, dtypes)
 
     def build_count(k: int):
         return build(step, budget, dtypes, store, fields, chunks=k, first=traces[k])
-    if len(traces) == 1:  # nothing to choose (too few token rows for a second count)
+    if len(traces.counts) == 1:  # nothing to choose (too few token rows for a second count)
         return build_count(1)
     dev, opts = step.dev, step.options.solving()
     room = room_for(budget, step.ledger, dev)
-    base_time = {k: ops_once_time(t.planner.profiles) for k, t in traces.items()}
-    table = {k: f"ops once {1e3 * base_time[k]:.3f} ms" for k in traces}
-    # Built only when some budget is left for activations (a floor query, budget=1, goes straight on).
-    if room > 0:
-        progress.info("choosing the chunk count: one ILP over the %d traces", len(traces))
-        along(f"{sum(len(g.nodes) for t in traces.values() for g in t.planner.profiles)} nodes over all counts")
-        ilp = ChoiceModel({k: t.planner.profiles for k, t in traces.items()}, dev.alloc_granularity)
-    refused: dict[int, BudgetError] = {}
-    while room > 0:
-        choice = choose_trace(ilp, room, solver=opts["solver"], time_limit=opts["time_limit"], gap=opts["gap"])
-        if choice.chosen is None:
-            progress.info("the chunk-count ILP found no plan (%s): planning the counts in full, fastest first",
-                          choice.status)
+    table: dict[int, str] = {}
+    fastest: dict[int, float] = {}  # count -> the rows' least predicted time, for the counts they see a plan for
+    # A floor query (budget=1) leaves no room: its counts go straight to the plans in full.
+    for k in traces.counts if room > 0 else ():
+        profiles = traces[k].planner.profiles
+        progress.info("solving the ILP for the loss region in %d chunk(s)", k)
+        along(f"{sum(len(g.nodes) for g in profiles)} nodes")
+        time_s = trace_time(profiles, room, granularity=dev.alloc_granularity, **opts)
+        table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
+        if time_s is None:
+            table[k] += "; the ILP's rows see no plan at this budget"
+            continue
+        table[k] += f"; the ILP's plan: {1e3 * time_s:.3f} ms predicted"
+        no_faster = bool(fastest) and time_s >= min(fastest.values())
+        fastest[k] = time_s
+        if no_faster:
+            table[k] += "; no faster than fewer chunks: no more counts traced"
             break
-        k = choice.chosen
+    for k in traces.counts:
+        if room > 0 and k not in table:
+            table[k] = "not traced: fewer chunks were already as fast"
+    refused: dict[int, BudgetError] = {}
+    for k in sorted(fastest, key=lambda c: (fastest[c], c)):
         progress.info("the ILP chose %d chunk(s) for the loss region", k)
         try:
             plan, compiled, planner = build_count(k)
         except BudgetError as e:
             refused[k] = e
             table[k] += "; chosen by the ILP, refused by the exact simulator"
-            ilp.exclude(k)
             continue
-        table[k] += (f"; chosen by the ILP (predicted {1e3 * choice.predicted_time_s:.3f} ms with its recomputation, "
-                     f"activation rows up to {format_bytes(choice.predicted_peak)})")
+        table[k] += "; chosen by the ILP"
         return _record(plan, table, "ilp"), compiled, planner
-    k = _fastest_in_full(traces, base_time, refused, table, budget, step)
+    if room > 0:
+        progress.info("the ILP found no plan for any chunk count: planning the counts in full, fastest first")
+    k = _fastest_in_full(traces, refused, table, budget, step)
     plan, compiled, planner = build_count(k)
     return _record(plan, table, "each count planned in full (the ILP found no plan)"), compiled, planner
 
@@ -141,34 +177,54 @@ def _trace(step: TrainingStep, loss: LossOption, k: int, budget: int, dtypes) ->
     return Candidate(planner, compiled, option)
 
 
-def _fastest_in_full(traces: dict, base_time: dict, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:
-    """Plan the counts the ILP did not already see refused; the fastest that fits, or the BudgetError of
-    the count with the lowest floor.
+def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:
+    """Plan the counts not already refused in full; the fastest that fits, or the BudgetError of the
+    count with the lowest floor.
 
-    In order of their time with nothing recomputed (`base_time`, a lower bound of each count's step
-    time), and a count that cannot beat the fastest plan found so far even with nothing recomputed is
-    not planned (issue 38: planning all four counts of a 1-layer GPT-2 in full took 345 s). The fastest
-    plan that fits is the same as when every count is planned; the plan is kept for `build`.
+    In increasing count, which is the order of their time with nothing recomputed (the same FLOPs and
+    bytes in more kernels, each launched: `traces.base_time`, a lower bound of each count's step time).
+    Once a count cannot beat the fastest plan found so far even with nothing recomputed, no larger one
+    can, and none is traced or planned (issue 38: planning all four counts of a 1-layer GPT-2 in full
+    took 345 s). The plan is kept for `build`.
+
+    While none fits, a count is planned only if the one before it lowered the floor: a step's floor is the
+    larger of its peak outside the loss region, which the count leaves alone, and the region's own, which
+    more chunks only shrink; once a count does not lower the floor, the peak is outside the region and more
+    chunks cannot lower it either (issue 38: the 64-chunk floor, the costliest to search, was never below
+    the 4-chunk one on a 1-layer GPT-2, Llama or BERT, and took 18 of a floor query's 48 s).
     """
     best: tuple[float, int] | None = None
-    for k in sorted(traces, key=lambda c: (base_time[c], c)):
+    falling: tuple[int, int] | None = None  # (floor, count) of the lowest floor so far, while floors fall
+    stopped: str | None = None  # why the counts left are not planned
+    for k in traces.counts:
         if k in refused:
             continue
-        if best is not None and base_time[k] >= best[0]:
-            table[k] += (f"; not planned: with nothing recomputed it is no faster than the {best[1]}-chunk plan "
-                         f"({best[0] * 1e3:.3f} ms)")
+        if stopped is not None:
+            table[k] = (table[k] if k in traces.traced else "not traced") + f"; not planned: {stopped}"
+            continue
+        candidate = traces[k]
+        if not table.get(k, "").startswith("ops once"):
+            table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
+        if best is not None and traces.base_time[k] >= best[0]:
+            stopped = f"with nothing recomputed {k} chunks are no faster than the {best[1]}-chunk plan " \
+                      f"({best[0] * 1e3:.3f} ms)"
+            table[k] += f"; not planned: {stopped}"
             continue
         progress.info("planning the loss region in %d chunk(s) in full", k)
-        planner = traces[k].planner
         try:
             # As build plans the step (plan_jointly): its calls, one saved set per compiled graph.
-            d = plan_graphs(planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
+            d = plan_graphs(candidate.planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
         except BudgetError as e:
             refused[k] = e
             table[k] += "; planned in full: does not fit"
+            floor = e.smallest_budget if e.smallest_budget is not None else 2**62
+            if best is None and falling is not None and floor >= falling[0]:
+                stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
+            if falling is None or floor < falling[0]:
+                falling = (floor, k)
             continue
-        traces[k].decision = d
-        time_s = base_time[k] + d.recompute_time_s
+        candidate.decision = d
+        time_s = traces.base_time[k] + d.recompute_time_s
         table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
         if best is None or time_s < best[0]:
             best = (time_s, k)

@@ -107,7 +107,8 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     if chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
         chunks_note = fits_unchunked(planner, budget, ledger, dev)
         if chunks_note is None:
-            return choose_chunks(step, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build)
+            return choose_chunks(step, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build,
+                                 store_key=store_key)
     regions_note, cut_step = None, None
     checked = step.checked
     if regions == "auto" and planner.cached is None and planner.cut:

@@ -1,7 +1,7 @@
 """Solve: which values to save, which to recompute, and (precision="auto") each call's dtype.
 
 `decision` replays a plan's saved sets in the memory model; `heuristics` and `twice` give plans
-without an ILP and refine the ILP's; `ilp_data`, `ilp` and `ilp_choice` build the PuLP model (one objective,
+without an ILP and refine the ILP's; `ilp_data` and `ilp` build the PuLP model (one objective,
 `objective`; through `lp`, the one module that speaks PuLP); `solver` solves it, checked and calibrated by the simulator.
 Imports `model/`, `capture/`, `passes/` and the shared modules.
 """

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import pulp
 
@@ -80,8 +79,6 @@ from autoremat.solve.objective import Terms, set_objective
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.user_marks import bound_marks, hinted_bytes
 
-if TYPE_CHECKING:  # the choice model builds this one inside its own problem
-    from autoremat.solve.ilp_choice import Alternative
 
 @dataclass
 class IlpResult:
@@ -96,10 +93,7 @@ class IlpModel:
     """The ILP for a list of graphs that run one after another in one step (see the module docstring)."""
 
     def __init__(self, graphs: list[GraphProfile], granularity: int, block_drag: bool, shared_blocks: bool = False,
-                 choices: list[DtypeChoices | None] | None = None, tolerance: float | None = None,
-                 within: Alternative | None = None) -> None:
-        self.within = within
-        self.name = within.prefix if within else ""
+                 choices: list[DtypeChoices | None] | None = None, tolerance: float | None = None) -> None:
         self.block_drag = block_drag
         self.shared_blocks = shared_blocks
         self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
@@ -111,7 +105,7 @@ class IlpModel:
 
     def _build(self, graphs: list[GraphProfile], granularity: int) -> None:
         self.graphs = graphs
-        self.prob = self.within.prob if self.within else lp.problem("autoremat")
+        self.prob = lp.problem("autoremat")
         self._chained = 0
         self.s: list[dict[str, lp.Variable]] = []
         self.r: list[dict[str, lp.Variable]] = []
@@ -161,14 +155,12 @@ class IlpModel:
             p = nodes[v]
             if v in twin:  # an identical block decides for it: its variables come below
                 continue
-            r[v] = lp.binary(self.prob, f"{self.name}r{gi}_{v}")
+            r[v] = lp.binary(self.prob, f"r{gi}_{v}")
             if p.recompute_ban:
                 r[v].upBound = 0
             if p.is_tuple:
-                if self.within:
-                    self.prob += r[v] <= self.within.gate
                 continue
-            s[v] = lp.binary(self.prob, f"{self.name}s{gi}_{v}")
+            s[v] = lp.binary(self.prob, f"s{gi}_{v}")
             if (p.storage != v and base_size(g, v)) or p.fused or nodes.get(p.storage, p).fused:
                 # saving a view would hold its base, saving a fused value (or a view of one) would make
                 # Inductor write it out (fusion.py): recompute it instead
@@ -178,7 +170,7 @@ class IlpModel:
             r[v] = r[t]
             if t in s:
                 s[v] = s[t]
-        bound_marks(self.prob, g, life, s, r, self.within.gate if self.within else None)  # the user's MUST marks
+        bound_marks(g, life, s, r)  # the user's MUST marks
         for v in life.fw_pos:
             if v in life.needed:
                 self._choice_needed(s.get(v), r[v])
@@ -187,13 +179,12 @@ class IlpModel:
         return s, r
 
     def _choice_exclusive(self, s_v: lp.Variable, r_v: lp.Variable) -> None:
-        """choice: s_v + r_v <= 1 (a value is saved, recomputed, or neither); <= gate in an alternative."""
-        self.prob += s_v + r_v <= (self.within.gate if self.within else 1)
+        """choice: s_v + r_v <= 1 (a value is saved, recomputed, or neither)."""
+        self.prob += s_v + r_v <= 1
 
     def _choice_needed(self, s_v: lp.Variable | None, r_v: lp.Variable) -> None:
-        """choice: s_v + r_v >= 1 for a value the backward reads (a tuple has no s_v); >= gate in an
-        alternative."""
-        self.prob += (s_v if s_v is not None else 0) + r_v >= (self.within.gate if self.within else 1)
+        """choice: s_v + r_v >= 1 for a value the backward reads (a tuple has no s_v)."""
+        self.prob += (s_v if s_v is not None else 0) + r_v >= 1
 
     def _recompute_inputs(self, v: str, inputs, life: Lifetimes, s: dict, r: dict) -> None:
         """recompute inputs: r_v <= s_u + r_u; locality: r_u + r_v <= 1 where v would drag u earlier
@@ -212,11 +203,11 @@ class IlpModel:
         Also builds the error row's left side and the dtype terms of T."""
         low: dict[str, tuple] = {}
         for c, opts in sorted(choice.options.items()):
-            b = lp.binary(self.prob, f"{self.name}b{gi}_{c}") if "bf16" in opts else None
-            f = lp.binary(self.prob, f"{self.name}f{gi}_{c}") if "fp16" in opts else None
+            b = lp.binary(self.prob, f"b{gi}_{c}") if "bf16" in opts else None
+            f = lp.binary(self.prob, f"f{gi}_{c}") if "fp16" in opts else None
             is_low = (b if b is not None else 0) + (f if f is not None else 0)
-            if (b is not None and f is not None) or self.within:
-                self.prob += is_low <= (self.within.gate if self.within else 1)
+            if b is not None and f is not None:
+                self.prob += is_low <= 1
             low[c] = (b, f, is_low)
             self.err_expr += opts.get("bf16", 0.0) * (b if b is not None else 0)
             self.err_expr += opts.get("fp16", 0.0) * (f if f is not None else 0)
@@ -231,7 +222,7 @@ class IlpModel:
                 if len(own) == 1:
                     both[own] = low[next(iter(own))][2]
                 else:
-                    pi = lp.continuous(self.prob, f"{self.name}pi{gi}_{len(both)}", 0, 1)
+                    pi = lp.continuous(self.prob, f"pi{gi}_{len(both)}", 0, 1)
                     for c in sorted(own):
                         self.prob += pi <= low[c][2]
                     both[own] = pi
@@ -240,7 +231,7 @@ class IlpModel:
             half = size.get(v, 0) // 2
             for var, out, tag in ((s.get(v), saved_bytes, "sg"), (r.get(v), recomputed_bytes, "rh")):
                 if half and var is not None and v in out:
-                    prod = lp.continuous(self.prob, f"{self.name}{tag}{gi}_{v}", 0, 1)
+                    prod = lp.continuous(self.prob, f"{tag}{gi}_{v}", 0, 1)
                     self.prob += prod <= var
                     self.prob += prod <= pi
                     out[v] = out[v] - half * prod
@@ -346,16 +337,14 @@ class IlpModel:
     def _capacity(self) -> None:
         """Every row <= cap. One capacity variable carries the room, so the model is built once and
         re-solved with other budgets (or minimised, for the smallest peak) by changing its bounds."""
-        self.cap = self.within.cap if self.within else lp.continuous(self.prob, "cap", 0)
+        self.cap = lp.continuous(self.prob, "cap", 0)
         self.floor = 0  # rows without decision variables: the least any plan can peak at
         for static, expr in self.rows:
             fixed = not isinstance(expr, lp.Expression) or not expr.keys()
             if fixed:
                 static, expr = static + pulp.value(expr), lp.zero()
                 self.floor = max(self.floor, static)
-            if self.within:  # an alternative's rows bind only when it is the trace chosen
-                self.prob += expr + static * self.within.gate <= self.cap
-            elif not fixed:
+            if not fixed:
                 self.prob += expr + static <= self.cap
 
     def _running(self, acc: lp.Expression, delta: lp.Expression) -> lp.Expression:
@@ -366,7 +355,7 @@ class IlpModel:
         """
         if not delta.keys():
             return acc + delta.constant if delta.constant else acc
-        m = lp.continuous(self.prob, f"{self.name}m{self._chained}")
+        m = lp.continuous(self.prob, f"m{self._chained}")
         self._chained += 1
         self.prob += m == acc + delta
         return lp.of(m)

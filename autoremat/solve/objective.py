@@ -1,4 +1,4 @@
-"""The objective every ILP of the solver minimises, written once (ilp.py's and ilp_choice.py's models).
+"""The objective every ILP of the solver minimises, written once (ilp.py's model).
 
 Within the room: the least predicted time (recomputation and casts, scaled by the step's total),
 ties broken toward fewer saved bytes and toward bf16 over fp16. For the smallest peak: the least cap,
@@ -33,9 +33,9 @@ class Terms:
 
 
 def set_objective(prob: lp.Problem, cap: lp.Variable, min_peak: bool, terms: Terms) -> None:
-    """The one objective of every model here (ilp's and ilp_choice's): within the room (the caller has fixed
-    `cap` to it), the least time, ties toward fewer saved bytes and bf16 over fp16; with `min_peak` (`cap`
-    free), the least cap, ties toward the least time. Written once so the two models cannot drift apart."""
+    """The ILP's objective: within the room (the caller has fixed `cap` to it), the least time, ties toward
+    fewer saved bytes and bf16 over fp16; with `min_peak` (`cap` free), the least cap, ties toward the least
+    time."""
     if min_peak:
         prob.setObjective(cap + MIN_PEAK_TIME_WEIGHT * terms.total_bytes / terms.total_time * terms.time_expr)
     else:

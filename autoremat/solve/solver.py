@@ -23,18 +23,19 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
+import pulp
+
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult
-from autoremat.solve.ilp_choice import Choice, ChoiceModel
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.twice import recompute_twice, refine_further
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
-           "choose_dtypes", "choose_trace", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
-           "spend_slack"]
+           "choose_dtypes", "evaluate", "greedy", "lower_peak", "ops_once_time", "save_all", "smallest_peak", "solve",
+           "spend_slack", "trace_time"]
 
 # Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
 # the same objective (benchmarks/solver_scale.py).
@@ -213,26 +214,26 @@ def solve(
     return best
 
 
-def choose_trace(model: ChoiceModel, room: int, *, solver: str = "auto", time_limit: float = 10.0,
-                 gap: float = DEFAULT_GAP) -> Choice:
-    """Solve the ILP over alternative traces of the step (ilp_choice.py) under `room` bytes.
+def ops_once_time(graphs: list[GraphProfile]) -> float:
+    """T0: the predicted time of every op of `graphs` run once (no recomputation)."""
+    return sum(p.time_s for g in graphs for p in g.nodes.values())
 
-    Its rows bound the exact simulator from above, so near the floor they may see no room that is
-    there: then, as `_solve_model` does, learn how pessimistic they are from the model's own
-    smallest-peak solution (its rows against the simulator's peak of the same plan) and retry once.
+
+def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, solver: str = "auto",
+               time_limit: float = 10.0, gap: float = DEFAULT_GAP) -> float | None:
+    """The least predicted step time of one trace under `room` bytes as the ILP's rows see it: its ops once
+    (T0) plus the recomputation of the ILP's plan; None where the rows see no plan.
+
+    What alternative traces of a step (the loss region's chunk counts) are compared by. Each trace is
+    solved on its own: one joint ILP over all of them with a binary choice of trace gave the same answers
+    but took 3.8 to 6.3 s where the traces alone took 0.2 to 2.9 s together (1- and 2-layer GPT-2, BERT
+    and Llama, issue 38). The rows are not calibrated here: the caller plans the trace it picks in full.
     """
-    backend = _pick_solver(solver, time_limit, gap)
-    choice = model.solve(room, backend)
-    if choice.chosen is not None:
-        return choice
-    low = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
-    if low.chosen is None:
-        return choice
-    graphs = model.models[low.chosen].graphs
-    offset = low.predicted_peak - evaluate(graphs, low.saved, model.granularity)[1].peak
-    if offset <= 0:
-        return choice
-    return model.solve(room + offset, backend)
+    model = IlpModel(graphs, granularity, block_drag=True, shared_blocks=True)
+    result = model.solve(room, _pick_solver(solver, time_limit, gap))
+    if result.saved is None:
+        return None
+    return ops_once_time(graphs) + (pulp.value(model.time_expr) or 0.0)
 
 
 # The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in

@@ -1,7 +1,6 @@
 """The user's checkpoint marks (model/marks.py) in the ILP: MUST marks as bounds, PREFER marks as a tie-break.
 
-  must_save v        r_v = 0, and s_v = 1 where the backward reads v (in an alternative of ilp_choice.py,
-                     s_v >= gate: every variable of an alternative not chosen is 0)
+  must_save v        r_v = 0, and s_v = 1 where the backward reads v
   must_recompute v   s_v = 0 (the choice row s_v + r_v >= 1 then recomputes it where the backward reads it)
   prefer_*           no row: in the objective's tie-break on saved bytes (objective.TIE_BYTES, far below any
                      recompute time) a PREFER_RECOMPUTE value's bytes count twice and a PREFER_SAVE value's
@@ -21,17 +20,13 @@ from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 
 
-def bound_marks(prob: lp.Problem, g: GraphProfile, life: Lifetimes, s: dict, r: dict,
-                gate: lp.Variable | None = None) -> None:
-    """The MUST rows of one graph's s_v / r_v (module docstring); `gate` is an alternative's choice variable."""
+def bound_marks(g: GraphProfile, life: Lifetimes, s: dict, r: dict) -> None:
+    """The MUST bounds of one graph's s_v / r_v (module docstring)."""
     marks = must_marks(g)
     for v in sorted(marks.save & r.keys()):
         r[v].upBound = 0
         if v in life.needed and v in s and s[v].upBound != 0:
-            if gate is None:
-                s[v].lowBound = 1
-            else:
-                prob += s[v] >= gate
+            s[v].lowBound = 1
     for v in sorted(marks.recompute & s.keys()):
         s[v].upBound = 0
 

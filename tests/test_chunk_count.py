@@ -1,14 +1,13 @@
-"""One ILP over alternative traces of the step (autoremat.solve.ilp_choice): the loss region's chunk count.
+"""The loss region's chunk count (autoremat.planning.loss_region): each count's trace solved by its own ILP
+(`solver.trace_time`: ops once plus the recomputation of its plan), more chunks traced only while they pay.
 
-The joint model must give what solving each trace's own ILP and keeping the fastest would give, and
-the planner must let it choose: more chunks as the budget shrinks, none when memory is plentiful.
+The planner must let the ILP choose: more chunks as the budget shrinks, none when memory is plentiful.
 """
 
 from __future__ import annotations
 
 import copy
 
-import pulp
 import pytest
 import torch
 
@@ -18,7 +17,7 @@ from autoremat.passes.loss_chunks import LossOption
 from autoremat.planning.planner import CapturePlanner, compile_and_trace
 from autoremat.solve import lp
 from autoremat.solve.ilp import IlpModel
-from autoremat.solve.ilp_choice import ChoiceModel
+from autoremat.solve.solver import ops_once_time, trace_time
 from examples.models import gpt2
 
 BATCH, SEQ, VOCAB = 2, 32, 2048
@@ -47,42 +46,28 @@ def solver() -> lp.Solver:
     return lp.highs(time_limit=30, gap=0)
 
 
-def each_alone(alternatives: dict, budget: int) -> dict[int, float]:
-    """Per trace, its own ILP's least predicted time (ops once + recomputation) under `budget`."""
-    best = {}
+def test_with_room_for_everything_one_chunk_is_fastest(alternatives) -> None:
+    """With memory for everything, each trace costs its ops once plus only what may not be saved (a view,
+    which would hold its base) recomputed; more chunks are the same FLOPs in more, smaller kernels, each
+    launched, so the whole loss region is the fastest."""
+    times = {k: trace_time(graphs, 10**12, solver="highs", time_limit=30, gap=0) for k, graphs in alternatives.items()}
     for k, graphs in alternatives.items():
-        m = IlpModel(graphs, 1, block_drag=True, shared_blocks=True)
-        r = m.solve(budget, solver())
-        if r.saved is not None:
-            best[k] = sum(p.time_s for g in graphs for p in g.nodes.values()) + pulp.value(m.time_expr)
-    return best
+        assert times[k] >= ops_once_time(graphs), k
+    assert min(times, key=times.get) == 1, times
+    assert ops_once_time(alternatives[1]) < min(ops_once_time(alternatives[k]) for k in COUNTS if k > 1)
 
 
-def test_the_joint_model_picks_what_solving_each_trace_alone_would(alternatives) -> None:
-    joint = ChoiceModel(alternatives, 1)
-    low = joint.solve(None, solver(), min_peak=True).predicted_peak
-    high = max(m.solve(None, solver(), min_peak=True).predicted_peak for m in
-               (IlpModel(g, 1, block_drag=True, shared_blocks=True) for g in alternatives.values()))
-    picked = []
-    for budget in (int(low * 1.02), int((low + high) / 2), int(high * 3)):
-        alone = each_alone(alternatives, budget)
-        got = ChoiceModel(alternatives, 1).solve(budget, solver())
-        assert alone, budget
-        assert got.chosen is not None and got.predicted_peak <= budget
-        fastest = min(alone.values())
-        # The same optimum (to the solver's tolerance; the joint objective adds a tie-break on bytes).
-        assert got.predicted_time_s == pytest.approx(fastest, rel=1e-3), (budget, got, alone)
-        picked.append(got.chosen)
-    assert picked[-1] == 1, picked  # plenty of memory: the unchunked trace, which runs the fewest ops
-    assert picked[0] > 1, picked  # near the least peak: only a chunked trace fits
-
-
-def test_an_excluded_trace_is_not_chosen(alternatives) -> None:
-    joint = ChoiceModel(alternatives, 1)
-    first = joint.solve(10**12, solver()).chosen
-    joint.exclude(first)
-    second = joint.solve(10**12, solver()).chosen
-    assert second is not None and second != first
+def test_near_the_least_peak_only_a_chunked_trace_has_a_plan(alternatives) -> None:
+    """The rows' least peak of each trace (its min-peak solve): chunking frees logits-sized tensors, so the
+    whole trace's is the highest, and just above the lowest one only a chunked trace has a plan."""
+    least = {k: IlpModel(g, 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
+             for k, g in alternatives.items()}
+    lowest = min(least, key=least.get)
+    assert lowest > 1 and least[1] > least[lowest], least
+    budget = int(least[lowest] * 1.02)
+    assert budget < least[1]
+    assert trace_time(alternatives[1], budget, solver="highs", time_limit=30, gap=0) is None
+    assert trace_time(alternatives[lowest], budget, solver="highs", time_limit=30, gap=0) is not None
 
 
 @pytest.mark.slow
@@ -100,6 +85,9 @@ def test_the_planner_lets_the_ilp_choose_the_chunk_count() -> None:
     assert tight["chosen_by"] == "ilp", tight
     assert tight["chunks"] > 1 and set(tight["candidates"]) == {str(k) for k in LC.candidates(BATCH * SEQ)}, tight
     assert "chosen by the ILP" in tight["candidates"][str(tight["chunks"])]
+    # Counts are traced in increasing order until one is no faster than fewer chunks: the traced ones come first.
+    traced = [k for k, v in tight["candidates"].items() if not v.startswith("not traced")]
+    assert traced == [str(k) for k in LC.candidates(BATCH * SEQ)][:len(traced)], tight
     # With everything saved the 1-chunk step fits 1 GB: no other count is traced.
     assert roomy["chosen_by"] == "everything saved fits unchunked" and roomy["chunks"] == 1, roomy
     assert list(roomy["candidates"]) == ["1"], roomy
