@@ -9,6 +9,7 @@ import torch
 import autoremat
 from autoremat.model.ledger import Ledger
 from autoremat.planning.cache import PlanCache
+from autoremat.planning.planner import trace_step
 from examples import models
 from tests.tolerances import assert_close_for, batch_depth
 
@@ -145,8 +146,9 @@ def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
 
 def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_path, monkeypatch):
     """A plan whose loss region the ILP chunked is stored under the chunked trace's key, known only once that
-    count is traced; the unchunked trace's key remembers the count, so the second run traces that count
-    alone (issue 38: a cache hit retraced and planned every candidate, 26.8 s for a 1-layer Llama)."""
+    count is traced; the count is remembered under a key of the model's and batch's shapes, so the second
+    run traces that count alone, once (issue 38: a cache hit retraced and planned every candidate, 26.8 s
+    for a 1-layer Llama)."""
     torch.manual_seed(0)
     model, batch = models.gpt2(batch=2, seq=32, n_layer=1, n_embd=32, n_head=2, vocab=1024, dropout=0.0)
     roomy = autoremat.optimize(model, budget="1GB", example_inputs=batch, optimizer=None, compiler="eager",
@@ -156,14 +158,18 @@ def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_pa
     first = autoremat.optimize(model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager",
                                outputs="loss", cache=tmp_path, progress=False)
     assert first.plan.loss["chunks"] > 1 and len(first.plan.loss["candidates"]) > 2, first.plan.loss
-    assert len(list(tmp_path.glob("*.json"))) == 2  # the plan, and the count under the unchunked trace's key
+    assert len(list(tmp_path.glob("*.json"))) == 2  # the plan, and the count under the step's key
 
     def refuse(*a, **k):
         raise AssertionError("a chunk-count candidate was traced although the count was cached")
     monkeypatch.setattr(importlib.import_module("autoremat.planning.loss_region"), "_trace", refuse)
     _no_solver(monkeypatch)
+    pipeline = importlib.import_module("autoremat.planning.pipeline")
+    traced = []
+    monkeypatch.setattr(pipeline, "trace_step", lambda *a: traced.append(a) or trace_step(*a))
     second = autoremat.optimize(model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager",
                                 outputs="loss", cache=tmp_path, progress=False)
+    assert len(traced) == 1  # the remembered count, with the cached plan applied as it is traced
     assert second.plan.solver["path"] == "cache"
     assert second.plan.loss["chunks"] == first.plan.loss["chunks"]
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]

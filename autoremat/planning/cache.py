@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from autoremat.planning.plan import Plan, _version
+from autoremat.torch_internals import tree_leaves
 
 log = logging.getLogger("autoremat")
 
@@ -111,14 +112,29 @@ class PlanCache:
         return self.path(key)
 
     @staticmethod
+    def step_key(model: torch.nn.Module, args: tuple, kwargs: dict, fields: dict[str, Any]) -> str:
+        """A key for a step before it is traced: the model's class, its parameters' and buffers' names, shapes,
+        dtypes and whether they train, the batch's shapes and dtypes, and `fields`. Two steps can share it
+        (the same shapes, other code), so it names no plan, only the chunk count to trace (`store_count`)."""
+        def describe(x: Any) -> Any:
+            return [list(x.shape), str(x.dtype), x.device.type] if isinstance(x, torch.Tensor) else repr(x)
+        blob = json.dumps({"model": type(model).__qualname__, "autoremat": _version(), "torch": torch.__version__,
+                           "parameters": [[n, describe(p), p.requires_grad] for n, p in model.named_parameters()],
+                           "buffers": [[n, describe(b)] for n, b in model.named_buffers()],
+                           "batch": [describe(x) for x in tree_leaves((args, kwargs))], **fields},
+                          sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+    @staticmethod
     def count_key(key: str) -> str:
-        """Where the loss region's chosen chunk count is kept for the unchunked trace stored under `key`."""
+        """Where the loss region's chosen chunk count is kept for the step whose `step_key` is `key`."""
         return hashlib.sha256(f"{key}/loss_chunks".encode()).hexdigest()[:32]
 
     def store_count(self, key: str, chunks: int) -> None:
-        """Remember that the step whose unchunked trace has cache key `key` was planned with its loss region
-        in `chunks` pieces. That plan is stored under the chunked trace's own key, which is known only
-        once the chunked step is traced: this lets a later run trace that count alone, not every candidate."""
+        """Remember that the step whose `step_key` is `key` was planned with its loss region in `chunks`
+        pieces. That plan is stored under the chunked trace's own key, which is known only once the chunked
+        step is traced: this lets a later run trace that count alone, not the whole step first and then
+        every candidate."""
         self._write(self.count_key(key), {"chunks": chunks, "autoremat": _version(), "torch": torch.__version__})
 
     def load_count(self, key: str) -> int | None:

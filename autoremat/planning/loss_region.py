@@ -100,23 +100,34 @@ class Traces:
         return self.traced[k]
 
 
-def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable,
-                  store_key: str | None = None):
+def remembered_count(step: TrainingStep, budget: int, dtypes, store, fields, build: Callable):
+    """build's result from the plan cache at the chunk count a plan of this step was made with before, traced
+    alone; None if no count is remembered or the plan is not in the cache for that count's trace."""
+    known = store.load_count(_step_key(step, store, fields)) if store else None
+    if known is None:
+        return None
+    progress.info("the plan cache has a plan with the loss region in %d chunk(s): tracing that count", known)
+    return build(step, budget, dtypes, store, fields, chunks=known, cached_only=True)
+
+
+def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable):
     """Trace the step at more chunk counts while more chunks pay, and `build` it with the fastest count.
 
     `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
     trace (and its plan, if one was made here). Returns build's (plan, compiled, planner), with the
-    counts considered and how the count was chosen in `plan.loss`. `store_key`: the plan cache's key
-    of `first`, under which the count chosen is remembered; a count remembered there is traced alone.
+    counts considered and how the count was chosen in `plan.loss`. With a plan cache, the count chosen is
+    remembered for `remembered_count`.
     """
-    known = store.load_count(store_key) if store is not None and store_key else None
-    if known is not None:  # planned before: its plan is cached under that count's own trace
-        progress.info("the plan cache chose %d chunk(s) for the loss region before: tracing that count", known)
-        return build(step, budget, dtypes, store, fields, chunks=known)
     out = _choose(step, first, budget, dtypes, store, fields, build)
-    if store is not None and store_key:
-        store.store_count(store_key, out[0].loss["chunks"])
+    if store is not None:
+        store.store_count(_step_key(step, store, fields), out[0].loss["chunks"])
     return out
+
+
+def _step_key(step: TrainingStep, store, fields: dict) -> str:
+    """The cache's key for the step before it is traced, with the fields `build` adds for the first trace."""
+    return store.step_key(step.model, step.args, step.kwargs,
+                          {**fields, "outputs": step.options.outputs, "loss_chunks": None})
 
 
 def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, build: Callable):

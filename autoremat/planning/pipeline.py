@@ -20,10 +20,10 @@ import torch
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger
 from autoremat.passes.loss_chunks import LossOption, compose
+from autoremat.planning import loss_region as region
 from autoremat.planning import precision_plan
 from autoremat.planning.budget import check_cached, plan_graphs, room_for
 from autoremat.planning.cache import PlanCache
-from autoremat.planning.loss_region import Candidate, choose_chunks, fits_unchunked, loss_region_matters
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
@@ -79,7 +79,7 @@ class _Tracer:
 
 
 def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
-          chunks: int | None = None, first: Candidate | None = None) -> tuple[Plan, Any, CapturePlanner]:
+          chunks: int | None = None, first: region.Candidate | None = None, cached_only: bool = False) -> Any:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
     The loss region is chunked into `chunks` pieces (autoremat.passes.loss_chunks; `step.options.outputs`
@@ -88,7 +88,10 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     first: the step already traced with these dtypes and `chunks` (the loss-region candidate
     `choose_chunks` chose), and its plan at the budget if one was solved: neither is done again
     (without a plan cache: a cached plan is looked up by a trace's first graph as it arrives).
+    Returns (plan, compiled, planner); with `cached_only`, None unless the plan came from the cache.
     """
+    if chunks is None and first is None and (hit := region.remembered_count(step, budget, dtypes, store, fields, build)):
+        return hit
     options, ledger, dev = step.options, step.ledger, step.dev
     outputs, regions = options.outputs, options.regions
     loss = LossOption(outputs, chunks)
@@ -103,12 +106,13 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         progress.info("capturing the training step")
         traced = trace(regions if isinstance(regions, bool) else True)  # "auto" captures per block first
     planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
+    if cached_only and (planner.cached is None or check_cached(planner, budget, ledger, dev) is None):
+        return None  # a step traced at a remembered chunk count whose plan is not in the cache
     chunks_note = None
-    if chunks is None and loss.found and loss_region_matters(planner, loss, dev.alloc_granularity):
-        chunks_note = fits_unchunked(planner, budget, ledger, dev)
+    if chunks is None and loss.found and region.loss_region_matters(planner, loss, dev.alloc_granularity):
+        chunks_note = region.fits_unchunked(planner, budget, ledger, dev)
         if chunks_note is None:
-            return choose_chunks(step, Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build,
-                                 store_key=store_key)
+            return region.choose_chunks(step, region.Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build)
     regions_note, cut_step = None, None
     checked = step.checked
     if regions == "auto" and planner.cached is None and planner.cut:
