@@ -17,6 +17,8 @@ step) take their time out of whichever stage they run in, so every second lands 
 stage. The longest gap between two progress records is reported too (issue 38 (5): none over 5 s).
 
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py [--quick] [--models stack,gpt2,...] [--out NAME]
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24,48 --models stack,gpt2 --variants eager
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --quick --sizes 0 --models gpt2,llama,bert --variants eager,inductor
 
 Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
 """
@@ -158,7 +160,7 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
         om = autoremat.optimize(model, budget, inputs, optimizer=None, progress=False, **kw)
         error = None
     except autoremat.BudgetError as e:
-        om, error = None, str(e).splitlines()[0]
+        om, error, smallest = None, str(e).splitlines()[0], e.smallest_budget
     finally:
         total = clock.finish()
         LOGGER.removeHandler(clock)
@@ -171,8 +173,55 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
         row.update(predicted_peak=p.predicted_peak, chunks=(p.loss or {}).get("chunks"),
                    compiler=p.compiler.get("used"), path=p.solver.get("path"))
     else:
-        row["error"] = error
+        row["error"], row["smallest_budget"] = error, smallest
     return row
+
+
+CLIFF_LOOSE = 0.8  # --cliff: the loose budget's share of eager's activation peak
+
+
+def run_cliff(name: str, size: str, factory, variants: list[str]) -> dict:
+    """Issue 38's cliff near the floor: per compiler, planning at a loose budget (fixed + CLIFF_LOOSE x eager's
+    activations), the floor query (budget=1), a plan at that floor, and a budget 5% below it (refused)."""
+    global BUDGET_SHARE
+    torch.manual_seed(0)
+    model, inputs = factory()
+    BUDGET_SHARE, kept = CLIFF_LOOSE, BUDGET_SHARE
+    try:
+        loose = issue_budget(model, inputs)
+    finally:
+        BUDGET_SHARE = kept
+    row: dict = {"model": name, "size": size, "loose_budget": loose}
+    for v in variants:
+        kw = {"compiler": v}
+        runs = {"loose": timed_optimize(copy.deepcopy(model), inputs, loose, **kw),
+                "floor query": timed_optimize(copy.deepcopy(model), inputs, 1, **kw)}
+        floor = runs["floor query"].get("smallest_budget")
+        if floor:
+            runs["at the floor"] = timed_optimize(copy.deepcopy(model), inputs, floor, **kw)
+            runs["5% below"] = timed_optimize(copy.deepcopy(model), inputs, int(0.95 * floor), **kw)
+        row[v] = {"floor": floor, **runs}
+        print(f"  {name} {size} {v}: " + ", ".join(f"{k} {r['total_s']:.1f} s" + (" (refused)" if "error" in r else "")
+                                                   for k, r in runs.items()), flush=True)
+    return row
+
+
+def cliff_report(rows: list[dict], variants: list[str], command: str) -> str:
+    lines = ["# Planning time near the floor (issue 38)\n", f"`{command}`  ",
+             f"{platform.processor() or 'cpu'}, torch {torch.__version__}, 1 thread, on a shared machine.\n",
+             f"Loose: fixed bytes + {CLIFF_LOOSE} x eager's activation peak. Floor query: budget=1 (refused; "
+             "BudgetError.smallest_budget is the floor). Each run cold (dynamo reset, no remembered floor).\n",
+             "| model | size | compiler | floor | loose s | floor query s | at the floor s | 5% below s "
+             "| floor query / loose | at floor / loose | below / loose |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for v in variants:
+            runs = r[v]
+            t = {k: runs[k]["total_s"] for k in ("loose", "floor query", "at the floor", "5% below") if k in runs}
+            cells = [f"{t[k]:.1f}" + (" (refused)" if "error" in runs[k] else "") if k in t else "-"
+                     for k in ("loose", "floor query", "at the floor", "5% below")]
+            ratios = [f"{t[k] / t['loose']:.2f}x" if k in t else "-" for k in ("floor query", "at the floor", "5% below")]
+            lines.append(f"| {r['model']} | {r['size']} | {v} | {runs['floor']} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +265,16 @@ def bert(batch, seq, n_layer, hidden, heads, vocab):
     return make(batch, seq, n_layer, hidden, heads, vocab)
 
 
-def models(quick: bool) -> dict:
-    """name -> [(size label, factory)] at two sizes (depth doubled; --quick halves everything)."""
+def models(quick: bool, depths: list[int] | None = None) -> dict:
+    """name -> [(size label, factory)] at two sizes (depth doubled; --quick halves everything), or at `depths`
+    (--depths: how planning time grows with depth)."""
+    if depths:
+        return {
+            "stack": [(f"{n}L d128 4x64", lambda n=n: ex.transformer_stack(4, 64, n, 128, 4, 0.1)) for n in depths],
+            "gpt2": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.gpt2(2, 64, n, 64, 4, 1024)) for n in depths],
+            "llama": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.llama(2, 64, n, 64, 4, 1024)) for n in depths],
+            "bert": [(f"{n}L d64 4x64 V1024", lambda n=n: bert(4, 64, n, 64, 4, 1024)) for n in depths],
+        }
     d = (1, 2) if quick else (2, 4)
     return {
         "stack": [(f"{2 * n}L d128 4x64", lambda n=n: ex.transformer_stack(4, 64, 2 * n, 128, 4, 0.1)) for n in d],
@@ -299,7 +356,26 @@ def report(rows: list[dict], variants: list[str], command: str) -> str:
             cells = [f"{st[s]:.1f}" + (f" x{n[s]}" if n.get(s, 1) > 1 else "") if s in st else "" for s in present]
             lines.append(f"| {r['model']} | {r['size']} | {r[v]['total_s']:.1f} | " + " | ".join(cells) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + per_layer(rows, variants))
+
+
+def per_layer(rows: list[dict], variants: list[str]) -> list[str]:
+    """Seconds per layer of each variant and of torch.compile, for models run at three or more depths:
+    linear growth keeps them flat."""
+    lines = []
+    for name in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        if len(mine) < 3:
+            continue
+        if not lines:
+            lines = ["## Growth with depth (seconds per layer)\n",
+                     "| model | size | " + " | ".join(f"{v} s/layer" for v in variants) + " | Inductor s/layer |",
+                     "|---|---|" + "---|" * (len(variants) + 1)]
+        for r in mine:
+            n = int(r["size"].split("L")[0])
+            cells = [f"{r[v]['total_s'] / n:.2f}" if v in r else "" for v in variants]
+            lines.append(f"| {name} | {r['size']} | " + " | ".join(cells) + f" | {r['inductor_s'] / n:.2f} |")
+    return lines + [""] if lines else []
 
 
 def main() -> None:
@@ -308,6 +384,9 @@ def main() -> None:
     ap.add_argument("--models", default="stack,gpt2,llama,bert")
     ap.add_argument("--variants", default="eager,inductor,auto-precision,cache-hit")
     ap.add_argument("--sizes", default="0,1", help="which of each model's two sizes")
+    ap.add_argument("--depths", default=None, help="instead of the two sizes, these depths (e.g. 12,24,48)")
+    ap.add_argument("--cliff", action="store_true", help="time a loose budget, the floor query, the floor and below "
+                    "it; --variants names the compilers (eager, inductor)")
     ap.add_argument("--out", default=None, help="results file stem (default plan_time_cpu[_quick])")
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -315,12 +394,25 @@ def main() -> None:
     variants = a.variants.split(",")
     inductor_problem("cpu")  # the probe and Inductor's imports, once per process, outside every timing
     first_call(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "inductor")
-    table = models(a.quick)
+    depths = [int(n) for n in a.depths.split(",")] if a.depths else None
+    table = models(a.quick, depths)
+    sizes = range(len(depths)) if depths else map(int, a.sizes.split(","))
     rows = []
     command = "PYTHONPATH=.:benchmarks python benchmarks/plan_time.py " + " ".join(sys.argv[1:])
-    stem = a.out or ("plan_time_cpu_quick" if a.quick else "plan_time_cpu")
+    stem = a.out or ("plan_time_cpu_depth" if depths else "plan_time_cpu_quick" if a.quick else "plan_time_cpu")
+    if a.cliff:
+        stem = a.out or "plan_time_cpu_cliff"
+        for name in a.models.split(","):
+            for i in list(sizes):
+                size, factory = table[name][i]
+                rows.append(run_cliff(name, size, factory, variants))
+                text = cliff_report(rows, variants, command)
+                (RESULTS / f"{stem}.md").write_text(text)
+                (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print(text)
+        return
     for name in a.models.split(","):
-        for i in map(int, a.sizes.split(",")):
+        for i in list(sizes):
             size, factory = table[name][i]
             rows.append(run_model(name, size, factory, variants))
             text = report(rows, variants, command)  # written after each model: a long run keeps what it measured

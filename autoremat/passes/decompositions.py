@@ -40,20 +40,22 @@ def _(x: torch.Tensor, p: float) -> torch.Tensor:
 
 
 @torch.library.custom_op("autoremat::bool_bernoulli", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def bool_bernoulli(like: torch.Tensor, p: float) -> torch.Tensor:
-    """`aten.bernoulli.p(like, p)`: a fresh tensor like `like`, each element True with probability p,
-    drawn in memory order. The same kernel and draw; only compilers see an opaque op. Inductor lowers
-    `aten.bernoulli.p` on CPU as a clone filled in place by `bernoulli_`, and its scheduler can fuse a
-    reader of the filled mask into the kernel that writes the clone, so that the reader sees the
-    unfilled clone (measured: a PEFT LoRA adapter whose dropout reads a LayerNorm output got an
-    all-false mask, hence zero `lora_B` gradients; tests/test_lora.py). An opaque op returns its mask
-    whole, before any reader runs."""
-    return torch.ops.aten.bernoulli.p(like, p)
+def bool_bernoulli(size: list[int], p: float, device: torch.device) -> torch.Tensor:
+    """A contiguous bool tensor of `size`, each element True with probability p, drawn in memory order by
+    `bernoulli_`: the draw `aten.bernoulli.p` makes, into the tensor it returns (no input to copy).
+
+    An op of its own, opaque to compilers, because Inductor lowers `aten.bernoulli.p` on CPU as a clone
+    filled in place by `bernoulli_`, and its scheduler can fuse a reader of the filled mask into the
+    kernel that writes the clone, so that the reader sees the unfilled clone (measured: a PEFT LoRA
+    adapter whose dropout reads a LayerNorm output got an all-false mask, hence zero `lora_B` gradients;
+    tests/test_lora.py). It takes no tensor: an input to draw like would be one more buffer, which
+    Inductor allocates and the memory model did not see (1.35 MiB over the prediction at a LoRA floor)."""
+    return torch.empty(size, dtype=torch.bool, device=device).bernoulli_(p)
 
 
 @bool_bernoulli.register_fake
-def _(like: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.empty_like(like)
+def _(size: list[int], p: float, device: torch.device) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.bool, device=device)
 
 
 def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
@@ -85,8 +87,7 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
     order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))  # outermost in memory first
     if not x.permute(order).is_contiguous():
         return NotImplemented  # overlapping or gapped layout: keep the fused op (saved, not recomputed)
-    drawn = torch.ops.autoremat.bool_bernoulli(torch.empty([x.shape[d] for d in order], dtype=torch.bool,
-                                                           device=x.device), 1 - p)
+    drawn = torch.ops.autoremat.bool_bernoulli([x.shape[d] for d in order], 1 - p, x.device)
     mask = drawn.permute([order.index(d) for d in range(x.dim())])
     return torch.where(mask, torch.mul(x, scale), 0), mask
 

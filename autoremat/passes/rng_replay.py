@@ -48,7 +48,8 @@ def _state_bytes(device: torch.device) -> int:
 
 
 def _device(args: tuple) -> torch.device:
-    return next(a.device for a in args if isinstance(a, torch.Tensor))
+    """The device a draw runs on: its first tensor argument's, or its device argument (`bool_bernoulli`)."""
+    return next(a.device if isinstance(a, torch.Tensor) else a for a in args if isinstance(a, (torch.Tensor, torch.device)))
 
 
 def _get_state(device: torch.device) -> torch.Tensor:

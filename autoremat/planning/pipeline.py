@@ -313,7 +313,7 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
             f"re-planned with the {format_bytes(gap)} difference reserved, it measured "
             f"{format_bytes(ledger.step_peak(again))}. The memory model misses something this model allocates; a "
             f"budget of {format_bytes(ledger.needs(again))} holds the re-planned step.\n{ledger.format()}",
-            ledger, None)
+            ledger, ledger.needs(again))
     if again is not None:
         new.notes.append(f"verified the re-planned step: measured activation peak {again} B")
     return new, compiled, applier
