@@ -396,14 +396,14 @@ def main() -> None:
     first_call(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "inductor")
     depths = [int(n) for n in a.depths.split(",")] if a.depths else None
     table = models(a.quick, depths)
-    sizes = range(len(depths)) if depths else map(int, a.sizes.split(","))
+    sizes = list(range(len(depths))) if depths else [int(i) for i in a.sizes.split(",")]
     rows = []
     command = "PYTHONPATH=.:benchmarks python benchmarks/plan_time.py " + " ".join(sys.argv[1:])
     stem = a.out or ("plan_time_cpu_depth" if depths else "plan_time_cpu_quick" if a.quick else "plan_time_cpu")
     if a.cliff:
         stem = a.out or "plan_time_cpu_cliff"
         for name in a.models.split(","):
-            for i in list(sizes):
+            for i in sizes:
                 size, factory = table[name][i]
                 rows.append(run_cliff(name, size, factory, variants))
                 text = cliff_report(rows, variants, command)
@@ -412,7 +412,7 @@ def main() -> None:
         print(text)
         return
     for name in a.models.split(","):
-        for i in list(sizes):
+        for i in sizes:
             size, factory = table[name][i]
             rows.append(run_model(name, size, factory, variants))
             text = report(rows, variants, command)  # written after each model: a long run keeps what it measured
