@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,16 @@ class PlanCache:
 
     def load(self, key: str) -> Plan | None:
         """The plan stored under `key`, or None if there is none or it cannot be trusted."""
+        def plan_of(entry: dict) -> Plan:
+            plan = Plan.from_dict(entry["plan"])
+            if plan.versions.get("torch") != torch.__version__ or plan.versions.get("autoremat") != _version():
+                raise ValueError(f"entry was made with {plan.versions}")
+            return plan
+        return self._read(key, plan_of)
+
+    def _read(self, key: str, parse: Callable[[dict], Any]) -> Any:
+        """`parse(entry)` of the JSON stored under `key`, or None: no file, another key's entry, or anything
+        `parse` raises on (any way a file can be broken is a miss, never an error)."""
         path = self.path(key)
         if not path.exists():
             return None
@@ -84,13 +95,10 @@ class PlanCache:
             entry = json.loads(path.read_text())
             if entry.get("key") != key:  # renamed or copied from another key
                 raise ValueError(f"entry is for key {entry.get('key')!r}")
-            plan = Plan.from_dict(entry["plan"])
-            if plan.versions.get("torch") != torch.__version__ or plan.versions.get("autoremat") != _version():
-                raise ValueError(f"entry was made with {plan.versions}")
-        except Exception as e:  # any way a file can be broken: it is a miss, never an error
+            return parse(entry)
+        except Exception as e:
             log.warning("autoremat: ignoring unusable plan cache entry %s (%s: %s)", path, type(e).__name__, e)
             return None
-        return plan
 
     def store(self, key: str, plan: Plan, fields: dict[str, Any]) -> Path | None:
         """Write `plan` under `key`. A cache that cannot be written is only worth a warning."""
@@ -139,21 +147,14 @@ class PlanCache:
 
     def load_count(self, key: str) -> int | None:
         """The chunk count `store_count` kept for `key`, or None (none, unreadable, or from other versions)."""
-        path = self.path(self.count_key(key))
-        if not path.exists():
-            return None
-        try:
-            entry = json.loads(path.read_text())
-            if entry.get("key") != self.count_key(key) or entry.get("autoremat") != _version() \
-                    or entry.get("torch") != torch.__version__:
-                raise ValueError("entry is for another key or version")
+        def count_of(entry: dict) -> int:
+            if entry.get("autoremat") != _version() or entry.get("torch") != torch.__version__:
+                raise ValueError(f"entry was made with autoremat {entry.get('autoremat')}, torch {entry.get('torch')}")
             chunks = entry["chunks"]
             if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
                 raise ValueError(f"chunk count {chunks!r}")
-        except Exception as e:
-            log.warning("autoremat: ignoring unusable plan cache entry %s (%s: %s)", path, type(e).__name__, e)
-            return None
-        return chunks
+            return chunks
+        return self._read(self.count_key(key), count_of)
 
     def discard(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

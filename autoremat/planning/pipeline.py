@@ -106,7 +106,11 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         progress.info("capturing the training step")
         traced = trace(regions if isinstance(regions, bool) else True)  # "auto" captures per block first
     planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
-    if cached_only and (planner.cached is None or check_cached(planner, budget, ledger, dev) is None):
+    hit = check_cached(planner, budget, ledger, dev) if planner.cached is not None else None
+    if hit is not None:
+        hit.notes.append(f"plan loaded from the cache ({store.path(store_key)}); re-simulated, not solved")
+        return hit, compiled, planner
+    if cached_only:
         return None  # a step traced at a remembered chunk count whose plan is not in the cache
     chunks_note = None
     if chunks is None and loss.found and region.loss_region_matters(planner, loss, dev.alloc_granularity):
@@ -118,11 +122,7 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     if regions == "auto" and planner.cached is None and planner.cut:
         traced, cut_step = one_graph_if_free(traced, trace, budget, step)
         planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
-    if planner.cached is not None:
-        hit = check_cached(planner, budget, ledger, dev)
-        if hit is not None:
-            hit.notes.append(f"plan loaded from the cache ({store.path(store_key)}); re-simulated, not solved")
-            return hit, compiled, planner
+    if planner.cached is not None:  # found, but it no longer fits these graphs
         log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(store_key))
         store.discard(store_key)
         planner = trace.planner(planner.regions, lookup=False)
