@@ -160,8 +160,9 @@ def optimize(
         backward ends. `loss.backward()` and `backward(inputs=...)` work as usual; the exception is
         `torch.autograd.grad` with respect to parameters, which raises a RuntimeError saying to pass
         release_grads=False.
-    verify: run one real step at planning time (state restored afterwards) and re-plan once if
-        the measured peak is above the prediction. Skipped on the meta device.
+    verify: run one real step at planning time (state restored afterwards); if it measures over the
+        budget, plan again with the gap reserved (up to three times, each measured), else BudgetError.
+        Skipped on the meta device.
     cache: False, True (plans kept in $AUTOREMAT_CACHE_DIR or ~/.cache/autoremat) or a directory:
         a second optimize of the same step under the same options reuses the plan, re-checked by
         the simulator, without solving (plan.solver["path"] == "cache").

@@ -1,28 +1,31 @@
 """Buffer by buffer: what Inductor's generated code holds at each compiled graph's peak, against the memory model.
 
-Plans one model of `speed.py --quick` under compiler="inductor" at a budget (verify off, so the plan is
-the first one), keeps the wrapper code Inductor generates for the final forward and backward modules
-(caches off, so every graph is generated), and replays each module's `call()` statically: a buffer
+Plans one model of `speed.py --quick`, or lora.py's LoRA GPT-2 (with its AdamW, outputs="loss"), under
+compiler="inductor" at a budget (verify off, so the plan is the first one), runs one step (the backward
+compiles at its first call), keeps the wrapper code Inductor generates for the final forward and backward
+modules (caches off, so every graph is generated), and replays each module's `call()` statically: a buffer
 lives from its `empty_strided_cpu` to its `del`, a `# reuse` line hands a buffer to a new name (in
 place or from the pool), an `# alias` is a view; the graph's inputs other than parameters and tangents
 (saved activations, donated to the backward) live until their `del`. Printed per module: that replay's
 peak and the largest buffers then; then the memory model's peak for each graph and phase, and the
-measured step. Buffers Inductor writes are named `buf<k>`; the `# Topologically Sorted Source Nodes`
+measured step's activations (as verification measures them). Buffers Inductor writes are named `buf<k>`; the `# Topologically Sorted Source Nodes`
 comment in the code (kept under --dump) names the graph nodes each kernel computes.
 
-    python benchmarks/inductor_buffers.py --model stack [--dropout 0.1] [--budget BYTES] [--dump DIR]
+    python benchmarks/inductor_buffers.py --model stack [--dropout 0.1] [--budget BYTES] [--dump DIR] [--out NAME]
+    PYTHONPATH=.:benchmarks python benchmarks/inductor_buffers.py --model lora --budget 28437381 --out inductor_buffers_lora_cpu
 
-Prints only (a probe for issue #17's analysis; nothing is written unless --dump is given).
+A probe for issue #17's and #40's analysis: prints, and writes benchmarks/results/NAME.md under --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 from pathlib import Path
 
 import torch
-from common import SEED, make_step, speed_configs, split
+from common import SEED, git_state, make_step, speed_configs, split
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1, "torch.int64": 8,
                "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1}
@@ -72,13 +75,27 @@ def replay(code: str) -> tuple[int, str, dict[str, int]]:
     return peak, at, then
 
 
+def _model(name: str, dropout: float):
+    """(model, example inputs, optimizer, outputs) of `name`: speed.py --quick's stack or GPT-2, or lora.py's
+    LoRA GPT-2 with AdamW over its adapter (its own dropout, 0.1)."""
+    if name == "lora":
+        import lora
+        model, batch, opt = lora.fresh()
+        return model, batch, opt, "loss"
+    cfg = next(c for c in speed_configs(True, dropout) if c["name"] == name)
+    torch.manual_seed(SEED)
+    model, ex = cfg["factory"](**cfg["kwargs"])
+    return model, ex, None, "all"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="stack", choices=("stack", "gpt2"))
+    ap.add_argument("--model", default="stack", choices=("stack", "gpt2", "lora"))
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--budget", type=int, default=1 << 50, help="bytes (default: no recomputation)")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--dump", default="", help="a folder to write each generated module to")
+    ap.add_argument("--out", default="", help="also write what is printed to benchmarks/results/<OUT>.md")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from torch._inductor import config
@@ -87,44 +104,63 @@ def main() -> None:
     import autoremat
     from autoremat.measure import measure_peak
     from autoremat.model.devices import get_device
+    from autoremat.planning.verify import measure_step
     from autoremat.solve.decision import evaluate
+
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
 
     codes: list[str] = []
     config.force_disable_caches = True
     GraphLowering.save_output_code = staticmethod(codes.append)
-    cfg = next(c for c in speed_configs(True, a.dropout) if c["name"] == a.model)
-    torch.manual_seed(SEED)
-    model, ex = cfg["factory"](**cfg["kwargs"])
+    model, ex, opt, outputs = _model(a.model, a.dropout)
     model.train()
-    om = autoremat.optimize(model, budget=a.budget, example_inputs=ex, optimizer=None, compiler="inductor",
-                            verify=False, progress=False)
+    om = autoremat.optimize(model, budget=a.budget, example_inputs=ex, optimizer=opt, compiler="inductor",
+                            verify=False, progress=False, outputs=outputs)
+    args, kwargs = split(ex)
+    step = make_step(om, args, kwargs)
+    step()  # AOTAutograd compiles each backward at its first call
+    model.zero_grad(set_to_none=True)
     n = om.num_graphs
-    final = codes[-2 * n:]  # the last compiles: each graph's forward, then the backwards (last graph first)
+    # the last compiles: each graph's forward (planning compiled the step), then the backwards, last graph first
+    final = codes[-2 * n:]
     for k, code in enumerate(final):
         kind = "forward" if k < n else "backward"
         peak, at, then = replay(code)
-        print(f"module {k} ({kind}): peak {peak} B at {at}")
+        say(f"module {k} ({kind}): peak {peak} B at {at}")
         for name, size in sorted(then.items(), key=lambda kv: -kv[1])[: a.top]:
-            print(f"    {name:14s} {size}")
+            say(f"    {name:14s} {size}")
         if a.dump:
             Path(a.dump).mkdir(parents=True, exist_ok=True)
             (Path(a.dump) / f"module{k}_{kind}.py").write_text(code)
-    profiles = om._planners[0].profiles
-    _, tl, _ = evaluate(profiles, [set(g.saved) for g in om.plan.graphs], get_device("cpu").alloc_granularity)
+    profiles = om._planners[0].sequence()
+    _, tl, _ = evaluate(profiles, [set(g.saved) | set(g.again) for g in om.plan.graphs], get_device("cpu").alloc_granularity)
     peaks: dict[tuple[int, str], tuple[int, str]] = {}
     for s in tl.steps:
         if s.during > peaks.get((s.graph, s.phase), (-1, ""))[0]:
             peaks[(s.graph, s.phase)] = (s.during, s.node)
-    print("memory model, live activations at each graph's peak (all graphs' values):")
+    say("memory model, live activations at each graph's peak (all graphs' values):")
     for (graph, phase), (during, node) in peaks.items():
-        print(f"    graph {graph} {phase:8s} {during} B at {node}")
-    args, kwargs = split(ex)
-    step = make_step(om, args, kwargs)
-    step()
-    step()
-    _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
-    print(f"predicted peak {om.plan.predicted_peak} B, measured {m.peak_bytes} B "
-          f"({om.plan.predicted_peak / m.peak_bytes - 1:+.2%})")
+        say(f"    graph {graph} {phase:8s} {during} B at {node}")
+    planned = next(iter(om._shapes.values()))
+    measured = measure_step(model, planned[1], planned[2], args, kwargs, torch.device("cpu"))
+    say(f"activations: predicted {om.plan.activation_peak} B, measured {measured} B on a steady-state step "
+        f"(the outputs held through the backward, as verification measures) ({measured / om.plan.activation_peak - 1:+.2%})")
+    if outputs == "all":
+        step()
+        step()
+        _, m = measure_peak(step, device=torch.device("cpu"), baseline_objs=(model, ex))
+        say(f"predicted peak {om.plan.predicted_peak} B, measured {m.peak_bytes} B "
+            f"({om.plan.predicted_peak / m.peak_bytes - 1:+.2%})")
+    if a.out:
+        out = Path(__file__).parent / "results" / f"{a.out}.md"
+        head = (f"# Inductor's buffers against the memory model: `{' '.join(['python', *sys.argv])}`\n\n"
+                f"torch {torch.__version__}, 1 thread, repo {git_state().line()}. Modules: each graph's forward, then "
+                f"the backwards (last graph first); a module's peak counts its own buffers and the inputs it holds.\n")
+        out.write_text(head + "\n```\n" + "\n".join(lines) + "\n```\n")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import autoremat
 from autoremat.measure import measure_peak
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import SLACK, Ledger
-from autoremat.planning.pipeline import loss_of
+from autoremat.planning.verify import loss_of
 from autoremat.solve.solver import evaluate
 
 MiB = 2**20

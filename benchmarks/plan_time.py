@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import autoremat
 from autoremat.capture import aot as capture
 from autoremat.measure import measure_peak
-from autoremat.planning import pipeline, planner
+from autoremat.planning import planner, verify
 from autoremat.planning.compilers import inductor_problem
 from autoremat.solve import ilp, solver
 from examples import models as ex
@@ -143,7 +143,7 @@ def install_hooks() -> None:
     planner.calibrate_scratch = _hooked("profile", planner.calibrate_scratch)
     ilp.IlpModel.__init__ = _hooked("ILP build", ilp.IlpModel.__init__)
     ilp.IlpModel.solve = _hooked("ILP solve", ilp.IlpModel.solve)
-    pipeline.measure_step = _hooked("verification", pipeline.measure_step)
+    verify.measure_step = _hooked("verification", verify.measure_step)
     timed = capture.CompileClock.timed
     capture.CompileClock.timed = lambda self, fn: timed(self, _hooked("inductor compile", fn))
 

@@ -53,7 +53,7 @@ def main() -> None:
     om = scale_optimize(model, inputs, f["total"], a.precision, a.outputs)
     plan = om.plan
     profiles = om._planner.profiles
-    best = live_at_peak(profiles, [set(g.saved) for g in plan.graphs], get_device(SCALE_DEVICE).alloc_granularity)
+    best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs], get_device(SCALE_DEVICE).alloc_granularity)
     g = profiles[best["graph"]]
     where = g.nodes[best["node"]]
     live = sorted(best["live"].items(), key=lambda kv: -kv[1])

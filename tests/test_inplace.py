@@ -9,11 +9,14 @@ import torch
 
 import autoremat
 from autoremat.measure import measure_peak
+from autoremat.model import memory
 from autoremat.model.inplace import kernel_last_use, least_peak_first
 from autoremat.model.memory import simulate
 from autoremat.model.profile import GraphProfile, NodeProfile
 from autoremat.model.schedule import make_schedule
 from autoremat.planning.compilers import inductor_problem
+from autoremat.solve import decision
+from autoremat.solve.decision import evaluate
 from examples.models import gpt2, loss_of, transformer_stack
 
 KB = 1024
@@ -82,6 +85,52 @@ def test_kernels_are_reordered_when_that_lowers_the_peak():
     assert least_peak_first(g, sched.backward, {"fin"}, ["act", "t"], 1) == ["gw", "gin", "fin"]
     # act + t + gw, then t + gw + gin; in the graph's order act + t + gin + gw (220)
     assert simulate([(g, sched)]).peak == 120
+
+
+def _reordered_pair() -> list[GraphProfile]:
+    """Two graphs of test_kernels_are_reordered_when_that_lowers_the_peak's shape, one step; in the second the
+    input gradient is small, and the graph's own order is kept."""
+    P = NodeProfile
+    graphs = []
+    for index, gin in enumerate((100, 5)):
+        nodes = {
+            "act": P("act", "forward", "aten.mm", (), "act", 100, dtype="float32"),
+            "t": P("t", "tangent", "t", (), "t", 10, dtype="float32"),
+            "gin": P("gin", "backward", "aten.mm", ("t",), "gin", gin, dtype="float32"),
+            "gw": P("gw", "backward", "aten.mm", ("t", "act"), "gw", 10, dtype="float32"),
+            "fin": P("fin", "backward", "aten.add", ("gin", "gw"), "fin", 1, dtype="float32", inplace=True),
+        }
+        graphs.append(GraphProfile(nodes=nodes, fw_outputs=[], grad_outputs=["fin"], index=index))
+    return graphs
+
+
+def _forget() -> None:
+    memory._ORDERS.clear()
+    memory._LAST_USES.clear()
+    decision._SCHEDULES.clear()
+
+
+def test_a_remembered_kernel_order_is_the_one_weighed_afresh():
+    """A search changes one graph's saved set and simulates the step again; the other graph's kernel order,
+    last uses and schedule are remembered (memory._kernel_order). Each step simulated with everything
+    remembered from the others is the step simulated afresh: what another graph keeps on the heap does not
+    change a graph's order, and two graphs with the same node names and order are told apart."""
+    graphs = _reordered_pair()
+    cases = [[{"act"} if a else set(), {"act"} if b else set()] for a in (0, 1) for b in (0, 1)]
+    fresh = []
+    for saved in cases:
+        _forget()
+        _, tl, cost = evaluate(graphs, saved)
+        fresh.append(([(s.graph, s.phase, s.node, s.during) for s in tl.steps], cost))
+    _forget()
+    for _ in range(2):  # the second round finds every answer remembered
+        for saved, want in zip(cases, fresh):
+            _, tl, cost = evaluate(graphs, saved)
+            assert ([(s.graph, s.phase, s.node, s.during) for s in tl.steps], cost) == want, saved
+    assert memory._ORDERS, "nothing was remembered: the test would not see a wrong memo"
+    # with both saving act, the two graphs run the same names in different orders: only the first reorders
+    orders = {g: [n for graph, phase, n, _ in fresh[3][0] if graph == g and phase == "backward"] for g in (0, 1)}
+    assert orders == {0: ["gw", "gin", "fin"], 1: ["gin", "gw", "fin"]}
 
 
 def test_the_stack_under_inductor_is_predicted_as_measured():

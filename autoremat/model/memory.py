@@ -16,6 +16,8 @@ are not simulated here; they come from the ledger.
 from __future__ import annotations
 
 import math
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from autoremat.model.cuts import base
@@ -48,7 +50,7 @@ class Schedule:
     written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
 
 
-@dataclass
+@dataclass(slots=True)  # one per node of every simulated step: the solvers simulate thousands of steps
 class Step:
     graph: int
     phase: str  # "forward" | "backward"
@@ -60,14 +62,24 @@ class Step:
 class Timeline:
     steps: list[Step] = field(default_factory=list)
     boundary: int = 0  # live bytes between the last forward and the first backward graph
+    # `simulate` fills these once the step is replayed: a search compares peaks many times per plan
+    _peak_step: Step | None = field(default=None, repr=False, compare=False)
+    _done: bool = field(default=False, repr=False, compare=False)
 
     @property
     def peak(self) -> int:
-        return max((s.during for s in self.steps), default=self.boundary)
+        step = self.peak_step
+        return step.during if step is not None else self.boundary
 
     @property
     def peak_step(self) -> Step | None:
+        if self._done:
+            return self._peak_step
         return max(self.steps, key=lambda s: s.during, default=None)
+
+    def finish(self) -> None:
+        """The step is fully replayed: its peak step is found once, here."""
+        self._peak_step, self._done = max(self.steps, key=lambda s: s.during, default=None), True
 
 
 def _round(n: int, granularity: int) -> int:
@@ -114,6 +126,47 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
     graph's order)."""
     if not any(p.fused or p.inplace for p in g.nodes.values()):
         return order
+    # The choice depends on the graph, the order, what is held and handed in, and this graph's own storages
+    # on the heap: both orders start from the same heap, the other graphs' storages add the same bytes to
+    # every step of either, and a trial frees only this graph's. A search that changes one graph's saved
+    # set asks the same question of every other graph again (issue 38: 92 of 121 s of a 5-graph LoRA
+    # step's smallest-peak search, under Inductor).
+    own = frozenset((name, size, heap.refs[(scope, name)]) for (scope, name), size in heap.size.items()
+                    if scope == heap.scope)
+    key = (id(g), heap.granularity, tuple(order), frozenset(held), tuple(inputs), own)
+    hit = _ORDERS.get(key)
+    if hit is not None and hit[0]() is g:
+        _ORDERS.move_to_end(key)
+        return hit[1]
+    chosen = _weigh_orders(g, order, heap, held, inputs)
+    _ORDERS[key] = (weakref.ref(g), chosen)
+    if len(_ORDERS) > ORDERS_MEMO_SIZE:
+        _ORDERS.popitem(last=False)
+    return chosen
+
+
+# _kernel_order's and kernel_last_use's answers, least recently used forgotten first; a key holds its graph
+# weakly (ids are reused once a graph is gone).
+ORDERS_MEMO_SIZE = 256  # entries, each with its orders (a few tens of KB for a graph of 1,000 nodes)
+_ORDERS: OrderedDict[tuple, tuple[weakref.ref, list[str]]] = OrderedDict()
+_LAST_USES: OrderedDict[tuple, tuple[weakref.ref, dict[str, int]]] = OrderedDict()
+
+
+def _kernel_last_use(g: GraphProfile, order: list[str]) -> dict[str, int]:
+    """inplace.kernel_last_use, remembered: the same graph runs the same order in most of a search's steps."""
+    key = (id(g), tuple(order))
+    hit = _LAST_USES.get(key)
+    if hit is not None and hit[0]() is g:
+        _LAST_USES.move_to_end(key)
+        return hit[1]
+    last_use = kernel_last_use(g, order)
+    _LAST_USES[key] = (weakref.ref(g), last_use)
+    if len(_LAST_USES) > ORDERS_MEMO_SIZE:
+        _LAST_USES.popitem(last=False)
+    return last_use
+
+
+def _weigh_orders(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str]) -> list[str]:
     other = least_peak_first(g, order, held, inputs, heap.granularity)
     if other == order:
         return order
@@ -158,7 +211,7 @@ def _run(
         return p.into if p.into and in_place else p.storage
 
     if any(p.fused or p.inplace for p in nodes.values()):
-        last_use = kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
+        last_use = _kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
     else:  # eager: each op reads its inputs (copies recomputed twice read copies: cuts.py)
         last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
     # A multi-output op's outputs written over a dying input (recomputed_writes.write_over_dying_input)
@@ -264,4 +317,5 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         for k, name in meets.get(scope, ()):
             heap.scope = k
             heap.drop(graphs[k][0].nodes[name].storage)
+    tl.finish()
     return tl

@@ -2,7 +2,7 @@
 
     capture every graph of the step -> plan them jointly under one budget -> compile with the plan
     -> run one real step in the accumulation steady state and measure it -> re-plan with the
-    measured gap, or refuse with BudgetError: the budget never passes silently.
+    measured gap, or refuse with BudgetError: the budget never passes silently (verify.py).
 
 `build` is that pipeline for given compute dtypes. The stage before it, `precision_auto.plan_step`, is
 where every face's plan starts: it chooses the dtypes (precision="bf16" / "fp16" / "auto"; fp32 goes
@@ -15,22 +15,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import loss_region as region
 from autoremat.planning import precision_plan
+from autoremat.planning import verify as verification
 from autoremat.planning.budget import check_cached, plan_graphs, room_for
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
-    Restore,
     StaleCache,
-    along,
     log,
     plan_jointly,
     planner_for,
@@ -43,7 +40,6 @@ from autoremat.planning.planner import (
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.solver import smallest_peak
-from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
 
 
@@ -130,11 +126,11 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     decision = traced.decision or plan_graphs(say_solving(planner.sequence(), options), budget, ledger, dev, options,
                                               one_set=True)
     plan, compiled, planner = plan_jointly(step, planner, budget, decision)
-    measured: Any = UNMEASURED
+    measured: Any = verification.UNMEASURED
     if cut_step is not None and checked:
         progress.info("verifying the plan on a real step")  # and whether one graph is kept
-        _first_backward(step.compiler)
-        measured = measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
+        verification.first_backward(step.compiler)
+        measured = verification.measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
         if measured is not None and (ledger.step_peak(measured) > budget or measured > WHOLE_HELD * plan.activation_peak):
@@ -142,9 +138,9 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
             regions_note = f"{cut_step.note} ({measured} B of activations measured, {plan.activation_peak} B predicted)"
             plan, compiled, planner = plan_jointly(step, cut_step.planner, budget,
                                                    solve_step(step, cut_step.planner, budget))
-            measured = UNMEASURED
+            measured = verification.UNMEASURED
     if checked:  # one graph kept: the step just measured is its verification
-        plan, compiled, planner = verify_on_step(step, compiled, plan, planner, budget, measured=measured)
+        plan, compiled, planner = verification.verify_on_step(step, compiled, plan, planner, budget, measured=measured)
     elif step.where.type == "meta":
         plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
     _describe(plan, planner, loss, chunks, chunks_note, regions_note, dtypes, options)
@@ -262,118 +258,6 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     cut.note = (f"{per_block}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over "
                 "its prediction on a real step")
     return whole, cut
-
-
-def _first_backward(compiler: str) -> None:
-    """What a long verification is doing: AOTAutograd compiles the backward at its first call."""
-    if compiler == "inductor":
-        along("Inductor compiles the backward graphs on this first backward")
-
-
-UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
-
-
-def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured: Any = UNMEASURED):
-    """Run one real step and hold the budget to what it measures: re-plan once if the model missed.
-
-    The memory model is exact for the kernels it knows; a kernel with unmeasured scratch would let
-    the real peak pass the budget. The measured gap is reserved, the graphs (all of them: they share
-    the step) are planned again, and the new plan is measured too. A plan that still does not fit
-    is never returned: BudgetError says what was measured. `measured`: what measure_step already
-    returned for this plan, if it ran.
-    """
-    model, args, kwargs, where, ledger = step.model, step.args, step.kwargs, step.where, step.ledger
-    if measured is UNMEASURED:
-        progress.info("verifying the plan on a real step")
-        _first_backward(step.compiler)
-        measured = measure_step(model, compiled, planner, args, kwargs, where)
-    if measured is None:
-        # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
-        # counter): the measurement includes tracing and says nothing about the plan.
-        plan.notes.append("the model recompiled on its second call (it changes Python state that dynamo guards "
-                          "on, e.g. a global); not verified, and later calls recompile too")
-        return plan, compiled, planner
-    plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
-                      f"peak {measured} B, predicted {plan.activation_peak} B")
-    if ledger.step_peak(measured) <= budget:
-        return plan, compiled, planner
-    gap = measured - plan.activation_peak
-    reserve = Ledger.from_dict(dict(ledger.to_dict(),
-                                    notes=[*ledger.notes, f"{gap} B reserved for scratch the model did not see"]))
-    reserve.inputs += gap
-    progress.info("re-planning with %d bytes the memory model did not predict", gap)
-    new, compiled, applier = plan_jointly(step, planner, budget, solve_step(step, planner, budget, reserve))
-    new.notes += [n for n in plan.notes if n not in new.notes]
-    new.notes.append(f"re-planned with {gap} B reserved for memory the model did not predict")
-    again = measure_step(model, compiled, applier, args, kwargs, where)
-    if again is not None and ledger.step_peak(again) > budget:
-        raise BudgetError(
-            f"budget {format_bytes(budget)} ({budget} bytes) was not met on a real step: the plan predicted "
-            f"{format_bytes(ledger.step_peak(plan.activation_peak))} but measured {format_bytes(ledger.step_peak(measured))}; "
-            f"re-planned with the {format_bytes(gap)} difference reserved, it measured "
-            f"{format_bytes(ledger.step_peak(again))}. The memory model misses something this model allocates; a "
-            f"budget of {format_bytes(ledger.needs(again))} holds the re-planned step.\n{ledger.format()}",
-            ledger, ledger.needs(again))
-    if again is not None:
-        new.notes.append(f"verified the re-planned step: measured activation peak {again} B")
-    return new, compiled, applier
-
-
-def measure_step(model, compiled, planner, args, kwargs, where) -> int | None:
-    """Activation bytes of one real step in the accumulation steady state, state restored after.
-
-    Every trainable parameter has a `.grad` already (zeros), as on every micro-step after the
-    first, so what autograd allocates on top of the gradient buffers is what is measured. The step
-    measured runs the artefact the user's next call runs: if a call traces again (dynamo guards on
-    Python state the forward changes), the call after it runs what that trace compiled, so that one
-    is measured. None if every call traces again.
-    """
-    from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
-
-    def step() -> None:
-        out = compiled(*args, **kwargs)  # held through the backward, as a training loop holds it
-        loss_of(out).backward()
-
-    measured = None
-    with Restore(model), torch.enable_grad():
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p) if p.requires_grad else None
-        if where.type == "cuda":
-            # cuBLAS allocates its workspaces on a thread's first matmul and keeps them (the ledger holds them:
-            # devices.blas_workspace_bytes); autograd's device thread may not have run one yet. One step first, so
-            # that the one measured is the steady state of the user's loop and the workspaces are not counted twice.
-            step()
-        for _ in range(2):
-            traced = len(planner.profiles)
-            _, m = measure_peak(step, device=where, baseline_bytes=0)
-            if len(planner.profiles) == traced:
-                measured = m.delta_peak_bytes if where.type == "cpu" else m.peak_bytes - m.baseline_bytes
-                break
-    return _agreed(measured, where)
-
-
-def _agreed(measured: int | None, where: torch.device) -> int | None:
-    """Under torch.distributed every rank must take the same decision (keep, re-plan or refuse): one
-    rank refusing while the others train would leave them waiting in a collective (seen: FSDP2 on a
-    loaded CPU, where the two ranks measured differently). The largest measurement decides for all."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return measured
-    if torch.distributed.get_world_size() == 1:
-        return measured
-    value = torch.tensor([-1 if measured is None else measured], dtype=torch.int64,
-                         device=where if where.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return None if value.item() < 0 else int(value.item())
-
-
-def loss_of(out: Any) -> torch.Tensor:
-    """Something to call backward on: the output if scalar, else the sum of every float output."""
-    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if len(leaves) == 1 and leaves[0].numel() == 1:
-        return leaves[0]
-    if hasattr(out, "get") and isinstance(out.get("loss"), torch.Tensor):
-        return out["loss"]
-    return sum(t.float().sum() for t in leaves)
 
 
 def pareto_points(profiles: list, plan: Plan, device: str, options: PlanOptions = DEFAULTS, *,

@@ -26,9 +26,10 @@ import torch
 
 from autoremat.planning import precision_plan
 from autoremat.planning.options import TrainingStep
-from autoremat.planning.pipeline import build, loss_of
+from autoremat.planning.pipeline import build
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import Restore, progress
+from autoremat.planning.verify import loss_of
 
 # precision="auto": tries of the joint dtype ILP before its other candidates decide alone.
 AUTO_TRIES = 3

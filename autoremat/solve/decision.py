@@ -7,6 +7,8 @@ graph, the schedules they give, the simulated timeline (so the peak) and the pre
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from autoremat.model.cuts import base
@@ -35,10 +37,31 @@ class Decision:
 
 
 def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1):
-    schedules = [make_schedule(g, s) for g, s in zip(graphs, saved)]
+    schedules = [schedule_of(g, s) for g, s in zip(graphs, saved)]
     timeline = simulate(list(zip(graphs, schedules)), granularity)
     cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
     # values recomputed twice (cuts.py): each copy runs once more
     cost += sum(g.nodes[base(n)].time_s for g, sc in zip(graphs, schedules) if sc.again for n in sc.backward
                 if n != base(n))
     return schedules, timeline, cost
+
+
+# Schedules made so far, by graph and saved set, least recently used forgotten first. A search that changes
+# one graph's saved set evaluates the step again, and every other graph's schedule is the one it had (a
+# Schedule is never changed once made). A key holds its graph weakly: ids are reused once a graph is gone.
+SCHEDULE_MEMO_SIZE = 256
+_SCHEDULES: OrderedDict[tuple[int, frozenset[str]], tuple[weakref.ref, Schedule]] = OrderedDict()
+
+
+def schedule_of(g: GraphProfile, saved: set[str]) -> Schedule:
+    """make_schedule(g, saved), remembered."""
+    key = (id(g), frozenset(saved))
+    hit = _SCHEDULES.get(key)
+    if hit is not None and hit[0]() is g:
+        _SCHEDULES.move_to_end(key)
+        return hit[1]
+    schedule = make_schedule(g, saved)
+    _SCHEDULES[key] = (weakref.ref(g), schedule)
+    if len(_SCHEDULES) > SCHEDULE_MEMO_SIZE:
+        _SCHEDULES.popitem(last=False)
+    return schedule

@@ -180,14 +180,16 @@ def live_at_peak(profiles, saved: list[set[str]], granularity: int = 1) -> dict:
             self.snap = (self.scope, name, dict(self.size))
 
     def step(graph, phase, node, during):
-        if during > best["during"] and heaps:
-            h = heaps[-1]
+        # heaps[0] is the step's heap; the later ones are copies in which memory._kernel_order tries the kernel
+        # orders Inductor weighs (phase ""), whose steps are not the step's
+        if phase and during > best["during"] and heaps:
+            h = heaps[0]
             # the op allocated (or wrote into a dying input's buffer: recomputed_writes.py) since the last step
             ran = h.snap is not None and h.snap[0] == h.scope
             best.update(during=during, graph=graph_position[graph], phase=phase, node=node,
                         live=h.snap[2] if ran else dict(h.size))
-        if heaps:
-            heaps[-1].snap = None
+        if heaps and phase:
+            heaps[0].snap = None
         return plain_step(graph, phase, node, during)
 
     memory._Heap, memory.Step = Observed, step
