@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import SEED, git_state, make_step, speed_configs, split
+from common import SEED, git_state, lora_step, make_step, speed_configs, split
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1, "torch.int64": 8,
                "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1}
@@ -79,8 +79,7 @@ def _model(name: str, dropout: float):
     """(model, example inputs, optimizer, outputs) of `name`: speed.py --quick's stack or GPT-2, or lora.py's
     LoRA GPT-2 with AdamW over its adapter (its own dropout, 0.1)."""
     if name == "lora":
-        import lora
-        model, batch, opt = lora.fresh()
+        model, batch, opt = lora_step()
         return model, batch, opt, "loss"
     cfg = next(c for c in speed_configs(True, dropout) if c["name"] == name)
     torch.manual_seed(SEED)

@@ -8,7 +8,7 @@ the only output read (autoremat: `outputs="loss"`). Rows:
   LoRA                       plain, nothing recomputed
   checkpointing + LoRA       HF's non-reentrant gradient checkpointing on every block (common.checkpoint_every_block)
   autoremat floor (eager)    autoremat.optimize at BudgetError.smallest_budget of budget=1, compiler="eager"
-                             (retried once at a new smallest_budget if verification refuses the first)
+                             (tried again at the budget a refusal names, up to 4 tries: FLOOR_TRIES)
   autoremat floor (Inductor) the same with compiler="inductor": Inductor's own floor (its fused kernels free and
                              reuse buffers in other places than eager, so its floor is its own)
   autoremat @ checkpointing  compiler="eager" at checkpointing's measured peak: step time at equal memory,
@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 from common import (
+    LORA_BATCH,
+    LORA_SIZES,
     REPO,
     SEED,
     checkpoint_every_block,
@@ -46,17 +48,17 @@ from common import (
     git_state,
     head_to_head,
     load_average,
+    lora_step,
     max_rel_err,
     paired_times,
 )
 
 import autoremat
 from autoremat.measure import measure_peak
-from examples.lora import lora_gpt2
 
 MiB = 2**20
-SIZES = dict(n_layer=4, d=128, n_head=4, vocab=4096, seq=128, r=8, dropout=0.1)
-BATCH = 8
+SIZES = LORA_SIZES
+BATCH = LORA_BATCH
 OUTPUTS = "loss"
 
 
@@ -66,10 +68,7 @@ def mib(x) -> str:
 
 def fresh():
     """The same model every time (seeded), its batch, and AdamW over its trainable parameters."""
-    model = lora_gpt2(**SIZES, seed=0)
-    ids = torch.randint(0, SIZES["vocab"], (BATCH, SIZES["seq"]), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    return model, {"input_ids": ids, "labels": ids.clone()}, opt
+    return lora_step()
 
 
 def make_step(fn, opt, batch):

@@ -131,6 +131,8 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
     # every step of either, and a trial frees only this graph's. A search that changes one graph's saved
     # set asks the same question of every other graph again (issue 38: 92 of 121 s of a 5-graph LoRA
     # step's smallest-peak search, under Inductor).
+    if not REMEMBER:
+        return _weigh_orders(g, order, heap, held, inputs)
     own = frozenset((name, size, heap.refs[(scope, name)]) for (scope, name), size in heap.size.items()
                     if scope == heap.scope)
     key = (id(g), heap.granularity, tuple(order), frozenset(held), tuple(inputs), own)
@@ -147,6 +149,7 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
 
 # _kernel_order's and kernel_last_use's answers, least recently used forgotten first; a key holds its graph
 # weakly (ids are reused once a graph is gone).
+REMEMBER = True  # off: every answer worked out afresh (benchmarks/floor_search.py times both)
 ORDERS_MEMO_SIZE = 256  # entries, each with its orders (a few tens of KB for a graph of 1,000 nodes)
 _ORDERS: OrderedDict[tuple, tuple[weakref.ref, list[str]]] = OrderedDict()
 _LAST_USES: OrderedDict[tuple, tuple[weakref.ref, dict[str, int]]] = OrderedDict()
@@ -154,6 +157,8 @@ _LAST_USES: OrderedDict[tuple, tuple[weakref.ref, dict[str, int]]] = OrderedDict
 
 def _kernel_last_use(g: GraphProfile, order: list[str]) -> dict[str, int]:
     """inplace.kernel_last_use, remembered: the same graph runs the same order in most of a search's steps."""
+    if not REMEMBER:
+        return kernel_last_use(g, order)
     key = (id(g), tuple(order))
     hit = _LAST_USES.get(key)
     if hit is not None and hit[0]() is g:

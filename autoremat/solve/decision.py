@@ -11,6 +11,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from autoremat.model import memory
 from autoremat.model.cuts import base
 from autoremat.model.memory import Schedule, Timeline, simulate
 from autoremat.model.profile import GraphProfile
@@ -54,7 +55,9 @@ _SCHEDULES: OrderedDict[tuple[int, frozenset[str]], tuple[weakref.ref, Schedule]
 
 
 def schedule_of(g: GraphProfile, saved: set[str]) -> Schedule:
-    """make_schedule(g, saved), remembered."""
+    """make_schedule(g, saved), remembered (unless memory.REMEMBER is off)."""
+    if not memory.REMEMBER:
+        return make_schedule(g, saved)
     key = (id(g), frozenset(saved))
     hit = _SCHEDULES.get(key)
     if hit is not None and hit[0]() is g:

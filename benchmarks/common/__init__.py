@@ -18,6 +18,8 @@ sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository, for
 
 from .models import (  # noqa: E402, F401
     FLOOR_SIZES,
+    LORA_BATCH,
+    LORA_SIZES,
     SCALE_MODELS,
     ResidualBlock,
     ResNetDropout,
@@ -26,6 +28,7 @@ from .models import (  # noqa: E402, F401
     gpt2_small_meta,
     gqa_decoder,
     llama_7b,
+    lora_step,
     resnet,
     speed_configs,
     vit,

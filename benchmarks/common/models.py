@@ -7,6 +7,8 @@ imports no script). The stack, GPT-2, Llama and GPT-2 small builders live in exa
   speed_configs                     speed.py's stack and launch-bound GPT-2 (also dropout_gap.py's and the
                                     inductor_*.py scripts')
   SCALE_MODELS                      precision_at_scale.py's GPT-2 small and 7B Llama shape, built on meta
+  LORA_SIZES, LORA_BATCH, lora_step lora.py's LoRA GPT-2 with its batch and AdamW (also inductor_buffers.py's and
+                                    floor_search.py's)
 """
 
 from __future__ import annotations
@@ -162,3 +164,21 @@ def llama_7b():
 
 
 SCALE_MODELS = {"gpt2-small": gpt2_small_meta, "llama-7b": llama_7b}
+
+
+# --------------------------------------------------------------------------------------------
+# lora.py's model
+
+LORA_SIZES = dict(n_layer=4, d=128, n_head=4, vocab=4096, seq=128, r=8, dropout=0.1)
+LORA_BATCH = 8
+
+
+def lora_step():
+    """examples/lora.py's GPT-2 with its LoRA adapter, the same every time (seeded), its batch (the labels are
+    the input ids), and AdamW over its trainable parameters."""
+    from examples.lora import lora_gpt2
+
+    model = lora_gpt2(**LORA_SIZES, seed=0)
+    ids = torch.randint(0, LORA_SIZES["vocab"], (LORA_BATCH, LORA_SIZES["seq"]), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, {"input_ids": ids, "labels": ids.clone()}, opt
