@@ -58,7 +58,7 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
         return plan, compiled, planner
     plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
                       f"peak {measured} B, predicted {plan.activation_peak} B")
-    first, reserved, tried = plan, 0, []
+    reserved, tried = 0, []
     while ledger.step_peak(measured) > budget:
         gap = measured - plan.activation_peak
         tried.append((plan.activation_peak, measured))
@@ -75,12 +75,14 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
             if len(tried) == 1:
                 raise
             raise _missed(ledger, budget, tried, reserved) from e
-        new.notes += [n for n in first.notes if n not in new.notes]
+        new.notes += [n for n in plan.notes if n not in new.notes]  # the first plan's, and earlier re-plans'
         new.notes.append(f"re-planned with {reserved} B reserved for memory the model did not predict")
         plan, measured = new, measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
         if measured is None:
             return plan, compiled, planner
-        plan.notes.append(f"verified the re-planned step: measured activation peak {measured} B")
+        held = ledger.step_peak(measured) <= budget
+        plan.notes.append(f"{'verified the re-planned step' if held else 'the re-planned step was over the budget'}: "
+                          f"measured activation peak {measured} B, predicted {plan.activation_peak} B")
     return plan, compiled, planner
 
 
