@@ -32,7 +32,7 @@ from common import git_state, load_average, lora_step, speed_configs
 import autoremat
 from autoremat.model import memory
 from autoremat.model.devices import get_device
-from autoremat.solve import decision, solver
+from autoremat.solve import solver
 from examples.models import llama
 
 RESULTS = Path(__file__).parent / "results"
@@ -68,9 +68,7 @@ def traced(build) -> tuple[list, str]:
 def search(graphs: list, remember: bool) -> tuple[float, tuple]:
     memory.REMEMBER = remember
     solver._floor_memo.clear()
-    memory._ORDERS.clear()
-    memory._LAST_USES.clear()
-    decision._SCHEDULES.clear()
+    memory.forget()
     start = time.perf_counter()
     try:
         d = solver.smallest_peak(graphs, granularity=get_device("cpu").alloc_granularity, time_limit=10.0)

@@ -15,7 +15,6 @@ from autoremat.model.memory import simulate
 from autoremat.model.profile import GraphProfile, NodeProfile
 from autoremat.model.schedule import make_schedule
 from autoremat.planning.compilers import inductor_problem
-from autoremat.solve import decision
 from autoremat.solve.decision import evaluate
 from examples.models import gpt2, loss_of, transformer_stack
 
@@ -104,12 +103,6 @@ def _reordered_pair() -> list[GraphProfile]:
     return graphs
 
 
-def _forget() -> None:
-    memory._ORDERS.clear()
-    memory._LAST_USES.clear()
-    decision._SCHEDULES.clear()
-
-
 def test_a_remembered_kernel_order_is_the_one_weighed_afresh():
     """A search changes one graph's saved set and simulates the step again; the other graph's kernel order,
     last uses and schedule are remembered (memory._kernel_order). Each step simulated with everything
@@ -119,15 +112,15 @@ def test_a_remembered_kernel_order_is_the_one_weighed_afresh():
     cases = [[{"act"} if a else set(), {"act"} if b else set()] for a in (0, 1) for b in (0, 1)]
     fresh = []
     for saved in cases:
-        _forget()
+        memory.forget()
         _, tl, cost = evaluate(graphs, saved)
         fresh.append(([(s.graph, s.phase, s.node, s.during) for s in tl.steps], cost))
-    _forget()
+    memory.forget()
     for _ in range(2):  # the second round finds every answer remembered
         for saved, want in zip(cases, fresh):
             _, tl, cost = evaluate(graphs, saved)
             assert ([(s.graph, s.phase, s.node, s.during) for s in tl.steps], cost) == want, saved
-    assert memory._ORDERS, "nothing was remembered: the test would not see a wrong memo"
+    assert memory._ORDERS.entries, "nothing was remembered: the test would not see a wrong memo"
     # with both saving act, the two graphs run the same names in different orders: only the first reorders
     orders = {g: [n for graph, phase, n, _ in fresh[3][0] if graph == g and phase == "backward"] for g in (0, 1)}
     assert orders == {0: ["gw", "gin", "fin"], 1: ["gin", "gw", "fin"]}

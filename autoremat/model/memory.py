@@ -18,7 +18,9 @@ from __future__ import annotations
 import math
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from autoremat.model.cuts import base
 from autoremat.model.handoffs import handed_over, region_handoffs, tied_waits
@@ -131,44 +133,53 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
     # every step of either, and a trial frees only this graph's. A search that changes one graph's saved
     # set asks the same question of every other graph again (issue 38: 92 of 121 s of a 5-graph LoRA
     # step's smallest-peak search, under Inductor).
-    if not REMEMBER:
-        return _weigh_orders(g, order, heap, held, inputs)
-    own = frozenset((name, size, heap.refs[(scope, name)]) for (scope, name), size in heap.size.items()
-                    if scope == heap.scope)
-    key = (id(g), heap.granularity, tuple(order), frozenset(held), tuple(inputs), own)
-    hit = _ORDERS.get(key)
-    if hit is not None and hit[0]() is g:
-        _ORDERS.move_to_end(key)
-        return hit[1]
-    chosen = _weigh_orders(g, order, heap, held, inputs)
-    _ORDERS[key] = (weakref.ref(g), chosen)
-    if len(_ORDERS) > ORDERS_MEMO_SIZE:
-        _ORDERS.popitem(last=False)
-    return chosen
+    def key() -> tuple:
+        own = frozenset((name, size, heap.refs[(scope, name)]) for (scope, name), size in heap.size.items()
+                        if scope == heap.scope)
+        return heap.granularity, tuple(order), frozenset(held), tuple(inputs), own
+    return _ORDERS.get(g, key, lambda: _weigh_orders(g, order, heap, held, inputs))
 
 
-# _kernel_order's and kernel_last_use's answers, least recently used forgotten first; a key holds its graph
-# weakly (ids are reused once a graph is gone).
 REMEMBER = True  # off: every answer worked out afresh (benchmarks/floor_search.py times both)
-ORDERS_MEMO_SIZE = 256  # entries, each with its orders (a few tens of KB for a graph of 1,000 nodes)
-_ORDERS: OrderedDict[tuple, tuple[weakref.ref, list[str]]] = OrderedDict()
-_LAST_USES: OrderedDict[tuple, tuple[weakref.ref, dict[str, int]]] = OrderedDict()
 
 
-def _kernel_last_use(g: GraphProfile, order: list[str]) -> dict[str, int]:
-    """inplace.kernel_last_use, remembered: the same graph runs the same order in most of a search's steps."""
-    if not REMEMBER:
-        return kernel_last_use(g, order)
-    key = (id(g), tuple(order))
-    hit = _LAST_USES.get(key)
-    if hit is not None and hit[0]() is g:
-        _LAST_USES.move_to_end(key)
-        return hit[1]
-    last_use = kernel_last_use(g, order)
-    _LAST_USES[key] = (weakref.ref(g), last_use)
-    if len(_LAST_USES) > ORDERS_MEMO_SIZE:
-        _LAST_USES.popitem(last=False)
-    return last_use
+class GraphMemo:
+    """Answers about a graph, remembered by key while REMEMBER is on, the least recently used forgotten
+    once there are more than `size`. An entry holds its graph weakly and is found only for that graph:
+    a graph's id is reused once it is gone."""
+
+    every: list[GraphMemo] = []
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: OrderedDict[tuple, tuple[weakref.ref, Any]] = OrderedDict()
+        GraphMemo.every.append(self)
+
+    def get(self, g: GraphProfile, key: Callable[[], tuple], compute: Callable[[], Any]) -> Any:
+        """compute(), or what it gave before for `g` and key() (called only while REMEMBER is on)."""
+        if not REMEMBER:
+            return compute()
+        k = (id(g), *key())
+        hit = self.entries.get(k)
+        if hit is not None and hit[0]() is g:
+            self.entries.move_to_end(k)
+            return hit[1]
+        value = compute()
+        self.entries[k] = (weakref.ref(g), value)
+        if len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+        return value
+
+
+def forget() -> None:
+    """Every GraphMemo emptied (a benchmark timing a search from nothing remembered, a test)."""
+    for memo in GraphMemo.every:
+        memo.entries.clear()
+
+
+# Each entry holds a graph's orders or last uses: a few tens of KB for a graph of 1,000 nodes.
+_ORDERS = GraphMemo(256)
+_LAST_USES = GraphMemo(256)
 
 
 def _weigh_orders(g: GraphProfile, order: list[str], heap: _Heap, held: set[str], inputs: list[str]) -> list[str]:
@@ -216,7 +227,8 @@ def _run(
         return p.into if p.into and in_place else p.storage
 
     if any(p.fused or p.inplace for p in nodes.values()):
-        last_use = _kernel_last_use(g, order)  # Inductor's kernels read fused values' inputs (inplace.py)
+        # Inductor's kernels read fused values' inputs (inplace.py); most of a search's steps run a graph's same order
+        last_use = _LAST_USES.get(g, lambda: (tuple(order),), lambda: kernel_last_use(g, order))
     else:  # eager: each op reads its inputs (copies recomputed twice read copies: cuts.py)
         last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
     # A multi-output op's outputs written over a dying input (recomputed_writes.write_over_dying_input)

@@ -7,8 +7,6 @@ graph, the schedules they give, the simulated timeline (so the peak) and the pre
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from autoremat.model import memory
@@ -47,24 +45,11 @@ def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int
     return schedules, timeline, cost
 
 
-# Schedules made so far, by graph and saved set, least recently used forgotten first. A search that changes
-# one graph's saved set evaluates the step again, and every other graph's schedule is the one it had (a
-# Schedule is never changed once made). A key holds its graph weakly: ids are reused once a graph is gone.
-SCHEDULE_MEMO_SIZE = 256
-_SCHEDULES: OrderedDict[tuple[int, frozenset[str]], tuple[weakref.ref, Schedule]] = OrderedDict()
+# Schedules made so far, by graph and saved set. A search that changes one graph's saved set evaluates the
+# step again, and every other graph's schedule is the one it had (a Schedule is never changed once made).
+_SCHEDULES = memory.GraphMemo(256)
 
 
 def schedule_of(g: GraphProfile, saved: set[str]) -> Schedule:
-    """make_schedule(g, saved), remembered (unless memory.REMEMBER is off)."""
-    if not memory.REMEMBER:
-        return make_schedule(g, saved)
-    key = (id(g), frozenset(saved))
-    hit = _SCHEDULES.get(key)
-    if hit is not None and hit[0]() is g:
-        _SCHEDULES.move_to_end(key)
-        return hit[1]
-    schedule = make_schedule(g, saved)
-    _SCHEDULES[key] = (weakref.ref(g), schedule)
-    if len(_SCHEDULES) > SCHEDULE_MEMO_SIZE:
-        _SCHEDULES.popitem(last=False)
-    return schedule
+    """make_schedule(g, saved), remembered (memory.GraphMemo)."""
+    return _SCHEDULES.get(g, lambda: (frozenset(saved),), lambda: make_schedule(g, saved))
