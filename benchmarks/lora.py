@@ -57,18 +57,11 @@ import autoremat
 from autoremat.measure import measure_peak
 
 MiB = 2**20
-SIZES = LORA_SIZES
-BATCH = LORA_BATCH
 OUTPUTS = "loss"
 
 
 def mib(x) -> str:
     return "" if x is None else f"{x / MiB:.2f}"
-
-
-def fresh():
-    """The same model every time (seeded), its batch, and AdamW over its trainable parameters."""
-    return lora_step()
 
 
 def make_step(fn, opt, batch):
@@ -96,7 +89,7 @@ def optimize(model, opt, batch, budget: int, compiler: str):
 
 def smallest_budget(compiler: str) -> int:
     """BudgetError.smallest_budget of budget=1 (common.smallest_budget's method, with the AdamW optimizer)."""
-    model, batch, opt = fresh()
+    model, batch, opt = lora_step()
     return floor_of(lambda: optimize(model, opt, batch, 1, compiler))
 
 
@@ -131,7 +124,7 @@ def row(name: str, build, ref_grads: dict | None, n_time: int, eager_step=None) 
 
 def ar_build(budget: int, compiler: str):
     def build():
-        model, batch, opt = fresh()
+        model, batch, opt = lora_step()
         om = optimize(model, opt, batch, budget, compiler)
         p = om.plan
         info = dict(budget=int(budget), compiler_asked=compiler, predicted_peak=p.predicted_peak, predicted_overhead=p.overhead,
@@ -206,10 +199,10 @@ def main() -> None:
     meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), command=" ".join(["python"] + sys.argv),
                 torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__,
                 threads=torch.get_num_threads(), git=git_state().as_dict(), load_start=load_average(),
-                sizes=SIZES, batch=BATCH)
+                sizes=LORA_SIZES, batch=LORA_BATCH)
 
     # eager LoRA: the reference for gradients and the paired partner for time
-    lora, batch, lora_opt = fresh()
+    lora, batch, lora_opt = lora_step()
     ref = adapter_grads(lora, lora, batch)
     eager_step = make_step(lora, lora_opt, batch)
     eager_step()
@@ -218,7 +211,7 @@ def main() -> None:
     rows.append(r)
 
     def ckpt_build():
-        model, b, opt = fresh()
+        model, b, opt = lora_step()
         return checkpoint_every_block(model), model, opt, b, {}
 
     ckpt, ckpt_step = row("checkpointing + LoRA", ckpt_build, ref, a.steps, eager_step)
@@ -252,7 +245,7 @@ def main() -> None:
         f"peft {meta['peft']}, {meta['threads']} thread, repo {meta['git']['head']} (uncommitted: "
         f"`{meta['git']['diff_stat'] or 'none'}`); wall {meta['wall_s']:.0f} s; load average {meta['load_start']} "
         f"at the start, {meta['load_end']} at the end (2 cores, shared with others' jobs).\n",
-        f"Model: examples/lora.py's GPT-2 from config {SIZES}, batch {BATCH} x {SIZES['seq']}; LoRA on c_attn, c_proj, "
+        f"Model: examples/lora.py's GPT-2 from config {LORA_SIZES}, batch {LORA_BATCH} x {LORA_SIZES['seq']}; LoRA on c_attn, c_proj, "
         "c_fc, base frozen; AdamW over the adapter. One step = forward, backward, AdamW step; only the loss read "
         "(autoremat: outputs='loss'). Steady peak: `autoremat.measure_peak` of the third step, baseline = model + "
         "optimizer + batch. Time: median over pairs of (row step / the plain LoRA step just before it), noise = half "

@@ -128,9 +128,7 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     plan, compiled, planner = plan_jointly(step, planner, budget, decision)
     measured: Any = verification.UNMEASURED
     if cut_step is not None and checked:
-        progress.info("verifying the plan on a real step")  # and whether one graph is kept
-        verification.first_backward(step.compiler)
-        measured = verification.measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
+        measured = verification.measure_planned(step, compiled, planner)  # and whether one graph is kept
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
         if measured is not None and (ledger.step_peak(measured) > budget or measured > WHOLE_HELD * plan.activation_peak):

@@ -31,10 +31,13 @@ UNMEASURED = object()  # verify_on_step: no real step of this plan has been meas
 REPLANS = 3
 
 
-def first_backward(compiler: str) -> None:
-    """What a long verification is doing: AOTAutograd compiles the backward at its first call."""
-    if compiler == "inductor":
+def measure_planned(step: TrainingStep, compiled, planner) -> int | None:
+    """`measure_step` of the step just planned and compiled, said on progress (a long verification is
+    mostly AOTAutograd compiling the backward at its first call)."""
+    progress.info("verifying the plan on a real step")
+    if step.compiler == "inductor":
         along("Inductor compiles the backward graphs on this first backward")
+    return measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
 
 
 def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured: Any = UNMEASURED):
@@ -47,9 +50,7 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
     """
     ledger = step.ledger
     if measured is UNMEASURED:
-        progress.info("verifying the plan on a real step")
-        first_backward(step.compiler)
-        measured = measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where)
+        measured = measure_planned(step, compiled, planner)
     if measured is None:
         # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
         # counter): the measurement includes tracing and says nothing about the plan.
