@@ -6,7 +6,9 @@ measured in the same run mean anything):
   torch.compile (Inductor defaults) and torch.compile(backend="aot_eager"): the first forward +
       backward call after `torch._dynamo.reset()` (what a user waits for before training starts);
   autoremat.optimize cold (no plan cache) with compiler="eager" and with compiler="inductor", with
-      precision="auto" (eager), and once more from the plan cache (a hit).
+      precision="auto" (eager), and once more from the plan cache (a hit);
+  --variants eager-traced: eager with every region traced by AOTAutograd (same_regions.REUSE off), for the
+      side-by-side table of what tracing identical blocks once saves (and that the plan is the same).
 
 The budget is the issue's: parameters + gradients + inputs + 0.6 x eager's measured activation peak
 (optimizer=None, so nothing else is fixed). Each autoremat run is split into stages by `StageClock`,
@@ -18,6 +20,7 @@ stage. The longest gap between two progress records is reported too (issue 38 (5
 
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py [--quick] [--models stack,gpt2,...] [--out NAME]
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24,48 --models stack,gpt2 --variants eager
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24 --models gpt2,llama --variants eager,eager-traced --out plan_time_cpu_reuse
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --quick --sizes 0 --models gpt2,llama,bert --variants eager,inductor
 
 Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
@@ -42,11 +45,12 @@ from pathlib import Path
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="plan_time_inductor_"))
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 import autoremat
 from autoremat.capture import aot as capture
 from autoremat.measure import measure_peak
-from autoremat.planning import planner, verify
+from autoremat.planning import planner, same_regions, verify
 from autoremat.planning.compilers import inductor_problem
 from autoremat.solve import ilp, solver
 from examples import models as ex
@@ -153,6 +157,7 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
     global CLOCK
     torch._dynamo.reset()
     solver._floor_memo.clear()  # a floor remembered from an earlier run would make this one warm
+    traces = counters["aot_autograd"]["total"]
     CLOCK = clock = StageClock()
     LOGGER.addHandler(clock)
     LOGGER.setLevel(logging.INFO)
@@ -167,10 +172,11 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
         CLOCK = None
     row = {"total_s": total, "stages": {k: round(v, 3) for k, v in clock.seconds.items() if v >= 5e-3},
            "counts": dict(clock.counts), "silent_s": round(clock.gap[0], 2), "silent_in": clock.gap[1],
-           "longest_stage_s": round(clock.longest[0], 2), "longest_stage": clock.longest[1]}
+           "longest_stage_s": round(clock.longest[0], 2), "longest_stage": clock.longest[1],
+           "aot_traces": counters["aot_autograd"]["total"] - traces}
     if om is not None:
         p = om.plan
-        row.update(predicted_peak=p.predicted_peak, chunks=(p.loss or {}).get("chunks"),
+        row.update(predicted_peak=p.predicted_peak, recompute_s=p.recompute_time_s, chunks=(p.loss or {}).get("chunks"),
                    compiler=p.compiler.get("used"), path=p.solver.get("path"))
     else:
         row["error"], row["smallest_budget"] = error, smallest
@@ -291,8 +297,14 @@ def run_model(name: str, size: str, factory, variants: list[str]) -> dict:
     row: dict = {"model": name, "size": size, "budget": budget}
     for v in variants:
         kw = {"eager": {"compiler": "eager"}, "inductor": {"compiler": "inductor"},
-              "auto-precision": {"compiler": "eager", "precision": "auto"}}.get(v)
-        if v == "cache-hit":
+              "auto-precision": {"compiler": "eager", "precision": "auto"}, "eager-traced": {"compiler": "eager"}}.get(v)
+        if v == "eager-traced":  # every region traced by AOTAutograd: same_regions.REUSE off
+            same_regions.REUSE = False
+            try:
+                row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
+            finally:
+                same_regions.REUSE = True
+        elif v == "cache-hit":
             with tempfile.TemporaryDirectory() as tmp:
                 timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
                 row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
@@ -343,6 +355,17 @@ def report(rows: list[dict], variants: list[str], command: str) -> str:
                      + f" | {ratio(t.get('eager'), r['inductor_s'])} | {ratio(t.get('eager'), r['aot_eager_s'])} | "
                      f"{ratio(t.get('inductor'), r['inductor_s'])} | {ratio(t.get('auto-precision'), t.get('eager'))} "
                      f"| {silence[0]} ({silence[1]}) | {longest[0]} ({longest[1]}) |")
+    if "eager-traced" in variants and "eager" in variants:
+        lines += ["\n## Identical regions traced once (eager; eager-traced: same_regions.REUSE off)\n",
+                  "| model | size | AOTAutograd traces, every region / reused | seconds | reused / every region "
+                  "| same predicted peak and time |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            a, b = r.get("eager-traced"), r.get("eager")
+            if a and b:
+                same = (a.get("predicted_peak"), a.get("recompute_s")) == (b.get("predicted_peak"), b.get("recompute_s"))
+                lines.append(f"| {r['model']} | {r['size']} | {a['aot_traces']} / {b['aot_traces']} | "
+                             f"{a['total_s']:.1f} / {b['total_s']:.1f} | {b['total_s'] / a['total_s']:.2f}x | "
+                             f"{'yes' if same else 'NO'} |")
     lines += ["\n## Stages (seconds, each second in exactly one stage; xN: times entered)\n"]
     for v in variants:
         present = [s for s in STAGES if any(s in r.get(v, {}).get("stages", {}) for r in rows)]

@@ -23,12 +23,19 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 
-from autoremat.capture.regions import LINKS, RegionLinks, compile_regions, release_gradients, with_stand_ins
+from autoremat.capture.regions import (
+    LINKS,
+    RegionLinks,
+    compile_regions,
+    region_key,
+    release_gradients,
+    with_stand_ins,
+)
 from autoremat.passes.decompositions import DECOMPOSITIONS, LAYOUT_DECOMPOSITIONS
 from autoremat.passes.grad_upcast import fuse_gradient_upcasts
 from autoremat.passes.rng_replay import replay_random_draws
@@ -58,6 +65,19 @@ class CapturedGraph:
     device: str  # device of the traced tensors ("cpu", "cuda", "meta")
     links: RegionLinks | None = None  # for a region: how it connects to its neighbours (autoremat.capture.regions)
     compiler: str = "eager"  # what will run the partitioned graphs: "inductor" fuses pointwise ops (fusion.py)
+    region_key: tuple | None = None  # for a region that `SameRegions` may reuse: what its trace depends on
+
+
+class SameRegions(Protocol):
+    """A region identical to one compiled before (`regions.region_key`) takes that one's compiled code.
+
+    `reused` answers for a region about to be traced (its graph index and links): the code compiled for
+    an identical region, after the planner has taken its profile, or None (then it is traced). `keep`
+    offers the code compiled for a region that was traced; planning/same_regions.py implements both."""
+
+    def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule) -> Callable | None: ...
+
+    def keep(self, key: tuple, compiled: Callable, gm: fx.GraphModule) -> None: ...
 
 
 PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModule]]
@@ -114,7 +134,8 @@ COMPILE_CLOCK = CompileClock()
 
 
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
-                regions: bool = False, release_grads: bool = True, trace_only: bool = False) -> Callable:
+                regions: bool = False, release_grads: bool = True, trace_only: bool = False,
+                same: SameRegions | None = None) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
@@ -123,10 +144,13 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     Inductor compiling its forward (issue 38: seconds per graph).
     `pre_pass(index, gm, example_inputs)` sees (and may rewrite) each dynamo graph before
     AOTAutograd traces it: the precision stage casts there.
+    same: a region identical to one compiled before reuses its code instead of being traced (regions only;
+    not for Inductor's own compile, whose lazily compiled backwards are matched to traced regions by order).
     """
-    counter = itertools.count()
-    # The region AOTAutograd is compiling now, and the parameters whose gradients it releases early.
-    compiling: dict[str, Any] = {"links": None, "released": []}
+    # The region AOTAutograd is compiling now, its key for `same`, the parameters whose gradients it
+    # releases early, and the index the next graph gets (a reused region takes one too).
+    compiling: dict[str, Any] = {"links": None, "released": [], "key": None, "index": 0}
+    reusing = same is not None and (compiler == "eager" or trace_only)
 
     def partition_fn(
         joint: fx.GraphModule,
@@ -148,40 +172,37 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
             joint=joint,
             num_fwd_outputs=num_fwd_outputs,
             static_input_indices=list(static_lifetime_input_indices or []),
-            index=next(counter),
+            index=compiling["index"],
             device=_graph_device(joint),
             links=compiling["links"],
             compiler=compiler,
+            region_key=compiling["key"],
         )
+        compiling["index"] += 1
         return on_joint(cg)
 
-    if compiler == "eager":
-        inner = aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
-                             decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
-    elif compiler == "inductor":
-        fw_compiler, bw_compiler, inductor_table = inductor_compilers()
-        fw_compiler, bw_compiler = (boxed_eager, boxed_eager) if trace_only else (
-            COMPILE_CLOCK.timed(fw_compiler), COMPILE_CLOCK.timed(bw_compiler))
-        # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
-        inner = aot_autograd(
-            fw_compiler=fw_compiler,
-            bw_compiler=bw_compiler,
-            partition_fn=partition_fn,
-            decompositions={**inductor_table, **DECOMPOSITIONS},
-        )
-    else:
-        raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
+    inner = _aot(compiler, trace_only, partition_fn)
     if regions:  # one graph per repeated block: gradients leave the backward block by block
         aot = inner
 
         def one_region(gm: fx.GraphModule, example_inputs: list) -> Callable:
-            compiling["links"], compiling["released"] = gm.meta.get(LINKS), []
+            links = gm.meta.get(LINKS)
+            key = region_key(gm, example_inputs) if reusing and links is not None else None
+            if key is not None:
+                key = (compiler, trace_only, release_grads, key)
+                if (hit := same.reused(key, compiling["index"], links, gm)) is not None:
+                    compiling["index"] += 1
+                    return hit
+            compiling["links"], compiling["released"], compiling["key"] = links, [], key
             try:
                 compiled = aot(gm, example_inputs)
                 released = compiling["released"]
             finally:
-                compiling["links"], compiling["released"] = None, []
-            return with_stand_ins(compiled, released) if released else compiled
+                compiling["links"], compiling["released"], compiling["key"] = None, [], None
+            compiled = with_stand_ins(compiled, released) if released else compiled
+            if key is not None:
+                same.keep(key, compiled, gm)
+            return compiled
 
         inner = functools.partial(compile_regions, compile_one=one_region)
     if pre_pass is None:
@@ -193,6 +214,21 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         return inner(gm, example_inputs)
 
     return backend
+
+
+def _aot(compiler: str, trace_only: bool, partition_fn: Callable) -> Callable:
+    """AOTAutograd with our partition function, the decompositions and compilers of `compiler`."""
+    if compiler == "eager":
+        return aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
+                            decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
+    if compiler == "inductor":
+        fw_compiler, bw_compiler, inductor_table = inductor_compilers()
+        fw_compiler, bw_compiler = (boxed_eager, boxed_eager) if trace_only else (
+            COMPILE_CLOCK.timed(fw_compiler), COMPILE_CLOCK.timed(bw_compiler))
+        # Inductor lowers only graphs decomposed with its own table; ours for dropout comes last.
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
+                            decompositions={**inductor_table, **DECOMPOSITIONS})
+    raise ValueError(f"compiler must be 'eager' or 'inductor', got {compiler!r}")
 
 
 def default_split(cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:

@@ -153,6 +153,58 @@ def _link(cut: fx.GraphModule) -> None:
                                       {i: a.name for i, a in enumerate(call.args) if readers.get(a, 0) > 1})
 
 
+def region_key(gm: fx.GraphModule, example_inputs: list) -> tuple | None:
+    """What AOTAutograd's trace of a region depends on, with its block's names left out: its ops and their
+    wiring, its inputs' shapes, strides, dtypes and kinds, and how it links to the other regions.
+
+    Two blocks of a ModuleList with one class have equal keys, so the second is traced to the same joint
+    graph as the first and can reuse it (planning/same_regions.py). None for a region that reads an
+    attribute or calls a module by name: those name the block itself.
+    """
+    links: RegionLinks | None = gm.meta.get(LINKS)
+    if links is None:
+        return None
+    position: dict[fx.Node, int] = {}
+    ops = []
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op in ("call_module", "get_attr"):
+            return None
+        position[n] = i
+        wiring = fx.node.map_arg((n.args, n.kwargs), lambda a: _At(position[a]))
+        ops.append((n.op, None if n.op == "placeholder" else n.target, _hashable(wiring)))
+    inputs = tuple(_input_key(t) for t in example_inputs)
+    return (tuple(ops), inputs, links.outputs, tuple(sorted(links.exported)), tuple(sorted(links.shared.items())),
+            tuple(s is None for s in links.sources))
+
+
+@dataclass(frozen=True)
+class _At:
+    """A node's input, by its position in the region's graph."""
+
+    index: int
+
+
+def _hashable(x: object) -> object:
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, *map(_hashable, x))
+    if isinstance(x, dict):
+        return ("dict", *((k, _hashable(v)) for k, v in x.items()))
+    if isinstance(x, slice):
+        return ("slice", _hashable(x.start), _hashable(x.stop), _hashable(x.step))
+    try:
+        hash(x)
+    except TypeError:
+        return ("repr", repr(x))
+    return x
+
+
+def _input_key(t: object) -> object:
+    if not isinstance(t, torch.Tensor):
+        return ("value", _hashable(t))
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, t.requires_grad,
+            isinstance(t, torch.nn.Parameter), getattr(t, "_dynamo_static_input_type", None))
+
+
 # --------------------------------------------------------------------------------------------
 # gradients that leave a region's backward as soon as they are computed
 

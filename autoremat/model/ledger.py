@@ -8,9 +8,12 @@ it decides what activations to keep. Figures are per rank once sharding is appli
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
+import torch.fx as fx
 
+from autoremat.capture.aot import CapturedGraph
 from autoremat.model.optimizers import (
     ADAFACTOR_ASSUMED_SIDE,
     OPTIMIZER_NAMES,
@@ -19,6 +22,7 @@ from autoremat.model.optimizers import (
     optimizer_state_bytes,
     optimizer_step_bytes,
 )
+from autoremat.torch_internals import arg_tree_leaves, is_primal
 from autoremat.units import format_bytes, round_up, storage_key
 
 __all__ = ["OPTIMIZER_NAMES", "SLACK", "Ledger", "ledger_for_count", "ledger_for_model", "optimizer_state_bytes",
@@ -367,3 +371,27 @@ def ledger_for_count(
         notes=notes,
     )
     return _shard(ledger)
+
+
+def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int, workspaces: int = 0) -> Ledger:
+    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state, and
+    `workspaces` (the matmul libraries' on a GPU: devices.blas_workspace_bytes)."""
+    nodes = list(cg.joint.graph.nodes)
+    primals = [n for n in nodes if is_primal(n)]
+    outs = list(arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
+    grads = outs[cg.num_fwd_outputs:]
+    static = set(cg.static_input_indices)
+
+    def nbytes(n: fx.Node) -> int:
+        v = n.meta.get("val")
+        size = v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
+        return -(-size // granularity) * granularity
+
+    params = [p for i, p in enumerate(primals) if i in static]
+    trainable = [p for i, p in enumerate(primals) if i in static and i < len(grads) and grads[i] is not None]
+    inputs = [p for i, p in enumerate(primals) if i not in static]
+    notes: list[str] = []
+    state = optimizer_state_bytes(optimizer, [p.meta["val"] for p in trainable], granularity=granularity,
+                                  notes=notes)
+    return Ledger(parameters=sum(map(nbytes, params)), gradients=sum(map(nbytes, trainable)), optimizer_state=state,
+                  inputs=sum(map(nbytes, inputs)), workspaces=workspaces, notes=notes)

@@ -134,7 +134,8 @@ def _target_name(node: fx.Node) -> str:
     return str(t)
 
 
-def _module_path(node: fx.Node) -> str:
+def module_path_of(node: fx.Node) -> str:
+    """The innermost nn.Module path a graph node was traced in ("" outside every module)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         # Backward nodes carry the forward node they came from in "fwd_nn_module_stack".
@@ -271,7 +272,7 @@ def _node_profile(n: fx.Node, kind: str, owner: dict, mutated: set[str], dev: De
     whether it may be recomputed."""
     val = n.meta.get("val")
     prof = NodeProfile(name=n.name, kind=kind, target=_target_name(n), inputs=tuple(a.name for a in n.all_input_nodes),
-                       storage="", nbytes=0, module=_module_path(n), mark=user_mark(n))
+                       storage="", nbytes=0, module=module_path_of(n), mark=user_mark(n))
     if isinstance(val, torch.Tensor):
         prof.dtype = str(val.dtype).replace("torch.", "")
         prof.shape = tuple(int(s) for s in val.shape)

@@ -9,7 +9,7 @@ what the solver is given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -114,6 +114,8 @@ class TrainingStep:
     ledger: Ledger  # the budget's fixed parts for this batch
     options: PlanOptions
     compiler: str  # the compiler in use: "inductor" or "eager"
+    # the regions traced so far, for every trace of this step to reuse (planning/same_regions.py)
+    regions_seen: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def checked(self) -> bool:

@@ -23,7 +23,7 @@ from autoremat.capture.aot import CapturedGraph, aot_backend, compile_fresh, def
 from autoremat.capture.blocks import compile_blocks, remember_skipped, repeated_blocks, skipped
 from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
-from autoremat.model.ledger import Ledger, optimizer_state_bytes
+from autoremat.model.ledger import Ledger, ledger_from_graph
 from autoremat.model.profile import GraphProfile, fingerprint, profile_graph
 from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
@@ -32,13 +32,12 @@ from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.calls import CallLog, repeats
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
+from autoremat.planning.same_regions import SameRegions
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import (
     BackendCompilerFailed,
-    arg_tree_leaves,
     graph_break_reasons,
-    is_primal,
 )
 from autoremat.units import format_bytes
 
@@ -66,36 +65,6 @@ def along_now() -> str | None:
 
 class PlanMismatch(ValueError):
     """A saved plan was applied to a graph it was not made for."""
-
-
-def ledger_from_graph(cg: CapturedGraph, optimizer: Any, granularity: int, workspaces: int = 0) -> Ledger:
-    """Fixed bytes when all we have is the graph: its parameters, their gradients and optimizer state, and
-    `workspaces` (the matmul libraries' on a GPU: devices.blas_workspace_bytes)."""
-    nodes = list(cg.joint.graph.nodes)
-    primals = [n for n in nodes if is_primal(n)]
-    outs = list(arg_tree_leaves(*next(n for n in nodes if n.op == "output").args))
-    grads = outs[cg.num_fwd_outputs:]
-    static = set(cg.static_input_indices)
-
-    def nbytes(n: fx.Node) -> int:
-        v = n.meta.get("val")
-        size = v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
-        return -(-size // granularity) * granularity
-
-    params = [p for i, p in enumerate(primals) if i in static]
-    trainable = [p for i, p in enumerate(primals) if i in static and i < len(grads) and grads[i] is not None]
-    inputs = [p for i, p in enumerate(primals) if i not in static]
-    notes: list[str] = []
-    state = optimizer_state_bytes(optimizer, [p.meta["val"] for p in trainable], granularity=granularity,
-                                  notes=notes)
-    return Ledger(
-        parameters=sum(map(nbytes, params)),
-        gradients=sum(map(nbytes, trainable)),
-        optimizer_state=state,
-        inputs=sum(map(nbytes, inputs)),
-        workspaces=workspaces,
-        notes=notes,
-    )
 
 
 class Planner:
@@ -159,7 +128,13 @@ class Planner:
             _, tl, _ = evaluate([gp], [fallback], dev.alloc_granularity)
             return ledger.needs(tl.peak), ledger
 
-        return self._split(cg, gp, set(saved), need, budget_or_memory(self.budget, dev))[0]
+        modules, used = self._split(cg, gp, set(saved), need, budget_or_memory(self.budget, dev))
+        if self.plan is not None and used == set(saved):
+            self._compiled(cg, gp, used)
+        return modules
+
+    def _compiled(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str] | None) -> None:
+        """Hook: graph `cg` (profiled as `gp`) was partitioned saving `saved` (None: the default partition)."""
 
     def _split(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str],
                need: Callable[[set[str]], tuple[int, Ledger]], limit: int) -> tuple[tuple, set[str]]:
@@ -187,6 +162,15 @@ class Planner:
                     f"({needed} bytes), more than the budget of {format_bytes(limit)}. Please report this model; "
                     "meanwhile a budget that large runs it.", ledger, needed) from e
             return default_split(cg), fallback
+
+    def saved_for(self, gp: GraphProfile, index: int) -> frozenset[str] | None:
+        """What a graph profiled as `gp` at `index` would save: the plan's set, or None while capturing."""
+        if self.plan is None:
+            return None
+        try:
+            return frozenset(self._saved_from_plan(gp, index))
+        except PlanMismatch:
+            return frozenset({"(not in the plan)"})  # matches no saved set
 
     def _saved_from_plan(self, gp: GraphProfile, index: int) -> set[str]:
         matches = [g for g in self.plan.graphs if g.fingerprint == gp.fingerprint]
@@ -227,8 +211,11 @@ class CapturePlanner(Planner):
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
-                 pre_pass: Callable | None = None, regions: bool = True, **kwargs: Any) -> None:
+                 pre_pass: Callable | None = None, regions: bool = True, regions_seen: dict | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # identical regions traced once, over a memo every trace of the step shares (same_regions.py)
+        self.same = SameRegions(self, {} if regions_seen is None else regions_seen)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.regions = regions  # one graph per repeated block (autoremat.capture.regions)
         self.release_grads = self.options.release_grads  # each weight gradient to .grad as soon as it exists (regions)
@@ -272,9 +259,19 @@ class CapturePlanner(Planner):
         breaks, regions), so nothing is solved here: `optimize` plans every graph jointly once the
         whole step has been seen, then compiles again with that plan.
         """
-        self._profile(cg)
+        self._compiled(cg, self._profile(cg), None)
         self.cut = self.cut or cg.links is not None
         return default_split(cg)
+
+    def _compiled(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str] | None) -> None:
+        if self.strict:
+            self.same.traced(cg.region_key, gp, saved)
+
+    def adopt(self, gp: GraphProfile) -> None:
+        """A region's profile moved from an identical one traced before (SameRegions.reused)."""
+        self.profiles.append(gp)
+        self.cut = True
+        along(f"{len(self.profiles)} graph(s) traced and profiled, the last reused from an identical block")
 
     def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         kept, self.plan = self.plan, plan
@@ -314,7 +311,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     trace_only = planner.plan is None and planner.lookup is None and planner.strict
     backend = planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
                                            regions=planner.regions, release_grads=planner.release_grads,
-                                           trace_only=trace_only))
+                                           trace_only=trace_only, same=planner.same))
     blocks = repeated_blocks(model) if skipped(model) else []
     compiled = compile_blocks(model, blocks, backend) if blocks else compile_fresh(model, backend)
     _trace(model, planner, compiled, args, kwargs)
@@ -340,7 +337,8 @@ def _trace(model: torch.nn.Module, planner: CapturePlanner, compiled: Any, args:
 
 def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
     """A CapturePlanner for the step being planned (its device, ledger and options); `kw` adds the rest."""
-    return CapturePlanner(budget, device=step.dev, ledger=step.ledger, options=step.options, **kw)
+    return CapturePlanner(budget, device=step.dev, ledger=step.ledger, options=step.options,
+                          regions_seen=step.regions_seen, **kw)
 
 
 def trace_step(step: TrainingStep, planner: CapturePlanner) -> Any:

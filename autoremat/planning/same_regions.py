@@ -1,0 +1,111 @@
+"""Identical regions traced once: a repeated block's second copy takes the first one's code and profile.
+
+A step cut into regions (capture/regions.py) has one graph per block, and the blocks of a ModuleList
+of one class trace to the same joint graph: the same ops on inputs of the same shapes, only their
+parameters differ, and those are inputs of the compiled code. Tracing each block with AOTAutograd,
+profiling it and partitioning it was most of the time a capture takes on a deep model (issue 38:
+27.9 s of a 48-layer GPT-2's 118 s plan, then as much again to compile it with the plan).
+
+So the first block of each kind is traced, and every block whose region has the same key
+(`regions.region_key`: ops, wiring, input shapes and kinds, links) reuses its compiled code and a
+copy of its profile, moved to its own place in the step (`relocated`). The code is reused only where
+it would be the same code: while capturing (the default partition), or while applying a plan that
+saves the same values in both blocks. One `SameRegions` memo lives as long as the step being planned
+(`TrainingStep.regions_seen`): the loss region's chunk counts, which rewrite only the tail, trace only
+the regions they change (issue 38: no candidate traced twice for what it can be derived from).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.fx as fx
+
+from autoremat.capture.regions import RegionLinks
+from autoremat.model.profile import GraphProfile, module_path_of
+
+if TYPE_CHECKING:
+    from autoremat.planning.planner import CapturePlanner
+
+# Off: every region is traced (benchmarks/plan_time.py --compare-reuse times both; tests compare the profiles).
+REUSE = True
+
+
+@dataclass
+class Traced:
+    """One region as traced: its profile, the values its compiled code saves, the code, its module paths."""
+
+    profile: GraphProfile
+    saved: frozenset[str] | None
+    compiled: Callable | None = None
+    modules: tuple[str, ...] = ()
+
+
+class SameRegions:
+    """The `capture.aot.SameRegions` of one planner, over a memo shared by every trace of the step."""
+
+    def __init__(self, planner: CapturePlanner, memo: dict) -> None:
+        self.planner = planner
+        self.memo = memo  # region key -> [Traced, one per saved set compiled]
+        self.pending: dict[tuple, Traced] = {}  # traced by the planner, its code not yet handed back
+
+    def traced(self, key: tuple | None, profile: GraphProfile, saved: set[str] | None) -> None:
+        """The planner profiled and partitioned a region (saved: the plan's set; None: a capture)."""
+        if key is not None:
+            self.pending[key] = Traced(profile, None if saved is None else frozenset(saved))
+
+    def keep(self, key: tuple, compiled: Callable, gm: fx.GraphModule) -> None:
+        done = self.pending.pop(key, None)
+        if done is not None:
+            done.compiled, done.modules = compiled, _module_paths(gm)
+            self.memo.setdefault(key, []).append(done)
+
+    def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule) -> Callable | None:
+        planner = self.planner
+        if not REUSE or not planner.strict or (planner.plan is None and planner.lookup is not None and not planner.profiles):
+            return None  # after planning (a recompile), or before the plan cache was asked
+        for done in self.memo.get(key, ()):
+            if done.saved != planner.saved_for(done.profile, index):
+                continue
+            renames = _renames(done.modules, _module_paths(gm))
+            if renames is None:
+                continue
+            planner.adopt(relocated(done.profile, index, links, renames))
+            return done.compiled
+        return None
+
+
+def relocated(gp: GraphProfile, index: int, links: RegionLinks, renames: dict[str, str]) -> GraphProfile:
+    """The profile of a region that traces to the same joint graph as `gp`'s region, at graph index `index`
+    with `links`: gp's nodes with their module paths renamed (the first block's -> this one's), and the
+    fields that say where the region sits in the step (its index, where its inputs come from, the keys of
+    its tied gradients) as `profile.profile_graph` would have written them."""
+    out = copy.deepcopy(gp)
+    out.index = index
+    for p in out.nodes.values():
+        p.module = renames.get(p.module, p.module)
+    if out.user_outputs or out.sources:  # profile_graph linked gp to its region (their counts agreed)
+        first = index - links.position
+        primals = [name for name, p in gp.nodes.items() if p.kind in ("param", "input")]
+        out.sources = {name: (first + src[0], src[1]) for name, src in zip(primals, links.sources) if src is not None}
+        out.tied = {grad: f"{first}:{key.partition(':')[2]}" for grad, key in gp.tied.items()}
+    return out
+
+
+def _module_paths(gm: fx.GraphModule) -> tuple[str, ...]:
+    return tuple(module_path_of(n) for n in gm.graph.nodes)
+
+
+def _renames(first: tuple[str, ...], this: tuple[str, ...]) -> dict[str, str] | None:
+    """Each module path of the first region -> the one at the same node of this region; None if a path
+    would be renamed two ways (then the profile cannot be moved by renaming)."""
+    if len(first) != len(this):
+        return None
+    renames: dict[str, str] = {}
+    for old, new in zip(first, this):
+        if renames.setdefault(old, new) != new:
+            return None
+    return renames
