@@ -7,8 +7,10 @@ measured in the same run mean anything):
       backward call after `torch._dynamo.reset()` (what a user waits for before training starts);
   autoremat.optimize cold (no plan cache) with compiler="eager" and with compiler="inductor", with
       precision="auto" (eager), and once more from the plan cache (a hit);
-  --variants eager-traced: eager with every region traced by AOTAutograd (same_regions.REUSE off), for the
-      side-by-side table of what tracing identical blocks once saves (and that the plan is the same).
+  --variants eager-traced, inductor-traced: with every region traced by AOTAutograd (same_regions.REUSE
+      off), for the side-by-side table of what tracing identical blocks once saves (and whether the plan is
+      the same). Run after the variant they compare with: kernels Inductor compiled for that one are reused
+      by them (the in-process and on-disk caches), which errs against reuse.
 
 The budget is the issue's: parameters + gradients + inputs + 0.6 x eager's measured activation peak
 (optimizer=None, so nothing else is fixed). Each autoremat run is split into stages by `StageClock`,
@@ -21,6 +23,7 @@ stage. The longest gap between two progress records is reported too (issue 38 (5
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py [--quick] [--models stack,gpt2,...] [--out NAME]
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24,48 --models stack,gpt2 --variants eager
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24 --models gpt2,llama --variants eager,eager-traced --out plan_time_cpu_reuse
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24 --models gpt2,llama --variants inductor,inductor-traced --out plan_time_cpu_reuse_inductor
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --quick --sizes 0 --models gpt2,llama,bert --variants eager,inductor
 
 Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
@@ -297,8 +300,9 @@ def run_model(name: str, size: str, factory, variants: list[str]) -> dict:
     row: dict = {"model": name, "size": size, "budget": budget}
     for v in variants:
         kw = {"eager": {"compiler": "eager"}, "inductor": {"compiler": "inductor"},
-              "auto-precision": {"compiler": "eager", "precision": "auto"}, "eager-traced": {"compiler": "eager"}}.get(v)
-        if v == "eager-traced":  # every region traced by AOTAutograd: same_regions.REUSE off
+              "auto-precision": {"compiler": "eager", "precision": "auto"}, "eager-traced": {"compiler": "eager"},
+              "inductor-traced": {"compiler": "inductor"}}.get(v)
+        if v.endswith("-traced"):  # every region traced by AOTAutograd: same_regions.REUSE off
             same_regions.REUSE = False
             try:
                 row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
@@ -355,17 +359,19 @@ def report(rows: list[dict], variants: list[str], command: str) -> str:
                      + f" | {ratio(t.get('eager'), r['inductor_s'])} | {ratio(t.get('eager'), r['aot_eager_s'])} | "
                      f"{ratio(t.get('inductor'), r['inductor_s'])} | {ratio(t.get('auto-precision'), t.get('eager'))} "
                      f"| {silence[0]} ({silence[1]}) | {longest[0]} ({longest[1]}) |")
-    if "eager-traced" in variants and "eager" in variants:
-        lines += ["\n## Identical regions traced once (eager; eager-traced: same_regions.REUSE off)\n",
+    for base in ("eager", "inductor"):
+        if f"{base}-traced" not in variants or base not in variants:
+            continue
+        lines += [f"\n## Identical regions traced once ({base}; {base}-traced: same_regions.REUSE off)\n",
                   "| model | size | AOTAutograd traces, every region / reused | seconds | reused / every region "
                   "| same predicted peak and time |", "|---|---|---|---|---|---|"]
         for r in rows:
-            a, b = r.get("eager-traced"), r.get("eager")
+            a, b = r.get(f"{base}-traced"), r.get(base)
             if a and b:
                 same = (a.get("predicted_peak"), a.get("recompute_s")) == (b.get("predicted_peak"), b.get("recompute_s"))
                 lines.append(f"| {r['model']} | {r['size']} | {a['aot_traces']} / {b['aot_traces']} | "
                              f"{a['total_s']:.1f} / {b['total_s']:.1f} | {b['total_s'] / a['total_s']:.2f}x | "
-                             f"{'yes' if same else 'NO'} |")
+                             f"{'yes' if same else 'no'} |")
     lines += ["\n## Stages (seconds, each second in exactly one stage; xN: times entered)\n"]
     for v in variants:
         present = [s for s in STAGES if any(s in r.get(v, {}).get("stages", {}) for r in rows)]

@@ -118,3 +118,27 @@ def test_relocated_moves_a_profile_to_its_own_place_in_the_step():
     assert out.tied == {"mm_1": "1:w"}
     assert out.nodes["mm"].module == out.nodes["mm_1"].module == "h.2.mlp"
     assert gp.nodes["mm"].module == "h.0.mlp" and gp.index == 3, "the first block's profile is left as it was"
+
+
+def test_inductor_code_reused_by_the_next_identical_block_computes_what_its_own_code_does(monkeypatch):
+    # Inductor compiles each region's backward on its first call, matched to its forward by the order the
+    # regions were traced: blocks 2 to 4 run block 2's code, so block 4's backward compiles it and blocks
+    # 3 and 2 reuse it (a wrong match would compile against another region's metadata, or fail). The same
+    # graphs compile to the same kernels: the gradients equal those of the step with every block traced.
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=LAYERS, d=64, n_head=4, seq=32, batch=2, dropout=0.1)
+    steps, traces = [], []
+    for reuse in (False, True):
+        monkeypatch.setattr(same_regions, "REUSE", reuse)
+        before = counters["aot_autograd"]["total"]
+        steps.append(autoremat.optimize(model, 10**10, ex, optimizer=None, regions=True, compiler="inductor",
+                                        progress=False))
+        traces.append(counters["aot_autograd"]["total"] - before)
+    assert [om.plan.compiler["used"] for om in steps] == ["inductor", "inductor"]
+    graphs = len(steps[0].plan.graphs)
+    assert graphs == LAYERS + 1
+    # captured, then compiled with the plan: every graph twice, or all but blocks 3 and 4 twice
+    assert traces == [2 * graphs, 2 * (graphs - 2)]
+    traced, reused = seeded_grads(model, steps, ex)
+    for g, r in zip(traced, reused, strict=True):
+        assert torch.equal(g, r)

@@ -72,10 +72,12 @@ class SameRegions(Protocol):
     """A region identical to one compiled before (`regions.region_key`) takes that one's compiled code.
 
     `reused` answers for a region about to be traced (its graph index and links): the code compiled for
-    an identical region, after the planner has taken its profile, or None (then it is traced). `keep`
+    an identical region (that code only, if `only` is given), after the planner has taken its profile,
+    or None (then it is traced). `keep`
     offers the code compiled for a region that was traced; planning/same_regions.py implements both."""
 
-    def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule) -> Callable | None: ...
+    def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
+               only: Callable | None = None) -> Callable | None: ...
 
     def keep(self, key: tuple, compiled: Callable, gm: fx.GraphModule) -> None: ...
 
@@ -144,13 +146,15 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     Inductor compiling its forward (issue 38: seconds per graph).
     `pre_pass(index, gm, example_inputs)` sees (and may rewrite) each dynamo graph before
     AOTAutograd traces it: the precision stage casts there.
-    same: a region identical to one compiled before reuses its code instead of being traced (regions only;
-    not for Inductor's own compile, whose lazily compiled backwards are matched to traced regions by order).
+    same: a region identical to one compiled before reuses its code instead of being traced (regions only).
+    Inductor compiles each region's backward on its first call and finds its forward's metadata by the
+    order the regions were traced in (dynamo's DDPOptimizer context), which holds only while every compiled
+    region's uses are one run: so Inductor's own code is reused from the region just before, in this graph.
     """
     # The region AOTAutograd is compiling now, its key for `same`, the parameters whose gradients it
     # releases early, and the index the next graph gets (a reused region takes one too).
-    compiling: dict[str, Any] = {"links": None, "released": [], "key": None, "index": 0}
-    reusing = same is not None and (compiler == "eager" or trace_only)
+    compiling: dict[str, Any] = {"links": None, "released": [], "key": None, "index": 0, "last": None}
+    in_runs = compiler == "inductor" and not trace_only  # Inductor's code: reused only from the region before
 
     def partition_fn(
         joint: fx.GraphModule,
@@ -187,11 +191,14 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
 
         def one_region(gm: fx.GraphModule, example_inputs: list) -> Callable:
             links = gm.meta.get(LINKS)
-            key = region_key(gm, example_inputs) if reusing and links is not None else None
+            key = region_key(gm, example_inputs) if same is not None and links is not None else None
             if key is not None:
                 key = (compiler, trace_only, release_grads, key)
-                if (hit := same.reused(key, compiling["index"], links, gm)) is not None:
+                only = compiling["last"] if in_runs else None
+                if (not in_runs or only is not None) and (
+                        hit := same.reused(key, compiling["index"], links, gm, only=only)) is not None:
                     compiling["index"] += 1
+                    compiling["last"] = hit
                     return hit
             compiling["links"], compiling["released"], compiling["key"] = links, [], key
             try:
@@ -202,6 +209,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
             compiled = with_stand_ins(compiled, released) if released else compiled
             if key is not None:
                 same.keep(key, compiled, gm)
+            compiling["last"] = compiled
             return compiled
 
         inner = functools.partial(compile_regions, compile_one=one_region)

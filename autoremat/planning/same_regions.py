@@ -10,7 +10,8 @@ So the first block of each kind is traced, and every block whose region has the 
 (`regions.region_key`: ops, wiring, input shapes and kinds, links) reuses its compiled code and a
 copy of its profile, moved to its own place in the step (`relocated`). The code is reused only where
 it would be the same code: while capturing (the default partition), or while applying a plan that
-saves the same values in both blocks. One `SameRegions` memo lives as long as the step being planned
+saves the same values in both blocks; Inductor's compiled code only from the block just before
+(capture.aot.aot_backend says why). One `SameRegions` memo lives as long as the step being planned
 (`TrainingStep.regions_seen`): the loss region's chunk counts, which rewrite only the tail, trace only
 the regions they change (issue 38: no candidate traced twice for what it can be derived from).
 """
@@ -63,12 +64,13 @@ class SameRegions:
             done.compiled, done.modules = compiled, _module_paths(gm)
             self.memo.setdefault(key, []).append(done)
 
-    def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule) -> Callable | None:
+    def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
+               only: Callable | None = None) -> Callable | None:
         planner = self.planner
         if not REUSE or not planner.strict or (planner.plan is None and planner.lookup is not None and not planner.profiles):
             return None  # after planning (a recompile), or before the plan cache was asked
         for done in self.memo.get(key, ()):
-            if done.saved != planner.saved_for(done.profile, index):
+            if (only is not None and done.compiled is not only) or done.saved != planner.saved_for(done.profile, index):
                 continue
             renames = _renames(done.modules, _module_paths(gm))
             if renames is None:
