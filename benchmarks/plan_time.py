@@ -23,7 +23,11 @@ stage. The longest gap between two progress records is reported too (issue 38 (5
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py [--quick] [--models stack,gpt2,...] [--out NAME]
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24,48 --models stack,gpt2 --variants eager
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24 --models gpt2,llama --variants eager,eager-traced --out plan_time_cpu_reuse
-    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24 --models gpt2,llama --variants inductor,inductor-traced --out plan_time_cpu_reuse_inductor
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cold --depths 12,24 --models gpt2,llama --variants inductor,inductor-traced --out plan_time_cpu_reuse_inductor
+
+--cold runs every autoremat run and both torch.compile references in a process of its own, with an
+Inductor cache of its own (a user's first run): without it, kernels one run compiled are reused by the
+runs after it in the process.
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --quick --sizes 0 --models gpt2,llama,bert --variants eager,inductor
 
 Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
@@ -37,6 +41,7 @@ import json
 import logging
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -293,27 +298,50 @@ def models(quick: bool, depths: list[int] | None = None) -> dict:
     }
 
 
-def run_model(name: str, size: str, factory, variants: list[str]) -> dict:
+def run_variant(v: str, model, inputs, budget: int) -> dict:
+    """One autoremat run of `v` (or a torch.compile reference: "torch-inductor", "torch-aot_eager")."""
+    if v.startswith("torch-"):
+        return {"total_s": first_call(copy.deepcopy(model), inputs, v.removeprefix("torch-"))}
+    kw = {"eager": {"compiler": "eager"}, "inductor": {"compiler": "inductor"},
+          "auto-precision": {"compiler": "eager", "precision": "auto"}, "eager-traced": {"compiler": "eager"},
+          "inductor-traced": {"compiler": "inductor"}}.get(v)
+    if v.endswith("-traced"):  # every region traced by AOTAutograd: same_regions.REUSE off
+        same_regions.REUSE = False
+        try:
+            return timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
+        finally:
+            same_regions.REUSE = True
+    if v == "cache-hit":
+        with tempfile.TemporaryDirectory() as tmp:
+            timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
+            return timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
+    return timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
+
+
+def run_cold(argv: list[str], name: str, index: int, v: str, budget: int) -> dict:
+    """`run_variant` in a process of its own, with an Inductor cache of its own: nothing compiled by an
+    earlier run is reused (--cold; a user's first run)."""
+    env = {k: val for k, val in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(RESULTS.parent.parent), str(RESULTS.parent),
+                                                      env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, __file__, *argv, "--one", f"{name}:{index}:{v}:{budget}"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_model(name: str, size: str, factory, variants: list[str], cold: tuple[list[str], int] | None = None) -> dict:
     torch.manual_seed(0)
     model, inputs = factory()
     budget = issue_budget(model, inputs)
     row: dict = {"model": name, "size": size, "budget": budget}
+    if cold is not None:
+        for v in [*variants, "torch-inductor", "torch-aot_eager"]:
+            row[v] = run_cold(cold[0], name, cold[1], v, budget)
+            print(f"  {name} {size} {v} (own process): {row[v]['total_s']:.1f} s", flush=True)
+        row["inductor_s"], row["aot_eager_s"] = row.pop("torch-inductor")["total_s"], row.pop("torch-aot_eager")["total_s"]
+        return row
     for v in variants:
-        kw = {"eager": {"compiler": "eager"}, "inductor": {"compiler": "inductor"},
-              "auto-precision": {"compiler": "eager", "precision": "auto"}, "eager-traced": {"compiler": "eager"},
-              "inductor-traced": {"compiler": "inductor"}}.get(v)
-        if v.endswith("-traced"):  # every region traced by AOTAutograd: same_regions.REUSE off
-            same_regions.REUSE = False
-            try:
-                row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
-            finally:
-                same_regions.REUSE = True
-        elif v == "cache-hit":
-            with tempfile.TemporaryDirectory() as tmp:
-                timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
-                row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
-        else:
-            row[v] = timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
+        row[v] = run_variant(v, model, inputs, budget)
         r = row[v]
         print(f"  {name} {size} {v}: {r['total_s']:.1f} s, longest silence {r['silent_s']} s "
               f"({r['silent_in']}); {r.get('error') or ''}", flush=True)
@@ -417,6 +445,9 @@ def main() -> None:
     ap.add_argument("--cliff", action="store_true", help="time a loose budget, the floor query, the floor and below "
                     "it; --variants names the compilers (eager, inductor)")
     ap.add_argument("--out", default=None, help="results file stem (default plan_time_cpu[_quick])")
+    ap.add_argument("--cold", action="store_true", help="every run, torch.compile's too, in a process and "
+                    "Inductor cache of its own")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # NAME:INDEX:VARIANT:BUDGET, for --cold
     a = ap.parse_args()
     torch.set_num_threads(1)
     install_hooks()
@@ -425,6 +456,12 @@ def main() -> None:
     first_call(torch.nn.Linear(4, 4), (torch.randn(2, 4),), "inductor")
     depths = [int(n) for n in a.depths.split(",")] if a.depths else None
     table = models(a.quick, depths)
+    if a.one:  # --cold's child: one run, its row as the last line
+        name, index, v, budget = a.one.split(":")
+        torch.manual_seed(0)
+        model, inputs = table[name][int(index)][1]()
+        print(json.dumps(run_variant(v, model, inputs, int(budget))))
+        return
     sizes = list(range(len(depths))) if depths else [int(i) for i in a.sizes.split(",")]
     rows = []
     command = "PYTHONPATH=.:benchmarks python benchmarks/plan_time.py " + " ".join(sys.argv[1:])
@@ -443,7 +480,8 @@ def main() -> None:
     for name in a.models.split(","):
         for i in sizes:
             size, factory = table[name][i]
-            rows.append(run_model(name, size, factory, variants))
+            argv = [x for x in sys.argv[1:] if x != "--cold"]
+            rows.append(run_model(name, size, factory, variants, (argv, i) if a.cold else None))
             text = report(rows, variants, command)  # written after each model: a long run keeps what it measured
             (RESULTS / f"{stem}.md").write_text(text + "\n")
             (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
