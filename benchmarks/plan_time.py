@@ -339,6 +339,7 @@ def run_model(name: str, size: str, factory, variants: list[str], cold: tuple[li
             row[v] = run_cold(cold[0], name, cold[1], v, budget)
             print(f"  {name} {size} {v} (own process): {row[v]['total_s']:.1f} s", flush=True)
         row["inductor_s"], row["aot_eager_s"] = row.pop("torch-inductor")["total_s"], row.pop("torch-aot_eager")["total_s"]
+        row["cold"] = True
         return row
     for v in variants:
         row[v] = run_variant(v, model, inputs, budget)
@@ -367,9 +368,12 @@ def report(rows: list[dict], variants: list[str], command: str) -> str:
     lines = ["# Planning time, stage by stage (issue 38)\n", f"`{command}`  ", f"{platform.processor() or 'cpu'}, "
              f"torch {torch.__version__}, 1 thread, on a shared machine: compare ratios within this run only.\n",
              "Budget: parameters + gradients + inputs + 0.6 x eager's activation peak, optimizer=None. "
-             "torch.compile columns: first forward+backward call after `torch._dynamo.reset()`, measured after "
-             "autoremat's runs of that model (one fresh Inductor cache directory per process; a kernel compiled "
-             "for autoremat's Inductor run is reused by torch.compile's, which errs against autoremat).\n",
+             "torch.compile columns: first forward+backward call after `torch._dynamo.reset()`, "
+             + ("each run (autoremat's and torch.compile's) in a process and Inductor cache directory of its own "
+                "(--cold: nothing compiled by one run is reused by another).\n" if rows and rows[0].get("cold") else
+                "measured after autoremat's runs of that model (one fresh Inductor cache directory per process; a "
+                "kernel compiled for autoremat's Inductor run is reused by torch.compile's, which errs against "
+                "autoremat).\n"),
              "## Totals and ratios\n",
              "| model | size | Inductor s | aot_eager s | " + " | ".join(f"{v} s" for v in variants)
              + " | eager / Inductor | eager / aot_eager | inductor / Inductor | auto-prec / eager | longest silence s "
