@@ -31,7 +31,7 @@ from autoremat.model.profile import GraphProfile, module_path_of
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner
 
-# Off: every region is traced (benchmarks/plan_time.py --compare-reuse times both; tests compare the profiles).
+# Off: every region is traced (plan_time.py --variants eager-traced,inductor-traced; tests compare the profiles).
 REUSE = True
 
 
