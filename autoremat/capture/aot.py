@@ -73,8 +73,8 @@ class SameRegions(Protocol):
 
     `reused` answers for a region about to be traced (its graph index and links): the code compiled for
     an identical region (that code only, if `only` is given), after the planner has taken its profile,
-    or None (then it is traced). `keep`
-    offers the code compiled for a region that was traced; planning/same_regions.py implements both."""
+    or None (then it is traced). `keep` offers the code compiled for a region that was traced.
+    planning/same_regions.py implements both."""
 
     def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
                only: Callable | None = None) -> Callable | None: ...
@@ -191,12 +191,12 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
 
         def one_region(gm: fx.GraphModule, example_inputs: list) -> Callable:
             links = gm.meta.get(LINKS)
-            key = region_key(gm, example_inputs) if same is not None and links is not None else None
+            key = region_key(gm, example_inputs) if same is not None else None  # None outside a cut graph
             if key is not None:
                 key = (compiler, trace_only, release_grads, key)
                 only = compiling["last"] if in_runs else None
-                if (not in_runs or only is not None) and (
-                        hit := same.reused(key, compiling["index"], links, gm, only=only)) is not None:
+                may_reuse = not in_runs or only is not None  # Inductor's code: none before the first region
+                if may_reuse and (hit := same.reused(key, compiling["index"], links, gm, only=only)) is not None:
                     compiling["index"] += 1
                     compiling["last"] = hit
                     return hit

@@ -69,10 +69,11 @@ class SameRegions:
         planner = self.planner
         if not REUSE or not planner.strict or (planner.plan is None and planner.lookup is not None and not planner.profiles):
             return None  # after planning (a recompile), or before the plan cache was asked
+        here = _module_paths(gm)
         for done in self.memo.get(key, ()):
             if (only is not None and done.compiled is not only) or done.saved != planner.saved_for(done.profile, index):
                 continue
-            renames = _renames(done.modules, _module_paths(gm))
+            renames = _renames(done.modules, here)
             if renames is None:
                 continue
             planner.adopt(relocated(done.profile, index, links, renames))
