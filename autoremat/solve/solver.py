@@ -204,11 +204,14 @@ def solve(
         best = spend_slack(graphs, best, room, granularity)
     if best is None:
         smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
-                                 models=models)
+                                 models=models, room=room)
         if smallest.peak > room:
             raise Infeasible(smallest, status)
         best = smallest
-        best.notes.append("the ILP found no plan within the activations' room; used the smallest-peak plan, which fits")
+        best.notes.append("the ILP found no plan within the activations' room; used the first plan of the "
+                          "smallest-peak search that fits")
+        if best.peak < room and best.recompute_time_s > 0:
+            best = spend_slack(graphs, best, room, granularity)
     best.solve_time_s = time.perf_counter() - t0
     best.granularity = granularity
     return best
@@ -260,13 +263,20 @@ def _remember_floor(key: tuple, d: Decision) -> None:
         _floor_memo.popitem(last=False)
 
 
-def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None) -> Decision:
-    """The plan with the smallest simulated activation peak we can find.
+def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None,
+                  room: int | None = None) -> Decision:
+    """The plan with the smallest simulated activation peak we can find; with `room`, the first plan
+    the search reaches that fits it.
 
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, greedy, and
     the best plan an earlier call found for the same graphs (`_floor_memo`); each is lowered further
     by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
     (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
+
+    `room` is for a caller that needs a plan within a budget (`solve`, when the ILP's rows saw none),
+    not the floor: after each stage, the fastest plan found that fits is returned, and the later stages
+    (hundreds of simulations of the whole step: issue 38's cliff near the floor) are not run. Such a
+    plan is not remembered as the floor. A floor query, and a room below every plan, search to the end.
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
@@ -298,11 +308,15 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
                                    granularity=granularity))
     if not candidates:
         return None
+    if (fits := _fastest_within(candidates, room)) is not None:
+        return fits
     # Every candidate is lowered, not only the best: saving values back reorders them (on a 4-block
     # stack, d=64, seq 32, dropout 0.1, the ILP's min-peak plan had the lower peak and lowered
     # checkpointing the lowest: 971,272 B against 989,444). At most five candidates, up to 150
     # simulations of the whole step each; a remembered plan was refined when it was found.
     lowered = [d if d.saved is remembered else lower_peak(graphs, d, granularity) for d in candidates]
+    if (fits := _fastest_within(lowered, room)) is not None:
+        return fits
     best = min(lowered, key=lambda d: (d.peak, d.recompute_time_s))
     if best.saved is not remembered:
         # then values recomputed twice where that lowers the simulated peak: from the best, and from
@@ -312,9 +326,17 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if blocks is not None and not best.path.startswith("checkpoint-blocks"):
             refined.append(lower_peak(graphs, recompute_twice(graphs, blocks, granularity), granularity))
         best = min(refined, key=lambda d: (d.peak, d.recompute_time_s))
+        if (fits := _fastest_within(refined, room)) is not None:
+            return fits
         best = refine_further(graphs, best, granularity)
     _remember_floor(key, best)
     return best
+
+
+def _fastest_within(plans: list[Decision], room: int | None) -> Decision | None:
+    """The plan of `plans` with the least recompute time whose peak fits `room`; None without a room or a fit."""
+    fits = [d for d in plans if room is not None and d.peak <= room]
+    return min(fits, key=lambda d: (d.recompute_time_s, d.peak), default=None)
 
 
 class Infeasible(Exception):
