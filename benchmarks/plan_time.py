@@ -76,6 +76,7 @@ def _outer(message: str) -> str:
     """The stage a progress record starts (its first words name it)."""
     for head, stage in (("capturing", "capture"), ("tracing the loss region", "loss-region tracing"),
                         ("the ILP chose", "loss-region choice"), ("the ILP found no plan", "loss-region choice"),
+                        ("no chunk count traced", "loss-region choice"), ("the loss region in", "loss-region choice"),
                         ("solving the ILP for the loss region", "loss-region choice"),
                         ("planning the loss region", "loss-region full plans"),
                         ("tracing the step again", "capture (one graph)"), ("solving for", "solve (heuristics, sim)"),

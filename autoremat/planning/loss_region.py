@@ -4,17 +4,18 @@ The loss rewrite (autoremat.passes.loss_chunks) turns the output projection + cr
 chunks of token rows; each k is a trace of its own. The counts (loss_chunks.CANDIDATES) are traced
 in increasing order, and each trace's ILP (`solver.trace_time`) gives its least predicted step time
 under the budget: its ops once (more chunks, more and smaller kernels) plus the recomputation its plan
-adds (more chunks, more memory freed). Tracing stops at the first count that is no faster than a
-smaller one: each count frees a quarter of the region the count before it left, for more kernels,
-so the gain only shrinks (issue 38: the 64-chunk trace, the costliest, then is never traced at a
-budget where 4 chunks are best).
+adds (more chunks, more memory freed). Where the ILP's rows see no plan for a count (they bound the
+exact simulator conservatively, and near the floor see no room that it has), that count is planned in
+full there and then, and its time is that plan's. Tracing stops at the first count that is no faster
+than a smaller one: each count frees a quarter of the region the count before it left, for more
+kernels, so the gain only shrinks (issue 38: the 64-chunk trace, the costliest, then is never traced
+at a budget where 4 chunks are best).
 
-The fastest count is then planned in full and verified (`pipeline.build`, from that trace: the step
-is not traced again). The ILP's rows bound the exact simulator conservatively, so if the full plan
-refuses that count, the next fastest is planned; and if the rows see no plan for any count (near the
-floor they see no room that the simulator has), the counts are planned in full, each calibrated
-against the simulator, fastest first, skipping those that cannot beat the fastest plan that fits,
-and the fastest that fits is kept (with its plan: it is not solved again).
+The fastest count is then built and verified (`pipeline.build`, from that trace, with its plan where it
+was planned in full: the step is not traced again). If the full plan refuses a count the rows chose, the
+next fastest is built; if none is left, the counts are planned in full, each calibrated against the
+simulator, fastest first, skipping those that cannot beat the fastest plan that fits, and the fastest
+that fits is kept. A floor query (no room at all) goes straight to the plans in full.
 """
 
 from __future__ import annotations
@@ -137,45 +138,96 @@ def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fi
         return build(step, budget, dtypes, store, fields, chunks=k, first=traces[k])
     if len(traces.counts) == 1:  # nothing to choose (too few token rows for a second count)
         return build_count(1)
+    table: dict[int, str] = {}
+    refused: dict[int, BudgetError] = {}
+    # A floor query (budget=1) leaves no room: its counts go straight to the plans in full.
+    if room_for(budget, step.ledger, step.dev) > 0:
+        fastest = _survey(traces, budget, step, table, refused)
+        for k in sorted(fastest, key=lambda c: (fastest[c], c)):
+            in_full = traces[k].decision is not None
+            if in_full:
+                progress.info("the loss region in %d chunk(s): the fastest count, planned in full", k)
+            else:
+                progress.info("the ILP chose %d chunk(s) for the loss region", k)
+            try:
+                plan, compiled, planner = build_count(k)
+            except BudgetError as e:
+                refused[k] = e
+                table[k] += "; chosen, refused by the exact simulator"
+                continue
+            table[k] += "; chosen" if in_full else "; chosen by the ILP"
+            return _record(plan, table, "the fastest of the counts planned" if in_full else "ilp"), compiled, planner
+        progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
+    k = _fastest_in_full(traces, refused, table, budget, step)
+    plan, compiled, planner = build_count(k)
+    return _record(plan, table, "each count planned in full"), compiled, planner
+
+
+def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict, refused: dict) -> dict[int, float]:
+    """count -> its least predicted step time, for the counts traced in increasing order while more
+    chunks pay, and that have a plan.
+
+    A count's time is the ILP's (`trace_time`: its rows, not calibrated). Where the rows see no plan
+    (near the floor they see no room the exact simulator has) the count is planned in full at once, as
+    `build` would plan it, and the plan kept for `build`; one that does not fit is skipped, and while none
+    fits, more chunks are traced only while the floors fall (as in `_fastest_in_full`). Tracing stops at
+    the first count no faster than a smaller one, or that could not be even with nothing recomputed: each
+    count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
+    no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
+    planned in full).
+    """
     dev, opts = step.dev, step.options.solving()
     room = room_for(budget, step.ledger, dev)
-    table: dict[int, str] = {}
-    fastest: dict[int, float] = {}  # count -> the rows' least predicted time, for the counts they see a plan for
-    # A floor query (budget=1) leaves no room: its counts go straight to the plans in full.
-    for k in traces.counts if room > 0 else ():
+    fastest: dict[int, float] = {}
+    falling: tuple[int, int] | None = None  # (floor, count) of the lowest floor so far, while none fits
+    for k in traces.counts:
         profiles = traces[k].planner.profiles
+        table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
+        if fastest and traces.base_time[k] >= min(fastest.values()):
+            table[k] += "; no faster than fewer chunks even with nothing recomputed: no more counts traced"
+            break
         progress.info("solving the ILP for the loss region in %d chunk(s)", k)
         along(f"{sum(len(g.nodes) for g in profiles)} nodes")
         time_s = trace_time(profiles, room, granularity=dev.alloc_granularity, **opts)
-        table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
-        if time_s is None:
+        if time_s is not None:
+            table[k] += f"; the ILP's plan: {1e3 * time_s:.3f} ms predicted"
+        else:
             table[k] += "; the ILP's rows see no plan at this budget"
-            continue
-        table[k] += f"; the ILP's plan: {1e3 * time_s:.3f} ms predicted"
+            time_s, floor = _plan_count(traces, k, budget, step, table, refused)
+            if time_s is None:
+                if not fastest and falling is not None and floor >= falling[0]:
+                    table[k] += f"; the floor was no lower than the {falling[1]}-chunk one: no more counts traced"
+                    break
+                if falling is None or floor < falling[0]:
+                    falling = (floor, k)
+                continue
         no_faster = bool(fastest) and time_s >= min(fastest.values())
         fastest[k] = time_s
         if no_faster:
             table[k] += "; no faster than fewer chunks: no more counts traced"
             break
     for k in traces.counts:
-        if room > 0 and k not in table:
-            table[k] = "not traced: fewer chunks were already as fast"
-    refused: dict[int, BudgetError] = {}
-    for k in sorted(fastest, key=lambda c: (fastest[c], c)):
-        progress.info("the ILP chose %d chunk(s) for the loss region", k)
-        try:
-            plan, compiled, planner = build_count(k)
-        except BudgetError as e:
-            refused[k] = e
-            table[k] += "; chosen by the ILP, refused by the exact simulator"
-            continue
-        table[k] += "; chosen by the ILP"
-        return _record(plan, table, "ilp"), compiled, planner
-    if room > 0:
-        progress.info("the ILP found no plan for any chunk count: planning the counts in full, fastest first")
-    k = _fastest_in_full(traces, refused, table, budget, step)
-    plan, compiled, planner = build_count(k)
-    return _record(plan, table, "each count planned in full (the ILP found no plan)"), compiled, planner
+        table.setdefault(k, "not traced: fewer chunks were already as fast")
+    return fastest
+
+
+def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: dict,
+                refused: dict) -> tuple[float | None, int]:
+    """Count k planned in full, as `build` plans the step (plan_jointly: its calls, one saved set per
+    compiled graph), its plan kept on the candidate: (its predicted step time, 0), or (None, its floor)
+    with its BudgetError in `refused` where it does not fit."""
+    progress.info("planning the loss region in %d chunk(s) in full", k)
+    candidate = traces[k]
+    try:
+        d = plan_graphs(candidate.planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
+    except BudgetError as e:
+        refused[k] = e
+        table[k] += "; planned in full: does not fit"
+        return None, e.smallest_budget if e.smallest_budget is not None else 2**62
+    candidate.decision = d
+    time_s = traces.base_time[k] + d.recompute_time_s
+    table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
+    return time_s, 0
 
 
 def _trace(step: TrainingStep, loss: LossOption, k: int, budget: int, dtypes) -> Candidate:
@@ -221,22 +273,14 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
                       f"({best[0] * 1e3:.3f} ms)"
             table[k] += f"; not planned: {stopped}"
             continue
-        progress.info("planning the loss region in %d chunk(s) in full", k)
-        try:
-            # As build plans the step (plan_jointly): its calls, one saved set per compiled graph.
-            d = plan_graphs(candidate.planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
-        except BudgetError as e:
-            refused[k] = e
-            table[k] += "; planned in full: does not fit"
-            floor = e.smallest_budget if e.smallest_budget is not None else 2**62
+        time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
+            else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
+        if time_s is None:
             if best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
             if falling is None or floor < falling[0]:
                 falling = (floor, k)
             continue
-        candidate.decision = d
-        time_s = traces.base_time[k] + d.recompute_time_s
-        table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
         if best is None or time_s < best[0]:
             best = (time_s, k)
     if best is not None:
