@@ -25,7 +25,7 @@ from typing import Any
 from autoremat.model.cuts import base
 from autoremat.model.handoffs import handed_over, region_handoffs, tied_waits
 from autoremat.model.inplace import donor, kernel_last_use, least_peak_first
-from autoremat.model.profile import GraphProfile, NodeProfile
+from autoremat.model.profile import GraphProfile
 from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf
@@ -211,56 +211,26 @@ def _run(
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
     `inputs` are values alive on entry (owned by this graph from now on); `held` never die here.
-
-    A search simulates a step hundreds of times (issue 38: 1,800 runs of a 500-node graph in a floor
-    query), so the heap's references are counted inline here rather than through `_Heap.add`/`drop`.
     """
     nodes = g.nodes
     reads, storage = reads or {}, storage or {}
-    refs, size, scope, granularity = heap.refs, heap.size, heap.scope, heap.granularity
-    live = heap.live
 
-    def node(name: str) -> NodeProfile:
-        p = nodes.get(name)
-        return p if p is not None else nodes[base(name)]  # a copy recomputed again (cuts.py)
+    def inputs_of(name: str) -> tuple[str, ...]:
+        return reads[name] if name in reads else nodes[base(name)].inputs
 
     def storage_of(name: str) -> str:
         if name in storage:
             return storage[name]
-        p = node(name)
+        p = nodes[base(name)]
         # Computed into a cat's buffer (fusion.concat_writes); Inductor's own estimate of an order does not
         # see this (in_place=False: _kernel_order's trial runs)
         return p.into if p.into and in_place else p.storage
-
-    def add(root: str, nbytes: int) -> None:
-        nonlocal live
-        key = (scope, root)
-        count = refs.get(key)
-        if count is None:
-            refs[key] = 1
-            size[key] = rounded = _round(nbytes, granularity)
-            live += rounded
-        else:
-            refs[key] = count + 1
-
-    def drop(root: str) -> None:
-        nonlocal live
-        key = (scope, root)
-        count = refs[key] - 1
-        if count:
-            refs[key] = count
-        else:
-            live -= size.pop(key)
-            del refs[key]
 
     if any(p.fused or p.inplace for p in nodes.values()):
         # Inductor's kernels read fused values' inputs (inplace.py); most of a search's steps run a graph's same order
         last_use = _LAST_USES.get(g, lambda: (tuple(order),), lambda: kernel_last_use(g, order))
     else:  # eager: each op reads its inputs (copies recomputed twice read copies: cuts.py)
-        last_use = {}
-        for i, name in enumerate(order):
-            for a in reads[name] if name in reads else node(name).inputs:
-                last_use[a] = i
+        last_use = {a: i for i, name in enumerate(order) for a in inputs_of(name)}
     # A multi-output op's outputs written over a dying input (recomputed_writes.write_over_dying_input)
     # are not allocated while it runs; the input's buffer is kept for them from the op to their getitem.
     overwritten: dict[str, list[str]] = {}
@@ -277,7 +247,7 @@ def _run(
     def release(name: str) -> None:
         if name in alive and name not in held:
             alive.discard(name)
-            drop(storage_of(name))
+            heap.drop(storage_of(name))
 
     for name in inputs:
         if nodes[name].storage:
@@ -286,42 +256,33 @@ def _run(
         if name not in last_use:  # handed over but never read here
             release(name)
 
-    append = steps.append
     for i, name in enumerate(order):
-        p = node(name)
+        p = nodes[base(name)]
         if in_place and p.inplace and p.storage == name and not p.into:  # writes into an input dying here (inplace.py)
             dying = [a for a in dies.get(i, ()) if a in alive and a not in held]
-            reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, granularity))
+            reused = donor(g, name, dying, heap.sole_bytes, _round(p.nbytes, heap.granularity))
             if reused:
                 release(reused)
         if p.storage:
             root = storage_of(name)
             # the first value computed into a cat's buffer allocates all of it
-            add(root, p.nbytes if root == name else nodes[root].nbytes if root == p.into else 0)
+            heap.add(root, p.nbytes if root == name else nodes[root].nbytes if root == p.into else 0)
             alive.add(name)
         # A multi-output op's outputs are counted by its getitems, one step later; while it runs
         # they exist together with its scratch.
         outs = p.tuple_out_bytes
-        if name in overwritten:
-            for out in overwritten[name]:
-                outs -= nodes[out].nbytes
-                pinned[out] = storage[out]
-                add(pinned[out], 0)
-        during = live
-        if granularity > 1:
-            during += -(-p.transient_bytes // granularity) * granularity + -(-outs // granularity) * granularity
-        else:
-            during += p.transient_bytes + outs
+        for out in overwritten.get(name, ()):
+            outs -= nodes[out].nbytes
+            pinned[out] = storage[out]
+            heap.add(pinned[out], 0)
+        during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(outs, heap.granularity)
         for a in dies.get(i, ()):
-            if a in alive and a not in held:
-                alive.discard(a)
-                drop(storage[a] if a in storage else storage_of(a))
+            release(a)
         if name not in last_use:
             release(name)
         if name in pinned:
-            drop(pinned.pop(name))
-        append(Step(g.index, phase, name, during))
-    heap.live = live
+            heap.drop(pinned.pop(name))
+        steps.append(Step(g.index, phase, name, during))
 
 
 def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> Timeline:
