@@ -103,11 +103,11 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
     ilp_tol, ilp_dtypes = tol, None
     for attempt in range(AUTO_TRIES):
         dtypes = precision_plan.auto_dtypes(an, room, ilp_tol, step.dev, **step.options.solving())
-        if dtypes is None:
-            why["ilp"] = "the joint ILP found no dtypes within the budget"
-            break
-        if not any(dtypes):
-            why["ilp"] = "the joint ILP chose fp32 for every call"
+        reason = ("the joint ILP found no dtypes within the budget" if dtypes is None
+                  else "the joint ILP chose fp32 for every call" if not any(dtypes)
+                  else _no_faster(an, dtypes, fp32, step))
+        if reason is not None:
+            why["ilp"] = reason
             break
         try:
             result = build(step, min(budget, ledger.needs(room)), dtypes, store, fields)
@@ -124,7 +124,9 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
     bf16_dtypes = precision_plan.fixed_dtypes(an, "bf16")[0]
     bf16_error = precision_plan.error_estimate(an, bf16_dtypes)
     bf16_checked: bool | None = None
-    if ilp_dtypes != bf16_dtypes and (bf16_error <= tol or not candidates):
+    if ilp_dtypes != bf16_dtypes and (bf16_error <= tol or not candidates) and (reason := _no_faster(an, bf16_dtypes, fp32, step)):
+        why["bf16"] = reason
+    elif ilp_dtypes != bf16_dtypes and (bf16_error <= tol or not candidates):
         try:
             result = build(step, budget, bf16_dtypes, store, fields)
         except BudgetError as e:
@@ -157,6 +159,18 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
         plan.notes.append(message)
         warnings.warn(message, stacklevel=4)
     return candidates[chosen]
+
+
+def _no_faster(an, dtypes: list[dict[str, str]], fp32, step: TrainingStep) -> str | None:
+    """Why a candidate's dtypes cannot beat fp32's plan even with nothing recomputed, so that it is not
+    traced; None if they might, or fp32 does not fit. As with the loss region's chunk counts (issue 38),
+    each candidate is a trace, a plan and a compile: its ops once (fp32's, less what its 16-bit calls are
+    predicted to save) are a lower bound of its step time."""
+    cost = -precision_plan.predicted_gain(an, dtypes, step.dev)
+    if fp32 is None or cost < fp32[0].recompute_time_s:
+        return None
+    return (f"not traced: its 16-bit calls are predicted to add {cost * 1e3:.3f} ms of ops and casts, no less "
+            f"than the {fp32[0].recompute_time_s * 1e3:.3f} ms fp32's plan recomputes")
 
 
 def as_accurate_as_autocast(errors: dict[str, float]) -> bool:

@@ -106,6 +106,21 @@ def auto_dtypes(an: Analysis, room: int, tolerance: float, device: DeviceSpec,
                          granularity=device.alloc_granularity, **solver_opts)
 
 
+def predicted_gain(an: Analysis, dtypes: list[dict[str, str]], device: DeviceSpec) -> float:
+    """Seconds a step's ops run once are predicted to save with the 16-bit calls of `dtypes` over fp32;
+    negative where their casts and 16-bit ops cost more (a device without fast 16-bit math). Each value
+    whose owning calls all run low gets its speedup, each low call costs its casts
+    (precision_choices.DtypeChoices)."""
+    gain = 0.0
+    for joint, prof, opts, kept, pick in zip(an.joints, an.profiles, options(an), an.kept, dtypes):
+        if not pick:
+            continue
+        choices, low = dtype_choices(joint, prof, opts, kept, device), set(pick)
+        gain += sum(s for name, s in choices.speedup.items() if choices.owners[name] <= low)
+        gain -= sum(choices.cast_time.get(c, 0.0) for c in low)
+    return gain
+
+
 def error_estimate(an: Analysis, dtypes: list[dict[str, str]]) -> float:
     """Sum of the measured per-call errors of a dtype choice."""
     total = 0.0
