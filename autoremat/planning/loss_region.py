@@ -142,7 +142,7 @@ def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fi
     refused: dict[int, BudgetError] = {}
     # A floor query (budget=1) leaves no room: its counts go straight to the plans in full.
     if room_for(budget, step.ledger, step.dev) > 0:
-        fastest = _survey(traces, budget, step, table, refused)
+        fastest, floors_stopped = _survey(traces, budget, step, table, refused)
         for k in sorted(fastest, key=lambda c: (fastest[c], c)):
             in_full = traces[k].decision is not None
             if in_full:
@@ -157,15 +157,19 @@ def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fi
                 continue
             table[k] += "; chosen" if in_full else "; chosen by the ILP"
             return _record(plan, table, "the fastest of the counts planned" if in_full else "ilp"), compiled, planner
+        if floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
+            _refuse_lowest(refused)
         progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
     k = _fastest_in_full(traces, refused, table, budget, step)
     plan, compiled, planner = build_count(k)
     return _record(plan, table, "each count planned in full"), compiled, planner
 
 
-def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict, refused: dict) -> dict[int, float]:
+def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
+            refused: dict) -> tuple[dict[int, float], bool]:
     """count -> its least predicted step time, for the counts traced in increasing order while more
-    chunks pay, and that have a plan.
+    chunks pay, and that have a plan; and whether it stopped because none fits and the floors stopped
+    falling.
 
     A count's time is the ILP's (`trace_time`: its rows, not calibrated). Where the rows see no plan
     (near the floor they see no room the exact simulator has) the count is planned in full at once, as
@@ -197,7 +201,8 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict, refuse
             if time_s is None:
                 if not fastest and falling is not None and floor >= falling[0]:
                     table[k] += f"; the floor was no lower than the {falling[1]}-chunk one: no more counts traced"
-                    break
+                    _untraced(traces, table)
+                    return fastest, True
                 if falling is None or floor < falling[0]:
                     falling = (floor, k)
                 continue
@@ -206,9 +211,13 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict, refuse
         if no_faster:
             table[k] += "; no faster than fewer chunks: no more counts traced"
             break
+    _untraced(traces, table, "fewer chunks were already as fast")
+    return fastest, False
+
+
+def _untraced(traces: Traces, table: dict, why: str = "more chunks could not lower the floor") -> None:
     for k in traces.counts:
-        table.setdefault(k, "not traced: fewer chunks were already as fast")
-    return fastest
+        table.setdefault(k, f"not traced: {why}")
 
 
 def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: dict,
@@ -285,6 +294,11 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
             best = (time_s, k)
     if best is not None:
         return best[1]
+    _refuse_lowest(refused)
+
+
+def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
+    """Raise the BudgetError of the count with the lowest floor, naming the counts planned."""
     k, e = min(refused.items(), key=lambda ke: (ke[1].smallest_budget or 2**62, ke[0]))
     first, _, rest = str(e).partition("\n")
     raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
