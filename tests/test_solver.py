@@ -304,6 +304,31 @@ def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monk
     assert solver.smallest_peak([gp], time_limit=0.0).peak >= found.peak
 
 
+def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatch):
+    """With a room, `smallest_peak` returns the fastest plan of the first of its stages that fits it, and
+    simulates no further (issue 38: the whole search is for the floor); a room below every plan it finds
+    gets the whole search, and the floor."""
+    gp, hi, _ = stack
+    simulations = []
+    real = solver.evaluate.__globals__["simulate"]
+    monkeypatch.setitem(solver.evaluate.__globals__, "simulate", lambda *a, **k: simulations.append(1) or real(*a, **k))
+    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
+
+    def searched(room):  # from nothing remembered: a remembered floor plan is not lowered again
+        solver._floor_memo.clear()
+        simulations.clear()
+        return solver.smallest_peak([gp], room=room), len(simulations)
+
+    (full, n_full), (roomy, n_roomy) = searched(None), searched(hi)
+    assert roomy.peak <= hi and n_roomy < n_full, (roomy.peak, n_roomy, n_full)
+    at_floor, _ = searched(full.peak)
+    assert at_floor.peak <= full.peak and at_floor.recompute_time_s > 0
+    below, n_below = searched(full.peak - 1)
+    # nothing fits: the whole search, whose floor the caller reports (the MIPs of this tiny stack end well
+    # within their time limits, so two searches from nothing remembered are the same search)
+    assert below.peak == full.peak and n_below == n_full
+
+
 def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept():
     """Saving values back reorders the candidates: the plan with the lowest peak before `lower_peak` is
     not always the lowest after it, so the floor is the lowest lowered candidate."""
