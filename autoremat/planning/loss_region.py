@@ -174,7 +174,9 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     A count's time is the ILP's (`trace_time`: its rows, not calibrated). Where the rows see no plan
     (near the floor they see no room the exact simulator has) the count is planned in full at once, as
     `build` would plan it, and the plan kept for `build`; one that does not fit is skipped, and while none
-    fits, more chunks are traced only while the floors fall (as in `_fastest_in_full`). Tracing stops at
+    fits, more chunks are traced only while the floors fall (as in `_fastest_in_full`); once a smaller count
+    fits, one that does not ends the survey (its floor is above one a smaller count reached: by the same
+    argument, more chunks cannot lower it). Tracing stops at
     the first count no faster than a smaller one, or that could not be even with nothing recomputed: each
     count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
     no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
@@ -199,7 +201,10 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
             table[k] += "; the ILP's rows see no plan at this budget"
             time_s, floor = _plan_count(traces, k, budget, step, table, refused)
             if time_s is None:
-                if not fastest and falling is not None and floor >= falling[0]:
+                if fastest:  # fewer chunks fit: the peak is outside the region, where more chunks change nothing
+                    table[k] += "; fewer chunks fit the budget, so more cannot lower the floor: no more counts traced"
+                    break
+                if falling is not None and floor >= falling[0]:
                     table[k] += f"; the floor was no lower than the {falling[1]}-chunk one: no more counts traced"
                     _untraced(traces, table)
                     return fastest, True
