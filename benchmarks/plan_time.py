@@ -75,8 +75,8 @@ BUDGET_SHARE = 0.6  # issue 38's budget: fixed bytes + this share of eager's act
 def _outer(message: str) -> str:
     """The stage a progress record starts (its first words name it)."""
     for head, stage in (("capturing", "capture"), ("tracing the loss region", "loss-region tracing"),
-                        ("the ILP chose", "loss-region choice"), ("the ILP found no plan", "loss-region choice"),
-                        ("no chunk count traced", "loss-region choice"), ("the loss region in", "loss-region choice"),
+                        ("the ILP chose", "loss-region choice"), ("no chunk count traced", "loss-region choice"),
+                        ("the loss region in", "loss-region choice"),
                         ("solving the ILP for the loss region", "loss-region choice"),
                         ("planning the loss region", "loss-region full plans"),
                         ("tracing the step again", "capture (one graph)"), ("solving for", "solve (heuristics, sim)"),

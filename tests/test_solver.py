@@ -21,7 +21,7 @@ from autoremat.capture.aot import capture
 from autoremat.model.ledger import SLACK
 from autoremat.model.profile import profile_graph
 from autoremat.planning.plan import Ledger, build_plan
-from autoremat.solve import heuristics, solver
+from autoremat.solve import decision, heuristics, solver
 from examples import models
 
 budget_module = importlib.import_module("autoremat.planning.budget")  # where every face calls the solver
@@ -310,8 +310,8 @@ def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatc
     gets the whole search, and the floor."""
     gp, hi, _ = stack
     simulations = []
-    real = solver.evaluate.__globals__["simulate"]
-    monkeypatch.setitem(solver.evaluate.__globals__, "simulate", lambda *a, **k: simulations.append(1) or real(*a, **k))
+    real = decision.simulate  # what every evaluation of a saved set calls
+    monkeypatch.setattr(decision, "simulate", lambda *a, **k: simulations.append(1) or real(*a, **k))
     monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
 
     def searched(room):  # from nothing remembered: a remembered floor plan is not lowered again

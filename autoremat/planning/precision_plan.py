@@ -21,7 +21,7 @@ from autoremat.model import precision_measure as P
 from autoremat.model.devices import DeviceSpec
 from autoremat.model.profile import GraphProfile, profile_graph
 from autoremat.passes.dtypes import apply_dtypes
-from autoremat.solve.precision_choices import dtype_choices
+from autoremat.solve.precision_choices import DtypeChoices, dtype_choices
 from autoremat.solve.solver import choose_dtypes
 
 MODES = ("fp32", "bf16", "fp16", "auto")
@@ -45,6 +45,7 @@ class Analysis:
     stats: list[dict[str, P.OpStats]] = field(default_factory=list)
     profiles: list[GraphProfile] = field(default_factory=list)
     joints: list[fx.GraphModule] = field(default_factory=list)
+    choices: dict[str, list[DtypeChoices]] = field(default_factory=dict)  # by device name: `choices_of`
 
     def default_tolerance(self) -> float:
         """The summed bf16 error of every castable call: what autocast's choice is estimated at."""
@@ -97,12 +98,19 @@ def options(an: Analysis) -> list[dict[str, dict[str, float]]]:
     return out
 
 
+def choices_of(an: Analysis, device: DeviceSpec) -> list[DtypeChoices]:
+    """Per graph, what each dtype choice changes on `device` (precision_choices.dtype_choices), worked out
+    once per analysis and device: the joint ILP and `predicted_gain` read the same, try after try."""
+    if device.name not in an.choices:
+        an.choices[device.name] = [dtype_choices(joint, prof, opts, kept, device)
+                                   for joint, prof, opts, kept in zip(an.joints, an.profiles, options(an), an.kept)]
+    return an.choices[device.name]
+
+
 def auto_dtypes(an: Analysis, room: int, tolerance: float, device: DeviceSpec,
                 **solver_opts) -> list[dict[str, str]] | None:
     """The joint ILP's dtypes within `room` bytes (what the budget leaves the activations) and `tolerance`; None if none fits."""
-    choices = [dtype_choices(joint, prof, opts, kept, device)
-               for joint, prof, opts, kept in zip(an.joints, an.profiles, options(an), an.kept)]
-    return choose_dtypes(an.profiles, choices, room, tolerance,
+    return choose_dtypes(an.profiles, choices_of(an, device), room, tolerance,
                          granularity=device.alloc_granularity, **solver_opts)
 
 
@@ -112,10 +120,8 @@ def predicted_gain(an: Analysis, dtypes: list[dict[str, str]], device: DeviceSpe
     whose owning calls all run low gets its speedup, each low call costs its casts
     (precision_choices.DtypeChoices)."""
     gain = 0.0
-    for joint, prof, opts, kept, pick in zip(an.joints, an.profiles, options(an), an.kept, dtypes):
-        if not pick:
-            continue
-        choices, low = dtype_choices(joint, prof, opts, kept, device), set(pick)
+    for choices, pick in zip(choices_of(an, device), dtypes):
+        low = set(pick)
         gain += sum(s for name, s in choices.speedup.items() if choices.owners[name] <= low)
         gain -= sum(choices.cast_time.get(c, 0.0) for c in low)
     return gain

@@ -200,18 +200,15 @@ def solve(
         if tl.peak <= room:
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
-    if best is not None and best.peak < room and best.recompute_time_s > 0:
-        best = spend_slack(graphs, best, room, granularity)
     if best is None:
-        smallest = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
-                                 models=models, room=room)
-        if smallest.peak > room:
-            raise Infeasible(smallest, status)
-        best = smallest
+        best = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
+                             models=models, room=room)
+        if best.peak > room:
+            raise Infeasible(best, status)
         best.notes.append("the ILP found no plan within the activations' room; used the first plan of the "
                           "smallest-peak search that fits")
-        if best.peak < room and best.recompute_time_s > 0:
-            best = spend_slack(graphs, best, room, granularity)
+    if best.peak < room and best.recompute_time_s > 0:
+        best = spend_slack(graphs, best, room, granularity)
     best.solve_time_s = time.perf_counter() - t0
     best.granularity = granularity
     return best
