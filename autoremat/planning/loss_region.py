@@ -28,12 +28,15 @@ from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
+from autoremat.planning.dynamo_graphs import one_plain_graph, trace_again
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
     CapturePlanner,
     along,
+    own_errors,
     planner_for,
     progress,
+    require_graphs,
     trace_step,
 )
 from autoremat.solve.decision import Decision
@@ -94,9 +97,9 @@ class Traces:
     def __getitem__(self, k: int) -> Candidate:
         if k not in self.traced:
             progress.info("tracing the loss region in %d chunks", k)
-            along(f"chunk count {self.counts.index(k) + 1} of {len(self.counts)}: the whole step is traced "
-                  "with the rewrite")
-            self.traced[k] = _trace(self.step, self.traced[1].loss, k, self.budget, self.dtypes)
+            first = self.traced[1]
+            self.traced[k] = _trace(self.step, first.planner, first.loss, k, self.budget, self.dtypes,
+                                    f"chunk count {self.counts.index(k) + 1} of {len(self.counts)}")
             self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
         return self.traced[k]
 
@@ -244,14 +247,22 @@ def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: 
     return time_s, 0
 
 
-def _trace(step: TrainingStep, loss: LossOption, k: int, budget: int, dtypes) -> Candidate:
+def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, budget: int, dtypes,
+           which: str) -> Candidate:
+    """The step traced with the loss region in k chunks: from the dynamo graph the first trace kept where it
+    can be (AOTAutograd alone: `dynamo_graphs`), else in full."""
     options = step.options
     option = LossOption(loss.outputs, k)
     pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, option.pre_pass())
     # regions="auto" traces the candidates per block; build decides on one graph for the count chosen
     planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
-    compiled = trace_step(step, planner)
-    return Candidate(planner, compiled, option)
+    if (graph := one_plain_graph(step.model, first.dynamo_graphs)) is not None:
+        along(f"{which}: the step's dynamo graph, kept from the first trace, traced again with the rewrite")
+        trace_again(step, planner, graph, own_errors)
+        require_graphs(step.model, planner)
+        return Candidate(planner, None, option)
+    along(f"{which}: the whole step is traced with the rewrite")
+    return Candidate(planner, trace_step(step, planner), option)
 
 
 def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:

@@ -57,7 +57,7 @@ class _Tracer:
 
     def planner(self, split: bool, lookup: bool = True) -> CapturePlanner:
         return planner_for(self.step, self.budget, lookup=self._lookup if lookup and self.store is not None else None,
-                           pre_pass=self.pre, regions=split)
+                           pre_pass=self.pre, regions=split, keep_graphs=True)
 
     def __call__(self, split: bool) -> Traced:
         """Capture the step, with the cache key used (None if the cache was not looked up)."""

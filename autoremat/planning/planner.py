@@ -30,6 +30,7 @@ from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
 from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.calls import CallLog, repeats
+from autoremat.planning.dynamo_graphs import DynamoGraph, keeping
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.same_regions import SameRegions
@@ -212,7 +213,7 @@ class CapturePlanner(Planner):
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
                  pre_pass: Callable | None = None, regions: bool = True, regions_seen: dict | None = None,
-                 **kwargs: Any) -> None:
+                 keep_graphs: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # identical regions traced once, over a memo every trace of the step shares (same_regions.py)
         self.same = SameRegions(self, {} if regions_seen is None else regions_seen)
@@ -224,6 +225,8 @@ class CapturePlanner(Planner):
         self.cached: Plan | None = None
         self.strict = True
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
+        # the dynamo graphs of the step, kept to trace a candidate again without dynamo (dynamo_graphs.py)
+        self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None
 
     def sequence(self) -> list[GraphProfile]:
         """The step's graphs as it calls them: a graph compiled once and called per block appears per call."""
@@ -312,6 +315,8 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     backend = planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
                                            regions=planner.regions, release_grads=planner.release_grads,
                                            trace_only=trace_only, same=planner.same))
+    if planner.dynamo_graphs is not None:
+        backend = keeping(backend, planner.dynamo_graphs)
     blocks = repeated_blocks(model) if skipped(model) else []
     compiled = compile_blocks(model, blocks, backend) if blocks else compile_fresh(model, backend)
     _trace(model, planner, compiled, args, kwargs)

@@ -80,6 +80,8 @@ Dynamo:
   copy_split_metadata,         torch._dynamo.backends.distributed: propagate_dynamo_source and
   compile_submodules           propagate_metadata onto a split graph's submodules; SubmodCompiler to
                                compile each region of it as the interpreter reaches it
+  copy_dynamo_graph            a dynamo graph copied with its placeholders' Node._dynamo_source (kept to
+                               trace a candidate again without dynamo: planning.dynamo_graphs)
 Profiler and autograd engine:
   profiler_enabled             torch._C._autograd._profiler_enabled
   allocation_events            torch._C._profiler._EventType.Allocation, prof.profiler.kineto_results
@@ -136,6 +138,7 @@ from autoremat.torch_internals.dynamo import (
     FakeTensorMode,
     TorchRuntimeError,
     compile_submodules,
+    copy_dynamo_graph,
     copy_split_metadata,
     ddp_optimizer_active,
     detect_fake_mode,
@@ -193,6 +196,7 @@ __all__ = [
     "compile_submodules",
     "composite_with_meta_kernel",
     "copy_graph",
+    "copy_dynamo_graph",
     "copy_split_metadata",
     "ddp_optimizer_active",
     "default_partition",

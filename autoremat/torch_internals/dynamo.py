@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "unset_fake_temporarily"]
+__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "unset_fake_temporarily"]
 
 
 # -- fake tensors ------------------------------------------------------------------------------
@@ -79,3 +79,19 @@ def compile_submodules(cut: fx.GraphModule, compile_one: Callable, example_input
 
     fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode()
     SubmodCompiler(cut, compile_one, fake_mode).run(*example_inputs)
+
+
+def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a dynamo graph a pass may rewrite: new nodes (`aot.copy_graph`), the same attributes (those
+    dynamo set on its module too), its module-level meta, and each input's dynamo source (a Node attribute, not in its meta: the region
+    splitter's `propagate_dynamo_source` reads it)."""
+    from autoremat.torch_internals.aot import copy_graph
+
+    copy = fx.GraphModule(gm, copy_graph(gm.graph))
+    copy.meta.update(gm.meta)
+    for name, value in vars(gm).items():  # what dynamo set on its module (`_param_name_to_source`, ...)
+        vars(copy).setdefault(name, value)
+    for old, new in zip(gm.graph.find_nodes(op="placeholder"), copy.graph.find_nodes(op="placeholder")):
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
