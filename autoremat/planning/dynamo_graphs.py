@@ -29,7 +29,6 @@ from autoremat.capture.tracing import Restore
 from autoremat.torch_internals import copy_dynamo_graph
 
 if TYPE_CHECKING:
-    from autoremat.planning.options import TrainingStep
     from autoremat.planning.planner import CapturePlanner
 
 
@@ -62,17 +61,17 @@ def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> D
     return kept[0] if plain else None
 
 
-def trace_again(step: TrainingStep, planner: CapturePlanner, graph: DynamoGraph,
+def trace_again(model: torch.nn.Module, compiler: str, planner: CapturePlanner, graph: DynamoGraph,
                 errors: Callable[[], Any]) -> None:
     """Trace `graph` for `planner` as `compile_and_trace` would trace the step (its pre-pass, regions and
     compiler, capture only), from the dynamo graph kept: AOTAutograd and the profiles, no dynamo.
 
     `errors` is the context that hands our own errors raised inside the backend back unwrapped.
     """
-    backend = planner.log.wrap(aot_backend(planner, compiler=step.compiler, pre_pass=planner.pre_pass,
+    backend = planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
                                            regions=planner.regions, release_grads=planner.release_grads,
                                            trace_only=True, same=planner.same))
-    on_meta = any(p.is_meta for p in step.model.parameters())
-    with errors(), Restore(step.model), torch.enable_grad(), \
+    on_meta = any(p.is_meta for p in model.parameters())
+    with errors(), Restore(model), torch.enable_grad(), \
             meta_traces_like_real() if on_meta else contextlib.nullcontext():
         backend(graph.fresh(), list(graph.example_inputs))

@@ -258,7 +258,7 @@ def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, 
     planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
     if (graph := one_plain_graph(step.model, first.dynamo_graphs)) is not None:
         along(f"{which}: the step's dynamo graph, kept from the first trace, traced again with the rewrite")
-        trace_again(step, planner, graph, own_errors)
+        trace_again(step.model, step.compiler, planner, graph, own_errors)
         require_graphs(step.model, planner)
         return Candidate(planner, None, option)
     along(f"{which}: the whole step is traced with the rewrite")

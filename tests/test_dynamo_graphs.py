@@ -1,0 +1,86 @@
+"""A loss-region candidate traced from the dynamo graph the first trace kept (autoremat.planning.dynamo_graphs):
+AOTAutograd alone, no dynamo run of the model, and the same profiles a full trace gives."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import autoremat
+from autoremat.passes.loss_chunks import LossOption
+from autoremat.planning import dynamo_graphs
+from autoremat.planning.options import PlanOptions
+from autoremat.planning.planner import CapturePlanner, compile_and_trace, own_errors
+from examples.models import gpt2
+
+
+def _planner(k: int | None, keep: bool = False) -> CapturePlanner:
+    planner = CapturePlanner(None, device="cpu", optimizer=None, regions=True, keep_graphs=keep,
+                             options=PlanOptions())
+    planner.loss = LossOption("loss", k)
+    planner.pre_pass = planner.loss.pre_pass()
+    return planner
+
+
+def _dynamo_frames() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("n_layer", [1, 2])
+def test_a_count_traced_from_the_kept_graph_profiles_as_a_full_trace_does(n_layer):
+    # 1 layer: the step is one region, traced whole; 2 layers: a region per block, the blocks reused.
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, ex = gpt2(batch=2, seq=32, n_layer=n_layer, n_embd=32, vocab=512, dropout=0.0)
+    first = _planner(None, keep=True)
+    compile_and_trace(model, first, "eager", (), ex)
+    graph = dynamo_graphs.one_plain_graph(model, first.dynamo_graphs)
+    assert graph is not None
+    full, again = _planner(4), _planner(4)
+    compile_and_trace(copy.deepcopy(model), full, "eager", (), ex)
+    frames = _dynamo_frames()
+    dynamo_graphs.trace_again(model, "eager", again, graph, own_errors)
+    assert _dynamo_frames() == frames, "dynamo ran the model again"
+    assert len(again.profiles) == len(full.profiles) == (1 if n_layer == 1 else n_layer + 2)
+    for a, b in zip(again.sequence(), full.sequence()):
+        assert dataclasses.asdict(a) == dataclasses.asdict(b), f"graph {a.index} differs"
+    # the rewrite reached the copy: its loss region is chunked, more nodes than the first trace's
+    assert again.loss.reports[0].rewritten == 1, again.loss.reports
+    assert len(again.profiles[-1].nodes) > len(first.profiles[-1].nodes)
+
+
+def test_the_kept_graph_is_not_used_where_dynamo_broke_the_step_in_two():
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.a(x).relu()
+            torch._dynamo.graph_break()
+            return self.b(y).sum()
+
+    model = Broken()
+    planner = CapturePlanner(None, device="cpu", optimizer=None, keep_graphs=True)
+    compile_and_trace(model, planner, "eager", (torch.randn(4, 8),), {})
+    assert len(planner.dynamo_graphs) == 2
+    assert dynamo_graphs.one_plain_graph(model, planner.dynamo_graphs) is None
+
+
+@pytest.mark.slow
+def test_planning_the_chunk_counts_runs_dynamo_only_to_capture_and_to_compile():
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, ex = gpt2(batch=2, seq=32, n_layer=1, n_embd=32, vocab=2048, dropout=0.0)
+    with pytest.raises(autoremat.BudgetError) as info:
+        autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs="loss", compiler="eager")
+    frames = _dynamo_frames()
+    om = autoremat.optimize(copy.deepcopy(model), int(1.3 * info.value.smallest_budget), ex, optimizer=None,
+                            outputs="loss", compiler="eager", verify=False)
+    traced = [k for k, v in om.plan.loss["candidates"].items() if not v.startswith("not traced")]
+    assert len(traced) >= 2, om.plan.loss
+    assert _dynamo_frames() - frames == 2, "one dynamo run to capture the step, one to compile it with its plan"
