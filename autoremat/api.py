@@ -211,7 +211,7 @@ def optimize(
                 return _reapply(step.using(c), budget, plan, optimizer)
             return plan_step(step.using(c), budget, store, {**fields, "compiler": c})
         (made, compiled, planner), choice = run_with_fallback(first_choice, attempt)
-        planner.strict = False
+        planner.done()
         _stamp(made, choice, started, compiling)
         chosen = made.precision.get("dtypes") or []
 

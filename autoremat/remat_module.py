@@ -126,7 +126,7 @@ class RematModule(torch.nn.Module):
         log.warning("autoremat: new input shape (%s): planning it under the same budget", describe(args, kwargs))
         with own_errors(), stages_on_stderr(self._progress), pulse():
             plan, compiled, planner = self._plan_shape(args, kwargs)
-        planner.strict = False
+        planner.done()
         plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")
         return plan, compiled, planner
 

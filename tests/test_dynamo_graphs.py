@@ -16,6 +16,7 @@ from autoremat.planning import dynamo_graphs
 from autoremat.planning.options import PlanOptions
 from autoremat.planning.planner import CapturePlanner, compile_and_trace, own_errors
 from examples.models import gpt2
+from tests.tolerances import assert_close_for, batch_depth
 
 
 def _planner(k: int | None, keep: bool = False) -> CapturePlanner:
@@ -72,7 +73,7 @@ def test_the_kept_graph_is_not_used_where_dynamo_broke_the_step_in_two():
 
 
 @pytest.mark.slow
-def test_planning_the_chunk_counts_runs_dynamo_only_to_capture_and_to_compile():
+def test_planning_the_chunk_counts_and_compiling_the_plan_run_dynamo_once():
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, ex = gpt2(batch=2, seq=32, n_layer=1, n_embd=32, vocab=2048, dropout=0.0)
@@ -80,7 +81,15 @@ def test_planning_the_chunk_counts_runs_dynamo_only_to_capture_and_to_compile():
         autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs="loss", compiler="eager")
     frames = _dynamo_frames()
     om = autoremat.optimize(copy.deepcopy(model), int(1.3 * info.value.smallest_budget), ex, optimizer=None,
-                            outputs="loss", compiler="eager", verify=False)
+                            outputs="loss", compiler="eager")
     traced = [k for k, v in om.plan.loss["candidates"].items() if not v.startswith("not traced")]
     assert len(traced) >= 2, om.plan.loss
-    assert _dynamo_frames() - frames == 2, "one dynamo run to capture the step, one to compile it with its plan"
+    assert any("verified on one real step" in n for n in om.plan.notes), om.plan.notes
+    # the capture: each count, the plan's compile and the real step of verification reuse its graph and frame
+    assert _dynamo_frames() - frames == 1
+    # and the step the user runs is that frame, with the plan's code: eager's gradients
+    twin = copy.deepcopy(model)
+    om(**ex).loss.backward()
+    twin(**ex).loss.backward()
+    for (name, a), b in zip(om.model.named_parameters(), twin.parameters()):
+        assert_close_for(a.grad, b.grad, depth=batch_depth(ex), msg=name)

@@ -1,12 +1,22 @@
-"""A step's dynamo graph kept from its first trace, so that a candidate differing only in its pre-pass is
-traced by AOTAutograd alone: dynamo does not run the model's Python again.
+"""A step's dynamo graph kept from its first trace: every later trace of the step is a copy of it given
+to the backend, and dynamo does not run the model's Python again.
 
-The loss region's chunk counts (autoremat.planning.loss_region) are such candidates: each is the same
-dynamo graph with another rewrite of its projection + cross-entropy (a pre-pass, run before AOTAutograd).
-Re-running dynamo for each count re-executed the whole forward's bytecode (issue 38: about 0.9 s of each
-2.3 s count traced on a 1-layer GPT-2, and more with depth). Handing a fresh copy of the kept graph to
-the same backend gives the planner what a full trace gives it (the profiles of every region, each region
-identical to one already traced reused by `same_regions`), without the bytecode.
+A step is traced several times while it is planned, each time as the same dynamo graph under another
+rewrite run before AOTAutograd (a pre-pass): the loss region at each chunk count
+(autoremat.planning.loss_region), the step as one graph after one graph per block
+(pipeline.one_graph_if_free), and the step with its plan, to compile it. Each used to run dynamo on the
+whole forward again (issue 38: about 0.9 s of each 2.3 s chunk count traced on a 1-layer GPT-2, and
+seconds per trace at 48 layers). Now the first trace keeps the graph dynamo handed its backend, before
+any rewrite (`Keeping`), and the others hand a fresh copy of it to the same backend (`trace_again`):
+the planner gets what a full trace gives it (each region's profile; a region identical to one traced
+before reused by `same_regions`), without the bytecode. The backend runs in a tracing context like
+dynamo's (`tracing_like_dynamo`: FX's dead-code elimination reads it).
+
+The planned step, with compiler="eager", is compiled the same way (`compile_planned`) and handed to
+the frame dynamo compiled at the first trace: the code that frame runs is re-pointed to it (`Late`),
+and a recompile of the frame (a guard failing) goes to the planned step's backend, as it would have
+gone to a frame compiled with that backend. Under Inductor the planned step is still compiled by
+dynamo: Inductor's compilers read more of dynamo's context than this one provides.
 
 Only a step dynamo captured as one graph of plain tensors is kept: with a graph break, what the second
 graph sees depends on the Python between the two; under DDP's graph splitter or FSDP2, the inputs are
@@ -26,7 +36,7 @@ import torch.fx as fx
 from autoremat.capture.aot import aot_backend, meta_traces_like_real
 from autoremat.capture.blocks import skipped
 from autoremat.capture.tracing import Restore
-from autoremat.torch_internals import copy_dynamo_graph
+from autoremat.torch_internals import copy_dynamo_graph, tracing_like_dynamo
 
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner
@@ -34,22 +44,68 @@ if TYPE_CHECKING:
 
 @dataclass
 class DynamoGraph:
-    """One dynamo graph as dynamo handed it to the backend, before any pre-pass, with its example inputs."""
+    """One dynamo graph as dynamo handed it to the backend, before any pre-pass, with its example inputs, and
+    what dynamo holds of it: the code it runs (`runs`) and the backend it calls on a recompile (`kept`)."""
 
     gm: fx.GraphModule
     example_inputs: list
+    runs: Late
+    kept: Keeping
+    compiled: Any = None  # the step as the user calls it: the torch.compile'd model whose frame this graph is
 
     def fresh(self) -> fx.GraphModule:
         """A copy a pre-pass may rewrite (`copy_dynamo_graph`)."""
         return copy_dynamo_graph(self.gm)
 
 
-def keeping(backend: Callable, kept: list[DynamoGraph]) -> Callable:
-    """`backend`, noting each dynamo graph it is given (a copy, before the pre-pass rewrites it) in `kept`."""
-    def compile_one(gm: fx.GraphModule, example_inputs: list) -> Callable:
-        kept.append(DynamoGraph(copy_dynamo_graph(gm), list(example_inputs)))
-        return backend(gm, example_inputs)
-    return compile_one
+class Late:
+    """The code dynamo runs for a graph, re-pointed once the step is compiled with its plan (`compile_planned`).
+    Dynamo calls what a backend returns with the graph's inputs as arguments (AOTAutograd's own `forward`
+    takes them so), and so does this."""
+
+    def __init__(self, target: Callable) -> None:
+        self.target = target
+
+    def __call__(self, *args: Any) -> Any:
+        return self.target(*args)
+
+
+class Keeping:
+    """A dynamo backend that keeps each graph it is given (a copy, before the pre-pass rewrites it) in `graphs`
+    and hands dynamo a `Late` of what `backend` compiled; `backend` is re-pointed with the code."""
+
+    def __init__(self, backend: Callable, graphs: list[DynamoGraph]) -> None:
+        self.backend = backend
+        self.graphs: list[DynamoGraph] | None = graphs  # None once the step is compiled: recompiles not kept
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if self.graphs is None:
+            return self.backend(gm, example_inputs)
+        copy = copy_dynamo_graph(gm)
+        runs = Late(self.backend(gm, example_inputs))
+        self.graphs.append(DynamoGraph(copy, list(example_inputs), runs, self))
+        return runs
+
+
+def keeping(backend: Callable, graphs: list[DynamoGraph] | None) -> Callable:
+    """`backend`, keeping the graphs it is given in `graphs` (`Keeping`) unless that is None."""
+    return backend if graphs is None else Keeping(backend, graphs)
+
+
+def source_of(model: torch.nn.Module, kept: list[DynamoGraph] | None, compiled: Any) -> DynamoGraph | None:
+    """The step's kept graph (`one_plain_graph`), noted as the graph of the frame `compiled`; else None."""
+    graph = one_plain_graph(model, kept)
+    if graph is not None:
+        graph.compiled = compiled
+    return graph
+
+
+def step_backend(planner: CapturePlanner, compiler: str, trace_only: bool) -> Callable:
+    """The backend a step is traced with for `planner`: its pre-pass, regions and compiler, each graph's calls
+    noted in its log."""
+    return planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
+                                        regions=planner.regions, release_grads=planner.release_grads,
+                                        trace_only=trace_only, same=planner.same))
 
 
 def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> DynamoGraph | None:
@@ -62,16 +118,27 @@ def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> D
 
 
 def trace_again(model: torch.nn.Module, compiler: str, planner: CapturePlanner, graph: DynamoGraph,
-                errors: Callable[[], Any]) -> None:
-    """Trace `graph` for `planner` as `compile_and_trace` would trace the step (its pre-pass, regions and
-    compiler, capture only), from the dynamo graph kept: AOTAutograd and the profiles, no dynamo.
+                errors: Callable[[], Any], *, trace_only: bool = True) -> tuple[Callable, Callable]:
+    """Trace `graph` for `planner` as `compile_and_trace` would trace the step, from the dynamo graph kept:
+    AOTAutograd and the profiles (and with trace_only=False, the plan applied), no dynamo. Returns the
+    backend and the code it compiled.
 
     `errors` is the context that hands our own errors raised inside the backend back unwrapped.
     """
-    backend = planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
-                                           regions=planner.regions, release_grads=planner.release_grads,
-                                           trace_only=True, same=planner.same))
+    backend = step_backend(planner, compiler, trace_only)
     on_meta = any(p.is_meta for p in model.parameters())
-    with errors(), Restore(model), torch.enable_grad(), \
+    with errors(), Restore(model), torch.enable_grad(), tracing_like_dynamo(), \
             meta_traces_like_real() if on_meta else contextlib.nullcontext():
-        backend(graph.fresh(), list(graph.example_inputs))
+        code = backend(graph.fresh(), list(graph.example_inputs))
+    planner.source = graph
+    return backend, code
+
+
+def compile_planned(model: torch.nn.Module, compiler: str, applier: CapturePlanner, graph: DynamoGraph,
+                    errors: Callable[[], Any]) -> Any:
+    """The step compiled with `applier`'s plan from the dynamo graph kept, and handed to the frame dynamo
+    compiled it from: its code re-pointed, and its recompiles (a guard failing) sent to the applier's backend.
+    Returns the step as the user calls it (that frame's torch.compile'd model)."""
+    backend, code = trace_again(model, compiler, applier, graph, errors, trace_only=False)
+    graph.runs.target, graph.kept.backend, graph.kept.graphs = code, backend, None
+    return graph.compiled

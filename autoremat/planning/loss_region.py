@@ -1,7 +1,8 @@
 """How many pieces the loss region is chunked into: chosen by the ILP, count by count.
 
 The loss rewrite (autoremat.passes.loss_chunks) turns the output projection + cross-entropy into k
-chunks of token rows; each k is a trace of its own. The counts (loss_chunks.CANDIDATES) are traced
+chunks of token rows; each k is a trace of its own (the dynamo graph the first trace kept, rewritten and
+traced by AOTAutograd again: planning.dynamo_graphs). The counts (loss_chunks.CANDIDATES) are traced
 in increasing order, and each trace's ILP (`solver.trace_time`) gives its least predicted step time
 under the budget: its ops once (more chunks, more and smaller kernels) plus the recomputation its plan
 adds (more chunks, more memory freed). Where the ILP's rows see no plan for a count (they bound the

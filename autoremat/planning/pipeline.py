@@ -23,12 +23,14 @@ from autoremat.planning import precision_plan
 from autoremat.planning import verify as verification
 from autoremat.planning.budget import check_cached, plan_graphs, room_for
 from autoremat.planning.cache import PlanCache
+from autoremat.planning.dynamo_graphs import DynamoGraph, trace_again
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
     StaleCache,
     log,
+    own_errors,
     plan_jointly,
     planner_for,
     progress,
@@ -50,6 +52,7 @@ class _Tracer:
     def __init__(self, step: TrainingStep, budget: int, pre: Any, store: PlanCache | None, fields: dict) -> None:
         self.step, self.budget, self.pre, self.store, self.fields = step, budget, pre, store, fields
         self.keys: list[str] = []  # the cache keys looked up, in order
+        self.source: DynamoGraph | None = None  # the step's dynamo graph, kept by its first trace (dynamo_graphs.py)
 
     def _lookup(self, fingerprint: str) -> Plan | None:
         self.keys.append(self.store.key(fingerprint, self.fields))
@@ -60,9 +63,14 @@ class _Tracer:
                            pre_pass=self.pre, regions=split, keep_graphs=True)
 
     def __call__(self, split: bool) -> Traced:
-        """Capture the step, with the cache key used (None if the cache was not looked up)."""
+        """Capture the step, with the cache key used (None if the cache was not looked up). The second form
+        traced (one graph, after one graph per block) is traced from the dynamo graph the first kept."""
         looked = len(self.keys)
         planner = self.planner(split)
+        if self.source is not None and self.store is None:
+            trace_again(self.step.model, self.step.compiler, planner, self.source, own_errors)
+            require_graphs(self.step.model, planner)
+            return Traced(planner, None, None)
         try:
             compiled = trace_step(self.step, planner)
         except StaleCache as e:
@@ -71,6 +79,7 @@ class _Tracer:
             planner = self.planner(split, lookup=False)
             compiled = trace_step(self.step, planner)
         require_graphs(self.step.model, planner)
+        self.source = self.source or planner.source
         return Traced(planner, compiled, self.keys[-1] if len(self.keys) > looked else None)
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import CapturedGraph, aot_backend, compile_fresh, default_split
+from autoremat.capture.aot import CapturedGraph, compile_fresh, default_split
 from autoremat.capture.blocks import compile_blocks, remember_skipped, repeated_blocks, skipped
 from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
@@ -30,7 +30,7 @@ from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
 from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.calls import CallLog, repeats
-from autoremat.planning.dynamo_graphs import DynamoGraph, keeping
+from autoremat.planning.dynamo_graphs import DynamoGraph, compile_planned, keeping, source_of, step_backend
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.same_regions import SameRegions
@@ -227,6 +227,13 @@ class CapturePlanner(Planner):
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
         # the dynamo graphs of the step, kept to trace a candidate again without dynamo (dynamo_graphs.py)
         self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None
+        self.source: DynamoGraph | None = None  # the kept dynamo graph its profiles were traced from, if any
+
+    def done(self) -> None:
+        """Planning is over: forgiving from now on (class docstring), and the kept dynamo graph let go (its
+        example inputs are the planning batch's tensors)."""
+        self.strict = False
+        self.source = None
 
     def sequence(self) -> list[GraphProfile]:
         """The step's graphs as it calls them: a graph compiled once and called per block appears per call."""
@@ -312,11 +319,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
     # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
     trace_only = planner.plan is None and planner.lookup is None and planner.strict
-    backend = planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
-                                           regions=planner.regions, release_grads=planner.release_grads,
-                                           trace_only=trace_only, same=planner.same))
-    if planner.dynamo_graphs is not None:
-        backend = keeping(backend, planner.dynamo_graphs)
+    backend = keeping(step_backend(planner, compiler, trace_only), planner.dynamo_graphs)
     blocks = repeated_blocks(model) if skipped(model) else []
     compiled = compile_blocks(model, blocks, backend) if blocks else compile_fresh(model, backend)
     _trace(model, planner, compiled, args, kwargs)
@@ -326,6 +329,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
         remember_skipped(model)
         compiled = compile_blocks(model, blocks, backend)
         _trace(model, planner, compiled, args, kwargs)
+    planner.source = source_of(model, planner.dynamo_graphs, compiled)
     return compiled
 
 
@@ -388,5 +392,8 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decis
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
     applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
-    compiled = trace_step(step, applier)
+    if planner.source is not None and step.compiler == "eager":  # Inductor: compiled under dynamo's own context
+        compiled = compile_planned(step.model, step.compiler, applier, planner.source, own_errors)
+    else:
+        compiled = trace_step(step, applier)
     return plan, compiled, applier

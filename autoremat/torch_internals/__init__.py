@@ -82,6 +82,8 @@ Dynamo:
                                compile each region of it as the interpreter reaches it
   copy_dynamo_graph            a dynamo graph copied with its placeholders' Node._dynamo_source (kept to
                                trace a candidate again without dynamo: planning.dynamo_graphs)
+  tracing_like_dynamo          torch._guards.tracing(TracingContext(FakeTensorMode())): the context dynamo
+                               runs a backend in, for such a trace (FX's dead-code elimination reads it)
 Profiler and autograd engine:
   profiler_enabled             torch._C._autograd._profiler_enabled
   allocation_events            torch._C._profiler._EventType.Allocation, prof.profiler.kineto_results
@@ -148,6 +150,7 @@ from autoremat.torch_internals.dynamo import (
     is_dynamo_error,
     is_inductor_error,
     recompile_limit,
+    tracing_like_dynamo,
     unset_fake_temporarily,
 )
 from autoremat.torch_internals.engine import (
@@ -233,6 +236,7 @@ __all__ = [
     "set_boxed_codegen",
     "tree_flatten",
     "tree_leaves",
+    "tracing_like_dynamo",
     "tree_map",
     "unset_fake_temporarily",
 ]

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "unset_fake_temporarily"]
+__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "copy_dynamo_graph", "copy_split_metadata", "tracing_like_dynamo", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "unset_fake_temporarily"]
 
 
 # -- fake tensors ------------------------------------------------------------------------------
@@ -95,3 +96,19 @@ def copy_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
         if hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source
     return copy
+
+
+@contextlib.contextmanager
+def tracing_like_dynamo() -> Iterator[None]:
+    """The context dynamo runs a backend in: a TracingContext with a fake mode of its own.
+
+    A dynamo graph traced again without dynamo (planning.dynamo_graphs) must see what a backend sees. Not
+    only AOTAutograd and the region splitter read the context's fake mode: FX's dead-code elimination
+    keeps a random op alive outside one (`Graph.eliminate_dead_code` treats seeded ops as impure unless a
+    TracingContext says Inductor's `fallback_random` is off), so a partition made outside it carried an
+    unused attention forward into the backward.
+    """
+    from torch._guards import TracingContext, tracing
+
+    with tracing(TracingContext(FakeTensorMode())):
+        yield
