@@ -166,7 +166,7 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
     global CLOCK
     torch._dynamo.reset()
     solver._floor_memo.clear()  # a floor remembered from an earlier run would make this one warm
-    traces = counters["aot_autograd"]["total"]
+    traces, frames = counters["aot_autograd"]["total"], counters["stats"]["unique_graphs"]
     CLOCK = clock = StageClock()
     LOGGER.addHandler(clock)
     LOGGER.setLevel(logging.INFO)
@@ -182,7 +182,8 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
     row = {"total_s": total, "stages": {k: round(v, 3) for k, v in clock.seconds.items() if v >= 5e-3},
            "counts": dict(clock.counts), "silent_s": round(clock.gap[0], 2), "silent_in": clock.gap[1],
            "longest_stage_s": round(clock.longest[0], 2), "longest_stage": clock.longest[1],
-           "aot_traces": counters["aot_autograd"]["total"] - traces}
+           "aot_traces": counters["aot_autograd"]["total"] - traces,
+           "dynamo_graphs": counters["stats"]["unique_graphs"] - frames}
     if om is not None:
         p = om.plan
         row.update(predicted_peak=p.predicted_peak, recompute_s=p.recompute_time_s, chunks=(p.loss or {}).get("chunks"),
@@ -392,6 +393,11 @@ def report(rows: list[dict], variants: list[str], command: str) -> str:
                      + f" | {ratio(t.get('eager'), r['inductor_s'])} | {ratio(t.get('eager'), r['aot_eager_s'])} | "
                      f"{ratio(t.get('inductor'), r['inductor_s'])} | {ratio(t.get('auto-precision'), t.get('eager'))} "
                      f"| {silence[0]} ({silence[1]}) | {longest[0]} ({longest[1]}) |")
+    lines += ["\n## Traces per plan (graphs dynamo compiled / AOTAutograd traces)\n",
+              "| model | size | " + " | ".join(variants) + " |", "|---|---|" + "---|" * len(variants)]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['size']} | " + " | ".join(
+            f"{r[v].get('dynamo_graphs', '-')} / {r[v].get('aot_traces', '-')}" if v in r else "" for v in variants) + " |")
     for base in ("eager", "inductor"):
         if f"{base}-traced" not in variants or base not in variants:
             continue

@@ -112,6 +112,8 @@ def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> D
     """The step's one dynamo graph, where it can be traced again without dynamo; else None (see above)."""
     if kept is None or len(kept) != 1 or skipped(model):
         return None
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None  # DDP's buckets and FSDP2's unsharded parameters exist only while dynamo runs the step
     plain = all(type(x) in (torch.Tensor, torch.nn.Parameter) for x in kept[0].example_inputs
                 if isinstance(x, torch.Tensor))
     return kept[0] if plain else None
