@@ -29,15 +29,12 @@ from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
-from autoremat.planning.dynamo_graphs import one_plain_graph, trace_again
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
     CapturePlanner,
     along,
-    own_errors,
     planner_for,
     progress,
-    require_graphs,
     trace_step,
 )
 from autoremat.solve.decision import Decision
@@ -257,13 +254,9 @@ def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, 
     pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, option.pre_pass())
     # regions="auto" traces the candidates per block; build decides on one graph for the count chosen
     planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
-    if (graph := one_plain_graph(step.model, first.dynamo_graphs)) is not None:
-        along(f"{which}: the step's dynamo graph, kept from the first trace, traced again with the rewrite")
-        trace_again(step.model, step.compiler, planner, graph, own_errors)
-        require_graphs(step.model, planner)
-        return Candidate(planner, None, option)
-    along(f"{which}: the whole step is traced with the rewrite")
-    return Candidate(planner, trace_step(step, planner), option)
+    along(f"{which}: " + ("the step's dynamo graph, kept from the first trace, traced again with the rewrite"
+                          if first.source is not None else "the whole step is traced with the rewrite"))
+    return Candidate(planner, trace_step(step, planner, first.source), option)
 
 
 def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:

@@ -23,14 +23,13 @@ from autoremat.planning import precision_plan
 from autoremat.planning import verify as verification
 from autoremat.planning.budget import check_cached, plan_graphs, room_for
 from autoremat.planning.cache import PlanCache
-from autoremat.planning.dynamo_graphs import DynamoGraph, trace_again
+from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
     StaleCache,
     log,
-    own_errors,
     plan_jointly,
     planner_for,
     progress,
@@ -68,9 +67,7 @@ class _Tracer:
         looked = len(self.keys)
         planner = self.planner(split)
         if self.source is not None and self.store is None:
-            trace_again(self.step.model, self.step.compiler, planner, self.source, own_errors)
-            require_graphs(self.step.model, planner)
-            return Traced(planner, None, None)
+            return Traced(planner, trace_step(self.step, planner, self.source), None)
         try:
             compiled = trace_step(self.step, planner)
         except StaleCache as e:

@@ -28,9 +28,10 @@ from autoremat.model.profile import GraphProfile, fingerprint, profile_graph
 from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
+from autoremat.planning import dynamo_graphs
 from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.calls import CallLog, repeats
-from autoremat.planning.dynamo_graphs import DynamoGraph, compile_planned, keeping, source_of, step_backend
+from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.same_regions import SameRegions
@@ -225,13 +226,11 @@ class CapturePlanner(Planner):
         self.cached: Plan | None = None
         self.strict = True
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
-        # the dynamo graphs of the step, kept to trace a candidate again without dynamo (dynamo_graphs.py)
-        self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None
+        self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None  # kept: dynamo_graphs.py
         self.source: DynamoGraph | None = None  # the kept dynamo graph its profiles were traced from, if any
 
     def done(self) -> None:
-        """Planning is over: forgiving from now on (class docstring), and the kept dynamo graph let go (its
-        example inputs are the planning batch's tensors)."""
+        """Planning is over: forgiving from now on (class docstring); the kept graph (and its inputs) let go."""
         self.strict = False
         self.source = None
 
@@ -319,7 +318,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
     # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
     # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
     trace_only = planner.plan is None and planner.lookup is None and planner.strict
-    backend = keeping(step_backend(planner, compiler, trace_only), planner.dynamo_graphs)
+    backend = dynamo_graphs.keeping(dynamo_graphs.step_backend(planner, compiler, trace_only), planner.dynamo_graphs)
     blocks = repeated_blocks(model) if skipped(model) else []
     compiled = compile_blocks(model, blocks, backend) if blocks else compile_fresh(model, backend)
     _trace(model, planner, compiled, args, kwargs)
@@ -329,7 +328,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
         remember_skipped(model)
         compiled = compile_blocks(model, blocks, backend)
         _trace(model, planner, compiled, args, kwargs)
-    planner.source = source_of(model, planner.dynamo_graphs, compiled)
+    planner.source = dynamo_graphs.source_of(model, planner.dynamo_graphs, compiled)
     return compiled
 
 
@@ -350,9 +349,12 @@ def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
                           regions_seen=step.regions_seen, **kw)
 
 
-def trace_step(step: TrainingStep, planner: CapturePlanner) -> Any:
-    """`compile_and_trace` for the step being planned, with the compiler it uses."""
-    return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
+def trace_step(step: TrainingStep, planner: CapturePlanner, source: DynamoGraph | None = None) -> Any:
+    """`compile_and_trace` for the step being planned; given `source`, that kept graph traced again (None)."""
+    if source is None:
+        return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
+    dynamo_graphs.trace_again(step.model, step.compiler, planner, source, own_errors)
+    return None
 
 
 def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None) -> Decision:
@@ -392,8 +394,7 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decis
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
     applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
-    if planner.source is not None and step.compiler == "eager":  # Inductor: compiled under dynamo's own context
-        compiled = compile_planned(step.model, step.compiler, applier, planner.source, own_errors)
-    else:
-        compiled = trace_step(step, applier)
+    # Inductor's compilers run in dynamo's own context: only eager's step is compiled from the kept graph
+    compiled = dynamo_graphs.compile_planned(step.model, step.compiler, applier, planner.source, own_errors) \
+        if planner.source is not None and step.compiler == "eager" else trace_step(step, applier)
     return plan, compiled, applier
