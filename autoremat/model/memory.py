@@ -36,6 +36,10 @@ INF = math.inf
 TANGENTS_HELD = not TANGENTS_BOXED
 
 
+class _OverLimit(Exception):
+    """A step of a simulation given a limit went over it: the rest of the step is not replayed."""
+
+
 class PlanError(ValueError):
     """A saved set that cannot be executed (the backward needs a value nobody may recompute)."""
 
@@ -64,6 +68,8 @@ class Step:
 class Timeline:
     steps: list[Step] = field(default_factory=list)
     boundary: int = 0  # live bytes between the last forward and the first backward graph
+    # simulate(limit=...) stopped at the first step over the limit: `steps` ends there, its peak is that step's
+    cut_short: bool = False
     # `simulate` fills these once the step is replayed: a search compares peaks many times per plan
     _peak_step: Step | None = field(default=None, repr=False, compare=False)
     _done: bool = field(default=False, repr=False, compare=False)
@@ -207,6 +213,7 @@ def _run(
     reads: dict[str, tuple[str, ...]] | None = None,
     storage: dict[str, str] | None = None,
     in_place: bool = True,
+    limit: float = INF,
 ) -> None:
     """Execute `order` on `heap`: allocate outputs, free values after their last use here.
 
@@ -283,12 +290,29 @@ def _run(
         if name in pinned:
             heap.drop(pinned.pop(name))
         steps.append(Step(g.index, phase, name, during))
+        if during > limit:
+            raise _OverLimit
 
 
-def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> Timeline:
-    """Live bytes over one training step: every forward graph in order, then the backwards reversed."""
-    heap = _Heap(granularity)
+def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1, limit: float = INF) -> Timeline:
+    """Live bytes over one training step: every forward graph in order, then the backwards reversed.
+
+    With a `limit`, the replay stops at the first step over it (`Timeline.cut_short`, whose peak is that
+    step's): a search that only keeps a plan under its best peak so far need not replay the rest of one
+    that is already over it (issue 38: most of a floor search's trials are)."""
     tl = Timeline()
+    try:
+        _replay(graphs, granularity, limit, tl)
+    except _OverLimit:
+        tl.cut_short = True
+        tl._peak_step, tl._done = tl.steps[-1], True
+        return tl
+    tl.finish()
+    return tl
+
+
+def _replay(graphs: list[tuple[GraphProfile, Schedule]], granularity: int, limit: float, tl: Timeline) -> None:
+    heap = _Heap(granularity)
     saved_alive: list[list[str]] = []
     handoffs = region_handoffs([g for g, _ in graphs])
     release = handed_over(graphs, handoffs)
@@ -308,7 +332,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         heap.scope = scope
         # Values that cross into the backward, and forward outputs (held by the caller), stay.
         held = set(sched.saved) | set(g.fw_outputs)
-        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl.steps)
+        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl.steps, limit=limit)
         saved_alive.append(list(sched.saved))
         release_at(scope)
     tl.boundary = heap.live
@@ -325,7 +349,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         caller_held = set(g.fw_outputs) - passed_on[scope]
         held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
         order = _kernel_order(g, sched.backward, heap, held, saved + tangents)
-        _run(g, order, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage)
+        _run(g, order, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage, limit=limit)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:
@@ -334,5 +358,3 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) 
         for k, name in meets.get(scope, ()):
             heap.scope = k
             heap.drop(graphs[k][0].nodes[name].storage)
-    tl.finish()
-    return tl

@@ -7,6 +7,7 @@ graph, the schedules they give, the simulated timeline (so the peak) and the pre
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from autoremat.model import memory
@@ -35,9 +36,11 @@ class Decision:
         return self.timeline.peak
 
 
-def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1):
+def evaluate(graphs: list[GraphProfile], saved: list[set[str]], granularity: int = 1, limit: float = math.inf):
+    """The schedules, timeline and recompute time of a saved set; with a `limit`, a timeline over it is cut
+    short there (memory.simulate): for a search that keeps only plans at or under the limit."""
     schedules = [schedule_of(g, s) for g, s in zip(graphs, saved)]
-    timeline = simulate(list(zip(graphs, schedules)), granularity)
+    timeline = simulate(list(zip(graphs, schedules)), granularity, limit)
     cost = sum(g.nodes[n].time_s for g, sc in zip(graphs, schedules) for n in sc.recomputed)
     # values recomputed twice (cuts.py): each copy runs once more
     cost += sum(g.nodes[base(n)].time_s for g, sc in zip(graphs, schedules) if sc.again for n in sc.backward

@@ -54,7 +54,7 @@ def greedy(graphs: list[GraphProfile], room: int, granularity: int = 1, max_trie
         trial[gi].update(u for u in graphs[gi].nodes[v].inputs if graphs[gi].nodes[u].kind == "forward"
                          and not graphs[gi].nodes[u].is_tuple)
         try:
-            _, tl, _ = evaluate(graphs, trial, granularity)
+            _, tl, _ = evaluate(graphs, trial, granularity, limit=peak)
         except ValueError:
             continue
         if tl.peak <= peak:
@@ -139,7 +139,7 @@ def block_mode_plans(graphs: list[GraphProfile], room: int, granularity: int) ->
                 plan |= per[b]["checkpoint" if i < k else "selective" if i < k + j else "save"]
             saved.append(plan)
         try:
-            schedules, tl, cost = evaluate(graphs, saved, granularity)
+            schedules, tl, cost = evaluate(graphs, saved, granularity, limit=room)
         except ValueError:
             return None
         if tl.peak > room:
@@ -187,7 +187,7 @@ def spend_slack(graphs: list[GraphProfile], plan: Decision, room: int, granulari
         if not group:
             continue
         tries += 1
-        trial = _with_saved(graphs, best, group, granularity)
+        trial = _with_saved(graphs, best, group, granularity, limit=room)
         if trial is not None and trial.peak <= room and trial.recompute_time_s < best.recompute_time_s:
             best = trial
         elif len(group) > 1:
@@ -229,7 +229,7 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             if tries >= max_tries:
                 break
             tries += 1
-            trial = _with_saved(graphs, best, [(at, v)], granularity)
+            trial = _with_saved(graphs, best, [(at, v)], granularity, limit=(found or best).peak)
             key = (trial.peak, trial.recompute_time_s) if trial is not None else None
             if key is not None and key < (best.peak, best.recompute_time_s) and (
                     found is None or key < (found.peak, found.recompute_time_s)):
@@ -241,13 +241,14 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
 
 
 def _with_saved(graphs: list[GraphProfile], plan: Decision, values: list[tuple[int, str]],
-                granularity: int) -> Decision | None:
-    """`plan` with `values` ((graph position, name) pairs) saved too, simulated; None if no schedule runs it."""
+                granularity: int, limit: float) -> Decision | None:
+    """`plan` with `values` ((graph position, name) pairs) saved too, simulated; None if no schedule runs it.
+    A trial over `limit` is not wanted: its simulation stops there (its timeline is cut short)."""
     saved = [set(s) for s in plan.saved]
     for gi, v in values:
         saved[gi].add(v)
     try:
-        schedules, tl, cost = evaluate(graphs, saved, granularity)
+        schedules, tl, cost = evaluate(graphs, saved, granularity, limit)
     except ValueError:
         return None
     return dataclasses.replace(plan, saved=saved, schedules=schedules, timeline=tl, recompute_time_s=cost)
