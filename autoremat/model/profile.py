@@ -33,6 +33,7 @@ from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs, forward_writable
 from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
 from autoremat.torch_internals import (
+    LOSS_REGION_TAG,
     OpOverload,
     StorageWeakRef,
     arg_tree_leaves,
@@ -40,6 +41,7 @@ from autoremat.torch_internals import (
     is_primal,
     is_tangent,
     mutated_input_indices,
+    tagged,
     tree_map,
 )
 
@@ -79,6 +81,7 @@ class NodeProfile:
     # first such write on (fusion.concat_writes): it owns no buffer of its own (memory._run)
     into: str = ""
     mark: str = ""  # the user's checkpoint policy for it, "must_save", "prefer_recompute", ... (marks.py)
+    loss_region: bool = False  # traced from the chunked loss (passes/loss_chunks.py; torch_internals.LOSS_REGION_TAG)
 
 
 @dataclass
@@ -204,9 +207,7 @@ def _flops(node: fx.Node) -> tuple[float, bool]:
 
 
 def pytree_map_vals(tree):
-    return tree_map(
-        lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree
-    )
+    return tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, tree)
 
 
 def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> GraphProfile:
@@ -245,11 +246,9 @@ def profile_graph(cg: CapturedGraph, device: DeviceSpec | str | None = None) -> 
 
     return GraphProfile(
         nodes=nodes,
-        fw_outputs=fw_outputs,
-        grad_outputs=grad_outputs,
+        fw_outputs=fw_outputs, grad_outputs=grad_outputs,
         released=[n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is accumulate_grad],
-        index=cg.index,
-        fingerprint=fingerprint(gm),
+        index=cg.index, fingerprint=fingerprint(gm),
         device=dev.name,
         notes=_constant_notes(gm),
         **_region_links(cg, primals, outs[: cg.num_fwd_outputs], outs[cg.num_fwd_outputs:]),
@@ -272,7 +271,8 @@ def _node_profile(n: fx.Node, kind: str, owner: dict, mutated: set[str], dev: De
     whether it may be recomputed."""
     val = n.meta.get("val")
     prof = NodeProfile(name=n.name, kind=kind, target=_target_name(n), inputs=tuple(a.name for a in n.all_input_nodes),
-                       storage="", nbytes=0, module=module_path_of(n), mark=user_mark(n))
+                       storage="", nbytes=0, module=module_path_of(n), mark=user_mark(n),
+                       loss_region=tagged(n, LOSS_REGION_TAG))
     if isinstance(val, torch.Tensor):
         prof.dtype = str(val.dtype).replace("torch.", "")
         prof.shape = tuple(int(s) for s in val.shape)

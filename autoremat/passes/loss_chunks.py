@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from autoremat.passes.fused_linear_loss import fused_linear_cross_entropy
 from autoremat.passes.fused_loss import fused_cross_entropy
-from autoremat.torch_internals import C_NN_LINEAR
+from autoremat.torch_internals import C_NN_LINEAR, LOSS_REGION_TAG
 
 OUTPUTS = ("all", "loss")
 CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss whole (outputs="all")
@@ -305,6 +305,7 @@ def _project_after(graph: fx.Graph, proj: fx.Node, loss: fx.Node) -> None:
 def _replace_loss(graph: fx.Graph, s: Site, new: fx.Node) -> None:
     """The site's loss replaced by `new`, and the casts and views only it read removed."""
     new.meta.update({k: v for k, v in s.loss.meta.items() if k != "example_value"})
+    new.meta["custom"] = {**new.meta.get("custom", {}), LOSS_REGION_TAG: True}  # on every node traced from it
     s.loss.replace_all_uses_with(new)
     graph.erase_node(s.loss)
     for n in reversed(s.chain):

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from autoremat.model.cuts import base
+from autoremat.model.memory import Step
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
@@ -205,6 +207,10 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if fastest:  # fewer chunks fit: the peak is outside the region, where more chunks change nothing
                     table[k] += "; fewer chunks fit the budget, so more cannot lower the floor: no more counts traced"
                     break
+                if peaks_outside(traces[k], refused[k].peak_step, _by_optimizer(refused[k])):
+                    table[k] += f"; the floor {OUTSIDE}: no more counts traced"
+                    _untraced(traces, table)
+                    return fastest, True
                 if falling is not None and floor >= falling[0]:
                     table[k] += f"; the floor was no lower than the {falling[1]}-chunk one: no more counts traced"
                     _untraced(traces, table)
@@ -212,6 +218,10 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if falling is None or floor < falling[0]:
                     falling = (floor, k)
                 continue
+            if peaks_outside(traces[k], traces[k].decision.timeline.peak_step):
+                fastest[k] = time_s
+                table[k] += f"; its {OUTSIDE}: no more counts traced"
+                break
         no_faster = bool(fastest) and time_s >= min(fastest.values())
         fastest[k] = time_s
         if no_faster:
@@ -273,7 +283,8 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
     larger of its peak outside the loss region, which the count leaves alone, and the region's own, which
     more chunks only shrink; once a count does not lower the floor, the peak is outside the region and more
     chunks cannot lower it either (issue 38: the 64-chunk floor, the costliest to search, was never below
-    the 4-chunk one on a 1-layer GPT-2, Llama or BERT, and took 18 of a floor query's 48 s).
+    the 4-chunk one on a 1-layer GPT-2, Llama or BERT, and took 18 of a floor query's 48 s). A count whose
+    most frugal plan peaks outside the region (`peaks_outside`) ends the counts at once, fitting or not.
     """
     best: tuple[float, int] | None = None
     falling: tuple[int, int] | None = None  # (floor, count) of the lowest floor so far, while floors fall
@@ -295,7 +306,9 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
         time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
             else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
         if time_s is None:
-            if best is None and falling is not None and floor >= falling[0]:
+            if peaks_outside(candidate, refused[k].peak_step, _by_optimizer(refused[k])):
+                stopped = f"the {k}-chunk floor {OUTSIDE}"
+            elif best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
             if falling is None or floor < falling[0]:
                 falling = (floor, k)
@@ -305,6 +318,38 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
     if best is not None:
         return best[1]
     _refuse_lowest(refused)
+
+
+OUTSIDE = "plan peaks outside the loss region, where more chunks change nothing"
+
+
+def peaks_outside(candidate: Candidate, step: Step | None, by_optimizer: bool = False) -> bool:
+    """Whether a count's plan peaks outside the loss region: at optimizer.step() (`by_optimizer`), or at a
+    step that neither runs a node traced from the chunked loss nor reads one (NodeProfile.loss_region).
+
+    The loss region's values are dead there (its forward runs after the rest of the forward, its backward
+    before the rest of the backward), so more chunks free nothing at that step. For the most memory-frugal
+    plan found (a count refused) the floor is set where every count runs the same nodes, and more chunks
+    cannot lower it (issue 38: on a 1-layer BERT the 16-chunk floor search, the longest of a floor query,
+    ended at the 4-chunk floor). For a plan that fits only when planned in full (near the floor) it is a
+    judgement, not a bound: the step that binds is one more chunks leave alone, so they are not traced.
+    False where that is not known: no plan, or a torch that did not carry the loss region's tag onto the
+    backward nodes."""
+    if by_optimizer:
+        return True
+    if step is None:
+        return False
+    graphs = candidate.planner.sequence()
+    if not any(p.loss_region and p.kind == "backward" for g in graphs for p in g.nodes.values()):
+        return False
+    nodes = next(g for g in graphs if g.index == step.graph).nodes
+    p = nodes[base(step.node)]
+    return not (p.loss_region or any(nodes[i].loss_region for i in p.inputs))
+
+
+def _by_optimizer(refused: BudgetError) -> bool:
+    """Whether optimizer.step()'s temporaries, not the activations, set a refused count's floor."""
+    return refused.ledger.optimizer_step > refused.ledger.activations
 
 
 def _refuse_lowest(refused: dict[int, BudgetError]) -> None:

@@ -315,6 +315,7 @@ class BudgetError(ValueError):
         super().__init__(message)
         self.ledger = ledger
         self.smallest_budget = smallest_budget
+        self.peak_step = None  # where the most memory-frugal plan found peaks (memory.Step), when one was found
 
     @classmethod
     def from_infeasible(cls, budget, ledger: Ledger, error, profiles, device) -> BudgetError:
@@ -336,4 +337,6 @@ class BudgetError(ValueError):
                    f"{format_bytes(ledger.fixed)} is needed before any activation")
         msg = (f"budget {format_bytes(budget)} ({budget} bytes) is too small for this training step on "
                f"{device.name}: {why}.\n{ledger.format()}")
-        return cls(msg, ledger, need)
+        err = cls(msg, ledger, need)
+        err.peak_step = smallest.timeline.peak_step if smallest is not None else None
+        return err

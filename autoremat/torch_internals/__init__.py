@@ -26,6 +26,9 @@ AOTAutograd (joint graphs, partitioning):
   mutated_input_indices        the output node's meta["desc"]: the class name InputMutationAOTOutput
                                and its `mutated_input.idx`, which forward outputs are input mutations
   is_sym_node                  torch.fx.experimental.proxy_tensor: symbolic-size nodes are saved apart
+  LOSS_REGION_TAG, tagged      a key the loss-chunk pass puts in its node's meta["custom"]: AOTAutograd copies
+                               "custom" onto the joint nodes traced from it, and onto their backward nodes by
+                               seq_nr, so the profile knows the chunked loss region's nodes
 Dispatcher and ops:
   OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
   is_mutable_op                OpOverload._schema.is_mutable
@@ -111,6 +114,7 @@ Not listed, and used in place: the FX node meta keys torch.fx documents and ever
 
 from autoremat.torch_internals.aot import (
     C_NN_LINEAR,
+    LOSS_REGION_TAG,
     TANGENTS_BOXED,
     OpOverload,
     OpOverloadPacket,
@@ -130,6 +134,7 @@ from autoremat.torch_internals.aot import (
     mutated_input_indices,
     out_kernel_copies,
     set_boxed_codegen,
+    tagged,
     tree_flatten,
     tree_leaves,
     tree_map,
@@ -181,6 +186,7 @@ from autoremat.torch_internals.inductor import (
 __all__ = [
     "BackendCompilerFailed",
     "C_NN_LINEAR",
+    "LOSS_REGION_TAG",
     "FAKE_TENSOR_LOGGER",
     "FakeTensorMode",
     "ORDERS_TAG",
@@ -234,6 +240,7 @@ __all__ = [
     "queue_callback",
     "recompile_limit",
     "set_boxed_codegen",
+    "tagged",
     "tree_flatten",
     "tree_leaves",
     "tracing_like_dynamo",

@@ -14,7 +14,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_part
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -80,6 +80,17 @@ def mutated_input_indices(output_node: fx.Node) -> set[int] | None:
         return None
     return {d.mutated_input.idx for d in descs
             if type(d).__name__ == "InputMutationAOTOutput" and hasattr(d.mutated_input, "idx")}
+
+
+# A key of a dynamo node's meta["custom"]: AOTAutograd copies "custom" onto every joint-graph node traced from
+# that node, and a backward node's from the forward node of its seq_nr (copy_fwd_metadata_to_bw_nodes)
+LOSS_REGION_TAG = "autoremat_loss_region"
+
+
+def tagged(node: torch.fx.Node, key: str) -> bool:
+    """Whether a joint-graph node carries `key` in its meta["custom"] (LOSS_REGION_TAG)."""
+    custom = node.meta.get("custom")
+    return isinstance(custom, dict) and bool(custom.get(key))
 
 
 # -- dispatcher and ops ------------------------------------------------------------------------
