@@ -91,3 +91,44 @@ def test_the_planner_lets_the_ilp_choose_the_chunk_count() -> None:
     # With everything saved the 1-chunk step fits 1 GB: no other count is traced.
     assert roomy["chosen_by"] == "everything saved fits unchunked" and roomy["chunks"] == 1, roomy
     assert list(roomy["candidates"]) == ["1"], roomy
+
+
+def test_the_loss_region_nodes_are_tagged_through_aotautograd(alternatives) -> None:
+    """The chunked loss's dynamo node carries LOSS_REGION_TAG; AOTAutograd copies it onto the joint nodes
+    traced from it, forward and backward, except a sum of gradient contributions (it copies no meta onto
+    those). So every chunk-sized logits value ([rows / 4, vocabulary]) of the 4-chunk trace and its gradient
+    is tagged, or adds tagged gradients (what loss_region.peaks_outside counts as the region's), and nothing
+    inside the transformer block is tagged."""
+    (g,) = alternatives[4]
+    rows = BATCH * SEQ // 4
+    logits = {n: p for n, p in g.nodes.items() if p.shape == (rows, VOCAB)}
+    assert {p.kind for p in logits.values()} == {"forward", "backward"}, logits
+    assert all(p.loss_region for p in logits.values() if p.kind == "forward")
+    untagged = [p for p in logits.values() if not p.loss_region]
+    assert all(p.kind == "backward" and p.target.startswith("aten.add")
+               and any(g.nodes[i].loss_region for i in p.inputs) for p in untagged), untagged
+    assert len(untagged) < len(logits) / 2, untagged
+    block = [n for n, p in g.nodes.items() if p.module.startswith("transformer.h.")]
+    assert block and not any(g.nodes[n].loss_region for n in block)
+
+
+def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monkeypatch) -> None:
+    """A floor query plans counts in full while the floors fall. Once a count's most frugal plan peaks
+    outside the loss region, the counts after it are not planned (loss_region.peaks_outside); the floor
+    is the one planning every count in full while floors fall finds."""
+    from autoremat.planning import loss_region
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
+
+    def floor_query() -> autoremat.BudgetError:
+        with pytest.raises(autoremat.BudgetError) as info:
+            autoremat.optimize(copy.deepcopy(model), 1, ex, optimizer=None, outputs="loss", compiler="eager",
+                               progress=False)
+        return info.value
+    ruled = floor_query()
+    monkeypatch.setattr(loss_region, "peaks_outside", lambda *a, **k: False)
+    every = floor_query()
+    assert ruled.smallest_budget == every.smallest_budget, (ruled.smallest_budget, every.smallest_budget)
+    planned = [str(e).partition("chunk counts planned: ")[2].partition(")")[0].split(", ") for e in (ruled, every)]
+    assert len(planned[0]) < len(planned[1]), planned  # the rule left a count out on this model

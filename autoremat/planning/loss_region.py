@@ -179,7 +179,8 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     `build` would plan it, and the plan kept for `build`; one that does not fit is skipped, and while none
     fits, more chunks are traced only while the floors fall (as in `_fastest_in_full`); once a smaller count
     fits, one that does not ends the survey (its floor is above one a smaller count reached: by the same
-    argument, more chunks cannot lower it). Tracing stops at
+    argument, more chunks cannot lower it); so does a count whose plan in full peaks outside the loss region
+    (`peaks_outside`), fitting or not. Tracing stops at
     the first count no faster than a smaller one, or that could not be even with nothing recomputed: each
     count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
     no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
