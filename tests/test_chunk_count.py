@@ -130,5 +130,7 @@ def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monke
     monkeypatch.setattr(loss_region, "peaks_outside", lambda *a, **k: False)
     every = floor_query()
     assert ruled.smallest_budget == every.smallest_budget, (ruled.smallest_budget, every.smallest_budget)
+    # BudgetError.peak_step: the step the floor plan peaks at, whose live bytes give the floor
+    assert ruled.ledger.needs(ruled.peak_step.during) == ruled.smallest_budget, ruled.peak_step
     planned = [str(e).partition("chunk counts planned: ")[2].partition(")")[0].split(", ") for e in (ruled, every)]
     assert len(planned[0]) < len(planned[1]), planned  # the rule left a count out on this model

@@ -359,7 +359,7 @@ def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
     first, _, rest = str(e).partition("\n")
     raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
                       f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,
-                      e.smallest_budget) from None
+                      e.smallest_budget, e.peak_step) from None
 
 
 def _record(plan, table: dict, how: str):

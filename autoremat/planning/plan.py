@@ -311,11 +311,11 @@ def _version() -> str:
 class BudgetError(ValueError):
     """The budget is below the smallest one any plan fits in; says which budget would fit."""
 
-    def __init__(self, message: str, ledger: Ledger, smallest_budget: int | None) -> None:
+    def __init__(self, message: str, ledger: Ledger, smallest_budget: int | None, peak_step=None) -> None:
         super().__init__(message)
         self.ledger = ledger
         self.smallest_budget = smallest_budget
-        self.peak_step = None  # where the most memory-frugal plan found peaks (memory.Step), when one was found
+        self.peak_step = peak_step  # where the most memory-frugal plan found peaks (memory.Step), if one was found
 
     @classmethod
     def from_infeasible(cls, budget, ledger: Ledger, error, profiles, device) -> BudgetError:
@@ -337,6 +337,4 @@ class BudgetError(ValueError):
                    f"{format_bytes(ledger.fixed)} is needed before any activation")
         msg = (f"budget {format_bytes(budget)} ({budget} bytes) is too small for this training step on "
                f"{device.name}: {why}.\n{ledger.format()}")
-        err = cls(msg, ledger, need)
-        err.peak_step = smallest.timeline.peak_step if smallest is not None else None
-        return err
+        return cls(msg, ledger, need, smallest.timeline.peak_step if smallest is not None else None)

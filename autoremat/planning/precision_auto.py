@@ -133,7 +133,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
             why["bf16"] = "every call in bf16 does not fit"
             if not candidates:
                 raise BudgetError(f"precision='auto': nothing fits: fp32 does not, {why.get('ilp', '')}, and "
-                                  f"{why['bf16']}.\n{e}", e.ledger, e.smallest_budget) from e
+                                  f"{why['bf16']}.\n{e}", e.ledger, e.smallest_budget, e.peak_step) from e
         else:
             bf16_checked = checked(result)
             if bf16_error > tol:
