@@ -377,3 +377,19 @@ def test_the_heuristics_plans_do_not_depend_on_the_clock(monkeypatch):
     assert greedy != solver.save_all([gp]), "greedy recomputed nothing: the comparison shows nothing"
     assert len(modes) >= 2 and walked <= 3 * (6 + 1), (modes, walked)
     assert "+slack-spent" in spent[0] and spent[2] < best.recompute_time_s, (spent[0], best.path)
+
+
+def test_a_simulation_given_a_limit_stops_at_the_first_step_over_it(stack):
+    """memory.simulate(limit=...): a search keeps only plans at or under its best peak, so a trial is replayed
+    only until a step goes over it (Timeline.cut_short); at or above the whole step's peak nothing changes."""
+    gp, _, _ = stack
+    saved = solver.save_all([gp])
+    full = solver.evaluate([gp], saved)[1]
+    whole = solver.evaluate([gp], saved, limit=full.peak)[1]
+    assert not whole.cut_short and [s.during for s in whole.steps] == [s.during for s in full.steps]
+    cut = solver.evaluate([gp], saved, limit=full.peak - 1)[1]
+    first_over = next(i for i, s in enumerate(full.steps) if s.during > full.peak - 1)
+    assert cut.cut_short and len(cut.steps) == first_over + 1
+    assert cut.peak == full.steps[first_over].during > full.peak - 1
+    early = solver.evaluate([gp], saved, limit=full.steps[0].during - 1)[1]  # over at the very first step
+    assert early.cut_short and len(early.steps) == 1
