@@ -134,3 +134,18 @@ def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monke
     assert ruled.ledger.needs(ruled.peak_step.during) == ruled.smallest_budget, ruled.peak_step
     planned = [str(e).partition("chunk counts planned: ")[2].partition(")")[0].split(", ") for e in (ruled, every)]
     assert len(planned[0]) < len(planned[1]), planned  # the rule left a count out on this model
+
+
+def test_a_floor_set_by_the_optimizer_step_ends_the_counts() -> None:
+    """optimizer.step()'s temporaries (after the backward, never beside the activations) set the floor when
+    the step needs no more with activations than without: then no chunk count can lower it. Worked by hand:
+    fixed 1,000 B, optimizer.step() 500 B, SLACK 1,024 B, so the floor with no activations is 2,524 B."""
+    from autoremat.model.ledger import Ledger
+    from autoremat.planning.loss_region import _by_optimizer
+    ledger = Ledger(parameters=400, gradients=400, optimizer_state=200, optimizer_step=500)
+    assert ledger.needs(0) == 2524
+    assert _by_optimizer(autoremat.BudgetError("", ledger, 2524))  # activations of at most 500 B
+    assert not _by_optimizer(autoremat.BudgetError("", ledger, 2525))  # 501 B of activations set it
+    assert not _by_optimizer(autoremat.BudgetError("", ledger, None))  # the fixed parts alone exceed the budget
+    assert not _by_optimizer(autoremat.BudgetError("", Ledger(parameters=400, gradients=400, optimizer_state=200),
+                                                   2024))  # no optimizer: nothing but activations to set it

@@ -349,8 +349,11 @@ def peaks_outside(candidate: Candidate, step: Step | None, by_optimizer: bool = 
 
 
 def _by_optimizer(refused: BudgetError) -> bool:
-    """Whether optimizer.step()'s temporaries, not the activations, set a refused count's floor."""
-    return refused.ledger.optimizer_step > refused.ledger.activations
+    """Whether optimizer.step()'s temporaries, not the activations, set a refused count's floor: it is what
+    the step needs with no activations at all. (Read from the error, not from `ledger.activations`: every
+    count's error shares the step's one ledger.)"""
+    floor, ledger = refused.smallest_budget, refused.ledger
+    return floor is not None and ledger.optimizer_step > 0 and floor <= ledger.needs(0)
 
 
 def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
