@@ -180,7 +180,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     fits, more chunks are traced only while the floors fall (as in `_fastest_in_full`); once a smaller count
     fits, one that does not ends the survey (its floor is above one a smaller count reached: by the same
     argument, more chunks cannot lower it); so does a count whose plan in full peaks outside the loss region
-    (`peaks_outside`), fitting or not. Tracing stops at
+    (`floor_outside` where it does not fit, `peaks_outside` where it does). Tracing stops at
     the first count no faster than a smaller one, or that could not be even with nothing recomputed: each
     count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
     no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
@@ -199,6 +199,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
         progress.info("solving the ILP for the loss region in %d chunk(s)", k)
         along(f"{sum(len(g.nodes) for g in profiles)} nodes")
         time_s = trace_time(profiles, room, granularity=dev.alloc_granularity, **opts)
+        outside = False  # a plan in full that fits, peaking where more chunks free nothing
         if time_s is not None:
             table[k] += f"; the ILP's plan: {1e3 * time_s:.3f} ms predicted"
         else:
@@ -208,25 +209,22 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if fastest:  # fewer chunks fit: the peak is outside the region, where more chunks change nothing
                     table[k] += "; fewer chunks fit the budget, so more cannot lower the floor: no more counts traced"
                     break
-                if peaks_outside(traces[k], refused[k].peak_step, _by_optimizer(refused[k])):
-                    table[k] += f"; the floor {OUTSIDE}: no more counts traced"
-                    _untraced(traces, table)
-                    return fastest, True
-                if falling is not None and floor >= falling[0]:
-                    table[k] += f"; the floor was no lower than the {falling[1]}-chunk one: no more counts traced"
+                why = f"the floor {OUTSIDE}" if floor_outside(traces[k], refused[k]) else None
+                if why is None and falling is not None and floor >= falling[0]:
+                    why = f"the floor was no lower than the {falling[1]}-chunk one"
+                if why is not None:
+                    table[k] += f"; {why}: no more counts traced"
                     _untraced(traces, table)
                     return fastest, True
                 if falling is None or floor < falling[0]:
                     falling = (floor, k)
                 continue
-            if peaks_outside(traces[k], traces[k].decision.timeline.peak_step):
-                fastest[k] = time_s
-                table[k] += f"; its {OUTSIDE}: no more counts traced"
-                break
+            outside = peaks_outside(traces[k], traces[k].decision.timeline.peak_step)
         no_faster = bool(fastest) and time_s >= min(fastest.values())
         fastest[k] = time_s
-        if no_faster:
-            table[k] += "; no faster than fewer chunks: no more counts traced"
+        if no_faster or outside:
+            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {OUTSIDE}"
+            table[k] += ": no more counts traced"
             break
     _untraced(traces, table, "fewer chunks were already as fast")
     return fastest, False
@@ -284,8 +282,8 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
     larger of its peak outside the loss region, which the count leaves alone, and the region's own, which
     more chunks only shrink; once a count does not lower the floor, the peak is outside the region and more
     chunks cannot lower it either (issue 38: the 64-chunk floor, the costliest to search, was never below
-    the 4-chunk one on a 1-layer GPT-2, Llama or BERT, and took 18 of a floor query's 48 s). A count whose
-    most frugal plan peaks outside the region (`peaks_outside`) ends the counts at once, fitting or not.
+    the 4-chunk one on a 1-layer GPT-2, Llama or BERT, and took 18 of a floor query's 48 s). A refused
+    count whose floor is set outside the region (`floor_outside`) ends the counts at once.
     """
     best: tuple[float, int] | None = None
     falling: tuple[int, int] | None = None  # (floor, count) of the lowest floor so far, while floors fall
@@ -307,7 +305,7 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
         time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
             else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
         if time_s is None:
-            if peaks_outside(candidate, refused[k].peak_step, _by_optimizer(refused[k])):
+            if floor_outside(candidate, refused[k]):
                 stopped = f"the {k}-chunk floor {OUTSIDE}"
             elif best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
@@ -324,20 +322,24 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
 OUTSIDE = "plan peaks outside the loss region, where more chunks change nothing"
 
 
-def peaks_outside(candidate: Candidate, step: Step | None, by_optimizer: bool = False) -> bool:
-    """Whether a count's plan peaks outside the loss region: at optimizer.step() (`by_optimizer`), or at a
-    step that neither runs a node traced from the chunked loss nor reads one (NodeProfile.loss_region).
+def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
+    """Whether a refused count's floor is set outside the loss region, where every count runs the same
+    nodes, so that more chunks cannot lower it: by optimizer.step()'s temporaries, or at the step where its
+    most memory-frugal plan peaks (`peaks_outside`; issue 38: on a 1-layer BERT the 16-chunk floor search,
+    the longest of a floor query, ended at the 4-chunk floor)."""
+    return _by_optimizer(refused) or peaks_outside(candidate, refused.peak_step)
+
+
+def peaks_outside(candidate: Candidate, step: Step | None) -> bool:
+    """Whether a count's plan peaks outside the loss region: at a step that neither runs a node traced from
+    the chunked loss nor reads one (NodeProfile.loss_region).
 
     The loss region's values are dead there (its forward runs after the rest of the forward, its backward
-    before the rest of the backward), so more chunks free nothing at that step. For the most memory-frugal
-    plan found (a count refused) the floor is set where every count runs the same nodes, and more chunks
-    cannot lower it (issue 38: on a 1-layer BERT the 16-chunk floor search, the longest of a floor query,
-    ended at the 4-chunk floor). For a plan that fits only when planned in full (near the floor) it is a
-    judgement, not a bound: the step that binds is one more chunks leave alone, so they are not traced.
+    before the rest of the backward), so more chunks free nothing at that step. For a refused count's most
+    frugal plan that is a bound (`floor_outside`). For a plan that fits only when planned in full (near the
+    floor) it is a judgement: the step that binds is one more chunks leave alone, so they are not traced.
     False where that is not known: no plan, or a torch that did not carry the loss region's tag onto the
     backward nodes."""
-    if by_optimizer:
-        return True
     if step is None:
         return False
     graphs = candidate.planner.sequence()

@@ -229,7 +229,7 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             if tries >= max_tries:
                 break
             tries += 1
-            trial = _with_saved(graphs, best, [(at, v)], granularity, limit=(found or best).peak)
+            trial = _with_saved(graphs, best, [(at, v)], granularity, limit=(best if found is None else found).peak)
             key = (trial.peak, trial.recompute_time_s) if trial is not None else None
             if key is not None and key < (best.peak, best.recompute_time_s) and (
                     found is None or key < (found.peak, found.recompute_time_s)):

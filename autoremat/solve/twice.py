@@ -66,7 +66,7 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
             for k in where:
                 saved[k].discard(old)
                 saved[k].add(c)
-            schedules, tl, cost = evaluate(graphs, saved, granularity, limit=(found or best).peak)
+            schedules, tl, cost = evaluate(graphs, saved, granularity, limit=(best if found is None else found).peak)
             key = (tl.peak, cost)
             if key < (best.peak, best.recompute_time_s) and (found is None or key < (found.peak, found.recompute_time_s)):
                 found = dataclasses.replace(best, saved=saved, schedules=schedules, timeline=tl, recompute_time_s=cost)
