@@ -393,3 +393,44 @@ def test_a_simulation_given_a_limit_stops_at_the_first_step_over_it(stack):
     assert cut.peak == full.steps[first_over].during > full.peak - 1
     early = solver.evaluate([gp], saved, limit=full.steps[0].during - 1)[1]  # over at the very first step
     assert early.cut_short and len(early.steps) == 1
+
+
+def _saved_and_peak(result):
+    return result.saved, result.predicted_peak
+
+
+def test_the_shared_block_models_are_solved_only_where_a_graph_has_identical_blocks(stack, monkeypatch):
+    """Sharing decisions ties the variables of identical blocks; in a graph with one block (a region, a
+    1-layer model) there is none to tie, the shared model is the full one and its answer is the same, so
+    `solve` builds it only where some graph has twins (4 models on the 4-block stack, 2 on one block)."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=1, d=16, seq=8, batch=2)
+    (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
+    one = profile_graph(cg, "cpu")
+    _, top, _ = solver.evaluate([one], solver.save_all([one]))
+    room = (top.peak + solver.smallest_peak([one]).peak) // 2
+    backend = solver._pick_solver("auto", 10.0, solver.DEFAULT_GAP)
+    for drag in (False, True):
+        full, shared = (solver.IlpModel([one], 1, drag, s) for s in (False, True))
+        assert full.prob.numVariables() == shared.prob.numVariables()
+        assert full.prob.numConstraints() == shared.prob.numConstraints()
+        low = full.solve(None, backend, min_peak=True)
+        assert (low.saved, low.predicted_peak) == _saved_and_peak(shared.solve(None, backend, min_peak=True))
+        rows_room = int(low.predicted_peak) + (top.peak - int(low.predicted_peak)) // 2  # feasible for the rows
+        a = full.solve(rows_room, backend)
+        assert a.saved is not None and _saved_and_peak(a) == _saved_and_peak(shared.solve(rows_room, backend))
+
+    built = []
+    real = solver.IlpModel.__init__
+
+    def counted(self, graphs, granularity, block_drag, shared_blocks=False, **kw):
+        built.append((block_drag, shared_blocks))
+        real(self, graphs, granularity, block_drag, shared_blocks, **kw)
+
+    monkeypatch.setattr(solver.IlpModel, "__init__", counted)
+    assert solver.solve([one], room).peak <= room
+    assert built == [(False, False), (True, False)]
+    built.clear()
+    gp, budget = _mid(stack)
+    solver.solve([gp], budget)
+    assert built == [(False, False), (False, True), (True, False), (True, True)]

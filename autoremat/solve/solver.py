@@ -25,11 +25,13 @@ from collections import OrderedDict
 
 import pulp
 
+from autoremat.model.lifetimes import lifetimes
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult
+from autoremat.solve.ilp_data import block_twins
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.twice import recompute_twice, refine_further
 
@@ -182,10 +184,15 @@ def solve(
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, room, granularity)
     models = []
+    # Without identical blocks in any graph (one block per region, or one layer) sharing changes no
+    # variable: the shared model would be the full one again, solved again to the same answer.
+    twins = any(block_twins(g, lifetimes(g)) for g in graphs)
     # The full model first (with chained running sums it solves a 48-block stack in seconds), then
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
     # a huge graph), then the block-drag ones.
     for shared, block_drag in ((False, False), (True, False), (False, True), (True, True)):
+        if shared and not twins:
+            continue
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
