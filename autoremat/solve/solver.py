@@ -12,7 +12,8 @@ needed before u drags u forward in time. The local model forbids such a drag; th
 allows it inside one repeated block (e.g. "transformer.h.3", the natural checkpoint segment) and
 allocates u from the earliest time a chain of recomputed consumers could need it. Each comes full
 (every node its own variables) and with identical blocks sharing decisions (smaller: the answer when
-the full one runs out of time on a huge graph). Each solution is replayed by the exact simulator and
+the full one runs out of time on a huge graph; built only where a graph has identical blocks, for
+elsewhere it is the full model again). Each solution is replayed by the exact simulator and
 the ILP's room calibrated against it (tightened on overshoot, loosened on slack). The plans of
 heuristics.py (per-block modes, checkpointing, greedy) compete with it, and are the answer when the
 ILP runs out of time.
