@@ -115,12 +115,14 @@ class IlpModel:
         self.err_expr = lp.zero()  # the error row's left side
         self.fp16_expr = lp.zero()  # sum_c f_c: each fp16 call needs loss scaling
         self.low: list[dict[str, tuple]] = []  # per graph: castable call -> (b_c, f_c, b_c + f_c)
+        self.lifetimes: list[Lifetimes] = []  # per graph, as this model's rows read them
         saved_total = []  # per graph: S^g as a running-sum expression
         per_graph_rows = []
         # The rows are added in a fixed order (graph by graph; per node: choice, then its inputs):
         # the solver's search, and so its answer among equal plans, follows the order of the rows.
         for gi, g in enumerate(graphs):
             life = lifetimes(g, self.block_drag)
+            self.lifetimes.append(life)
             fw_static, bw_static, core, slot = static_profile(g, granularity)
             s, r = self._decisions(gi, g, life)
             self.s.append(s)

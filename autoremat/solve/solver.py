@@ -26,7 +26,6 @@ from collections import OrderedDict
 
 import pulp
 
-from autoremat.model.lifetimes import lifetimes
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.decision import Decision, evaluate
@@ -185,14 +184,11 @@ def solve(
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, room, granularity)
     models = []
-    # Without identical blocks in any graph (one block per region, or one layer) sharing changes no
-    # variable: the shared model would be the full one again, solved again to the same answer.
-    twins = any(block_twins(g, lifetimes(g)) for g in graphs)
     # The full model first (with chained running sums it solves a 48-block stack in seconds), then
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
     # a huge graph), then the block-drag ones.
     for shared, block_drag in ((False, False), (True, False), (False, True), (True, True)):
-        if shared and not twins:
+        if shared and not _has_twins(graphs, models[0]):
             continue
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
@@ -220,6 +216,13 @@ def solve(
     best.solve_time_s = time.perf_counter() - t0
     best.granularity = granularity
     return best
+
+
+def _has_twins(graphs: list[GraphProfile], model: IlpModel) -> bool:
+    """Whether some graph has identical blocks to share decisions between, read off a built model's
+    lifetimes. Without any (one block per region, or one layer) a shared model has the full one's variables
+    and rows, and would be solved again to the same answers."""
+    return any(block_twins(g, life) for g, life in zip(graphs, model.lifetimes))
 
 
 def ops_once_time(graphs: list[GraphProfile]) -> float:
