@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pulp
 import pytest
 
@@ -51,6 +53,39 @@ def test_expressions_and_continuous_bounds():
     cap.lowBound = cap.upBound = 9  # below what m needs
     assert lp.solve(prob, lp.highs(10, 0)) == lp.INFEASIBLE
     assert lp.constraint_count(prob) == 2
+
+
+def split_in_half(n: int = 40) -> tuple[lp.Problem, list[lp.Variable], list[int], int]:
+    """Pick items of weights 1000-2000 (values within 50 of each weight) worth the most within half their
+    total weight: near-equal ratios leave the root relaxation loose, so HiGHS needs branching to prove its
+    answer, and its interrupt callback runs."""
+    rng = random.Random(0)
+    weight = [rng.randint(1000, 2000) for _ in range(n)]
+    value = [w + rng.randint(-50, 50) for w in weight]
+    prob = lp.problem("split")
+    x = [lp.binary(prob, f"x{i}") for i in range(n)]
+    half = sum(weight) // 2
+    prob += pulp.lpSum(w * xi for w, xi in zip(weight, x)) <= half
+    prob.setObjective(-pulp.lpSum(v * xi for v, xi in zip(value, x)))
+    return prob, x, weight, half
+
+
+def test_a_mip_stops_at_stop_at_holding_a_solution():
+    """stop_at=(0, -inf): every solution (all objectives are negative) and every bound pass it, so HiGHS
+    stops at its first solution, reported as a solution found early (TIME_LIMIT) that keeps every row;
+    without it, or with an objective no solution reaches, the MIP is solved to the end."""
+    prob, x, weight, half = split_in_half()
+    assert lp.solve(prob, lp.highs(10, 0)) == lp.OPTIMAL
+    best = pulp.value(prob.objective)
+    prob, x, weight, half = split_in_half()
+    status = lp.solve(prob, lp.highs(10, 0, stop_at=(0.0, float("-inf"))))
+    assert status == lp.TIME_LIMIT and lp.has_solution(status)
+    assert sum(w for w, xi in zip(weight, x) if xi.value() > 0.5) <= half
+    assert pulp.value(prob.objective) >= best
+    prob, x, weight, half = split_in_half()
+    assert lp.solve(prob, lp.highs(10, 0, stop_at=(best - 1, float("-inf")))) == lp.OPTIMAL
+    assert pulp.value(prob.objective) == pytest.approx(best)
+    assert type(lp.highs(10, 0, stop_at=(0.0, 0.0))).__name__ == "HiGHS"  # the name plans show
 
 
 def test_the_installed_major_is_one_the_adapter_knows():

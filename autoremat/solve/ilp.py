@@ -87,6 +87,7 @@ class IlpResult:
     status: str  # "optimal", "time_limit" (an incumbent at the limit), or PuLP's status ("infeasible", ...)
     saved: list[set[str]] | None = None  # per graph, the values the solution saves; None without a solution
     predicted_peak: float | None = None  # the largest row at the solution: the ILP's own (conservative) peak
+    objective: float | None = None  # the objective at the solution (objective.py)
 
 
 class IlpModel:
@@ -382,5 +383,5 @@ class IlpModel:
         if lp.has_solution(status):
             saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]
             predicted = max((static + (pulp.value(expr) or 0) for static, expr in self.rows), default=0)
-            return IlpResult(status, saved, predicted)
+            return IlpResult(status, saved, predicted, pulp.value(self.prob.objective))
         return IlpResult(status)

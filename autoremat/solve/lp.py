@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 
+import highspy
 import pulp
 
 PULP_MAJOR = int(pulp.__version__.split(".")[0])
@@ -59,14 +60,38 @@ def of(var: Variable) -> Expression:
     return pulp.lpSum([var])
 
 
-def highs(time_limit: float, gap: float) -> Solver:
+def highs(time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> Solver:
     """HiGHS through highspy, single-threaded (plans must not depend on the machine's core count),
-    silent, stopping at `time_limit` seconds or the relative `gap`."""
-    solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+    silent, stopping at `time_limit` seconds or the relative `gap`; with `stop_at` = (objective, bound),
+    also once it holds a solution whose objective is at most `objective` and its lower bound on the
+    objective has reached `bound`."""
+    if stop_at is None:
+        solver = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+    else:
+        solver = HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+        solver.stop_at = stop_at
     if not solver.available():
         raise RuntimeError("autoremat solves its ILP with HiGHS, but PuLP cannot load highspy: "
                            "`pip install highspy` (a dependency of autoremat) and try again")
     return solver
+
+
+class HiGHS(pulp.HiGHS):
+    """PuLP's HiGHS (and named so in plans) that stops a MIP from its interrupt callback at `stop_at`
+    (`highs`). Both PuLP majors create the highspy model in `createAndConfigureSolver`, and the callback
+    is attached there."""
+
+    stop_at = (float("-inf"), float("inf"))
+
+    def createAndConfigureSolver(self, lp):  # noqa: N802 - PuLP's name
+        super().createAndConfigureSolver(lp)
+        lp.solverModel.setCallback(self._interrupt, None)
+        lp.solverModel.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+
+    def _interrupt(self, callback_type, message, data_out, data_in, user_data) -> None:
+        objective, bound = self.stop_at
+        if data_out.mip_primal_bound <= objective and data_out.mip_dual_bound >= bound:
+            data_in.user_interrupt = True
 
 
 def solve(prob: Problem, solver: Solver) -> str:

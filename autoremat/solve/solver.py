@@ -42,6 +42,15 @@ __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "bl
 # Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
 # the same objective (benchmarks/solver_scale.py).
 DEFAULT_GAP = 0.01
+# Once one ILP model has given a plan, a later model's MIP stops as soon as it holds a solution as good
+# as that plan's (within MATCH) and its bound shows it cannot beat it by more than this share of the
+# step's time (the objective's unit, objective.py): the later models are there to find a better plan,
+# and one better by less is not worth the proof. On a 2-layer Llama whose plan recomputes 9% of the
+# step, the block-drag model found the full model's plan at once, then took 15,469 nodes (4.8 s) to
+# close its 1% relative gap, which on 9% of the step is 0.09% of it.
+LATER_MODEL_STEP_GAP = 0.002
+# Objectives this close are the same plan's, summed over other rows (float rounding, about 1e-10).
+MATCH = 1e-7
 # Share of `time_limit` after which `solve` starts no new work: building a model and handing it to
 # the MIP solver cost time of their own (about a fifth of a solve on a GPT-2-small graph), so stop
 # starting early enough to end near the limit.
@@ -81,12 +90,13 @@ def check_solver(name: str) -> None:
         raise ValueError(f"solver must be one of {SOLVERS}, got {name!r}")
 
 
-def _pick_solver(name: str, time_limit: float, gap: float) -> lp.Solver:
+def _pick_solver(name: str, time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> lp.Solver:
     check_solver(name)
-    return lp.highs(time_limit, gap)
+    return lp.highs(time_limit, gap, stop_at)
 
 
-def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline) -> Decision | None:
+def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline,
+                 stop_at: tuple[float, float] | None = None) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
     If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
@@ -94,17 +104,21 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
     nothing, learn how pessimistic its rows are from its own smallest-peak plan and retry once; that
     plan is kept if it fits (rows above the room, the simulator within it: the 12-block stack at
     checkpointing's peak, whose retry can then run out of time on a busy machine).
+
+    `stop_at` (`lp.highs`) may end each budgeted MIP early; the objective of the best plan's solution is
+    left in `model.best_objective`.
     """
     # `target` is what this round asks of the ILP: the room, calibrated against the simulator.
     target, best, learned, overshoots = room, None, False, 0
-    model.last_status = "infeasible"
+    model.last_status, model.best_objective = "infeasible", None
     for rounds in range(1, max_rounds + 1):
         remaining = deadline - time.perf_counter()
         if remaining < MIN_MIP_S:
             break
         # Each MIP gets most of what is left, less the time PuLP takes to hand the model to the
         # solver (outside the solver's own limit; about the model's build time).
-        backend = _pick_solver(solver, MIP_SHARE * max(MIN_MIP_S, remaining - model.build_s), gap)
+        mip_s = MIP_SHARE * max(MIN_MIP_S, remaining - model.build_s)
+        backend = _pick_solver(solver, mip_s, gap, stop_at)
         result = model.solve(target, backend)
         status, saved = result.status, result.saved
         model.last_status = status
@@ -112,7 +126,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = model.solve(None, backend, min_peak=True)
+            low = model.solve(None, _pick_solver(solver, mip_s, gap), min_peak=True)
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
@@ -134,6 +148,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
                         + ("/shared-blocks" if model.shared_blocks else ""))
                 best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
                                 solver=type(backend).__name__)
+                model.best_objective = result.objective
             overshoots = 0
             slack = room - tl.peak
             if cost == 0 or slack <= SLACK_STOP * room or time.perf_counter() > deadline:
@@ -183,7 +198,7 @@ def solve(
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, room, granularity)
-    models = []
+    models, beat = [], None  # beat: the objective of the best plan an ILP model gave
     # The full model first (with chained running sums it solves a 48-block stack in seconds), then
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
     # a huge graph), then the block-drag ones.
@@ -193,9 +208,12 @@ def solve(
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
-        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline)
+        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
+                         None if beat is None else (beat + MATCH, beat - LATER_MODEL_STEP_GAP))
         if d is not None:
             found.append(d)
+        if models[-1].best_objective is not None:
+            beat = min(models[-1].best_objective, beat if beat is not None else float("inf"))
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
     status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
     if best is None:
