@@ -99,11 +99,7 @@ class IlpModel:
         self.shared_blocks = shared_blocks
         self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
         self.tolerance = tolerance
-        # Set by solver.py's calibration loop: the latest solve's status, the objective of the best plan it
-        # kept, and the min-peak solution it learned from (reused by smallest_peak).
-        self.last_status = "infeasible"
-        self.best_objective: float | None = None
-        self.min_peak: IlpResult | None = None
+        self.last_status = "infeasible"  # of the latest solve, set by solver.py's calibration loop
         started = time.perf_counter()
         self._build(graphs, granularity)
         self.build_s = time.perf_counter() - started

@@ -304,7 +304,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     for model in models:
         if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
             break  # one min-peak plan in hand; the rest of the time goes to the plans below
-        result = model.min_peak or model.solve(None, backend, min_peak=True)
+        result = getattr(model, "min_peak", None) or model.solve(None, backend, min_peak=True)
         status = result.status
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
