@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -435,25 +434,3 @@ def test_the_shared_block_models_are_solved_only_where_a_graph_has_identical_blo
     gp, budget = _mid(stack)
     solver.solve([gp], budget)
     assert built == [(False, False), (False, True), (True, False), (True, True)]
-
-
-def test_each_min_peak_mip_is_solved_once_when_solve_falls_back_to_the_smallest_peak(stack, monkeypatch):
-    """Below the floor, `solve` first learns from each model's min-peak solution how pessimistic its rows
-    are, then falls back to `smallest_peak` with the same models; that is the same MIP (the same gap and
-    time limit, `_min_peak_solver`), so its solution is reused, not solved again. The answer is the floor
-    `smallest_peak` finds on its own."""
-    gp, _, floor = stack
-    solved = Counter()
-    real = solver.IlpModel.solve
-
-    def counted(self, room, backend, min_peak=False):
-        solved[id(self), min_peak] += 1
-        return real(self, room, backend, min_peak)
-
-    monkeypatch.setattr(solver.IlpModel, "solve", counted)
-    solver._floor_memo.clear()  # the floor the fixture found would otherwise be a candidate of its own
-    with pytest.raises(solver.Infeasible) as e:
-        solver.solve([gp], floor - 1)
-    min_peak_solves = [n for (_, min_peak), n in solved.items() if min_peak]
-    assert min_peak_solves and set(min_peak_solves) == {1}
-    assert e.value.smallest.peak == floor

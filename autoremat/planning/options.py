@@ -20,8 +20,7 @@ from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import OUTPUTS
 from autoremat.planning import precision_plan
 from autoremat.planning.compilers import check_compiler
-from autoremat.solve.lp import check_solver
-from autoremat.solve.solver import DEFAULT_GAP
+from autoremat.solve.solver import DEFAULT_GAP, check_solver
 
 
 @dataclass(frozen=True)

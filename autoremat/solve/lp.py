@@ -60,20 +60,6 @@ def of(var: Variable) -> Expression:
     return pulp.lpSum([var])
 
 
-# The ILP solvers a caller may name: HiGHS is the one solver (PuLP 4 no longer bundles CBC), and
-# "auto" stays accepted so that code written for the choice keeps working.
-SOLVERS = ("auto", "highs")
-
-
-def check_solver(name: str) -> None:
-    """A clear error for a solver name autoremat does not run."""
-    if name == "cbc":
-        raise ValueError("solver='cbc' is no longer supported: PuLP 4 does not bundle CBC, and autoremat "
-                         "solves with HiGHS (highspy, installed with autoremat); use solver='highs' or 'auto'")
-    if name not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {name!r}")
-
-
 def highs(time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> Solver:
     """HiGHS through highspy, single-threaded (plans must not depend on the machine's core count),
     silent, stopping at `time_limit` seconds or the relative `gap`; with `stop_at` = (objective, bound),

@@ -76,17 +76,26 @@ MIN_PEAK_MODELS_SHARE = 1 / 2
 MIN_PEAK_GREEDY_TRIES = 100
 
 
+# The ILP solvers a caller may name: HiGHS is the one solver (PuLP 4 no longer bundles CBC), and
+# "auto" stays accepted so that code written for the choice keeps working.
+SOLVERS = ("auto", "highs")
+
+
+def check_solver(name: str) -> None:
+    """A clear error for a solver name autoremat does not run."""
+    if name == "cbc":
+        raise ValueError("solver='cbc' is no longer supported: PuLP 4 does not bundle CBC, and autoremat "
+                         "solves with HiGHS (highspy, installed with autoremat); use solver='highs' or 'auto'")
+    if name not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {name!r}")
+
+
 def _pick_solver(name: str, time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> lp.Solver:
-    lp.check_solver(name)
+    check_solver(name)
     return lp.highs(time_limit, gap, stop_at)
 
 
-def _min_peak_solver(solver: str, time_limit: float) -> lp.Solver:
-    """The backend of every min-peak MIP (`smallest_peak`'s, and `_solve_model`'s, which it reuses)."""
-    return _pick_solver(solver, max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit), MIN_PEAK_GAP)
-
-
-def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline, time_limit,
+def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline,
                  stop_at: tuple[float, float] | None = None) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
@@ -97,12 +106,11 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
     checkpointing's peak, whose retry can then run out of time on a busy machine).
 
     `stop_at` (`lp.highs`) may end each budgeted MIP early; the objective of the best plan's solution is
-    left in `model.best_objective`, and the min-peak solution (solved as `smallest_peak` solves it, which
-    then reuses it) in `model.min_peak`.
+    left in `model.best_objective`.
     """
     # `target` is what this round asks of the ILP: the room, calibrated against the simulator.
     target, best, learned, overshoots = room, None, False, 0
-    model.last_status, model.best_objective, model.min_peak = "infeasible", None, None
+    model.last_status, model.best_objective = "infeasible", None
     for rounds in range(1, max_rounds + 1):
         remaining = deadline - time.perf_counter()
         if remaining < MIN_MIP_S:
@@ -118,7 +126,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = model.min_peak = model.solve(None, _min_peak_solver(solver, time_limit), min_peak=True)
+            low = model.solve(None, _pick_solver(solver, mip_s, gap), min_peak=True)
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
@@ -200,7 +208,7 @@ def solve(
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
-        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline, time_limit,
+        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
                          None if beat is None else (beat + MATCH, beat - LATER_MODEL_STEP_GAP))
         if d is not None:
             found.append(d)
@@ -298,13 +306,13 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
-    backend = _min_peak_solver(solver, time_limit)
+    backend = _pick_solver(solver, max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit), MIN_PEAK_GAP)
     options = []
     status = "infeasible"
     for model in models:
         if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
             break  # one min-peak plan in hand; the rest of the time goes to the plans below
-        result = getattr(model, "min_peak", None) or model.solve(None, backend, min_peak=True)
+        result = model.solve(None, backend, min_peak=True)
         status = result.status
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
