@@ -99,7 +99,10 @@ class IlpModel:
         self.shared_blocks = shared_blocks
         self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
         self.tolerance = tolerance
-        self.last_status = "infeasible"  # of the latest solve, set by solver.py's calibration loop
+        # Set by solver.py's calibration loop: the latest solve's status, and the objective of the best plan
+        # it kept (what a later model's MIP must beat).
+        self.last_status = "infeasible"
+        self.best_objective: float | None = None
         started = time.perf_counter()
         self._build(graphs, granularity)
         self.build_s = time.perf_counter() - started
