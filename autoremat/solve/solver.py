@@ -126,7 +126,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = model.solve(None, _pick_solver(solver, mip_s, gap), min_peak=True)
+            low = model.solve(None, _pick_solver(solver, mip_s, gap), min_peak=True)  # no stop_at: in bytes
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
@@ -198,24 +198,25 @@ def solve(
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
     # and the answer when the ILP runs out of time on a large graph.
     found = block_mode_plans(graphs, room, granularity)
-    models, beat = [], None  # beat: the objective of the best plan an ILP model gave
+    models, beat, twins = [], float("inf"), None  # beat: the objective of the best plan an ILP model gave
     # The full model first (with chained running sums it solves a 48-block stack in seconds), then
     # identical blocks sharing decisions (smaller: the answer when the full one runs out of time on
     # a huge graph), then the block-drag ones.
     for shared, block_drag in ((False, False), (True, False), (False, True), (True, True)):
-        if shared and not _has_twins(graphs, models[0]):
+        twins = _has_twins(graphs, models[0]) if shared and twins is None else twins
+        if shared and not twins:
             continue
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
         d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
-                         None if beat is None else (beat + MATCH, beat - LATER_MODEL_STEP_GAP))
+                         None if beat == float("inf") else (beat + MATCH, beat - LATER_MODEL_STEP_GAP))
         if d is not None:
             found.append(d)
-        if models[-1].best_objective is not None:
-            beat = min(models[-1].best_objective, beat if beat is not None else float("inf"))
+        if models[-1].best_objective is not None:  # None where its plan is the min-peak one (bytes)
+            beat = min(beat, models[-1].best_objective)
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
-    status = best.status if best else (getattr(models[0], "last_status", "infeasible") if models else "time_limit")
+    status = best.status if best else (models[0].last_status if models else "time_limit")
     if best is None:
         saved = greedy(graphs, room, granularity)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
