@@ -139,6 +139,29 @@ def test_tangents_boxed_is_what_the_memory_model_assumes():
     assert isinstance(ti.TANGENTS_BOXED, bool)
 
 
+def test_handed_to_backward():
+    # sin(cos(x * w)): the backward reads x, w (mul's derivative), mul (cos's) and cos (sin's): four saved, by
+    # position, before the output's gradient. With dynamic sizes the backward also needs x's sizes, saved apart.
+    def f(x, w):
+        return torch.sin(torch.cos(x * w))
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    seen = []
+
+    def record(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        fw, bw = ti.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        seen.append(ti.handed_to_backward(fw, bw, num_fwd_outputs))
+        return fw, bw
+
+    torch.compile(f, backend=ti.aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=record),
+                  dynamic=False)(x, w).sum().backward()
+    assert seen == [(4, ("tangents_1",))]
+    torch._dynamo.reset()
+    torch.compile(f, backend=ti.aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=record),
+                  dynamic=True)(x, w).sum().backward()
+    assert seen[1] == "it saves symbolic sizes or non-tensors for the backward"
+
+
 def test_is_sym_node():
     gm = make_fx(lambda x: x.reshape(x.shape[0] * 2, -1), tracing_mode="symbolic")(torch.randn(4, 6))
     assert any(ti.is_sym_node(n) for n in gm.graph.nodes)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 
+from autoremat.capture.graph_code import GraphCode, boxed_eager, called_at, code_of, same_code, tag
 from autoremat.capture.regions import (
     LINKS,
     RegionLinks,
@@ -48,9 +49,7 @@ from autoremat.torch_internals import (
     copy_graph,
     default_partition,
     inductor_compilers,
-    mark_boxed_call,
     meta_python_kernels_hidden,
-    set_boxed_codegen,
 )
 
 
@@ -86,25 +85,6 @@ PartitionCallback = Callable[[CapturedGraph], tuple[fx.GraphModule, fx.GraphModu
 PrePass = Callable[[int, fx.GraphModule, list], None]  # (graph index, dynamo graph, example inputs)
 
 
-def boxed_eager(gm: fx.GraphModule, example_inputs: Any) -> Callable:
-    """Run an FX graph as Python, with boxed calling.
-
-    The generated code takes one list, unpacks it and clears it, so each input (above all the
-    tensors saved for backward) is freed after its last use instead of when the call returns.
-    Without this a compiled step measured 259 MiB against 221 MiB eager on a 12-block
-    transformer; with it, 221 MiB.
-    """
-    set_boxed_codegen(gm)
-    gm.recompile()
-    forward = gm.forward
-
-    def run(args: list) -> Any:
-        return forward(args)
-
-    mark_boxed_call(run)
-    return run
-
-
 def _graph_device(gm: fx.GraphModule) -> str:
     for n in gm.graph.nodes:
         val = n.meta.get("val")
@@ -137,7 +117,7 @@ COMPILE_CLOCK = CompileClock()
 
 def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: PrePass | None = None,
                 regions: bool = False, release_grads: bool = True, trace_only: bool = False,
-                same: SameRegions | None = None) -> Callable:
+                same: SameRegions | None = None, codes: list | None = None) -> Callable:
     """A `torch.compile` backend that gives every joint graph to `on_joint` for partitioning.
 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
@@ -150,10 +130,12 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     Inductor compiles each region's backward on its first call and finds its forward's metadata by the
     order the regions were traced in (dynamo's DDPOptimizer context), which holds only while every compiled
     region's uses are one run: so Inductor's own code is reused from the region just before, in this graph.
+    codes: under eager, each graph the trace calls is noted there as (index, links, GraphCode or None), in
+    order, so that a plan can replace the code without a second trace (capture/graph_code.py).
     """
     # The region AOTAutograd is compiling now, its key for `same`, the parameters whose gradients it
     # releases early, and the index the next graph gets (a reused region takes one too).
-    compiling: dict[str, Any] = {"links": None, "released": [], "key": None, "index": 0, "last": None}
+    compiling: dict[str, Any] = {"links": None, "released": [], "key": None, "index": 0, "last": None, "code": None}
     in_runs = compiler == "inductor" and not trace_only  # Inductor's code: reused only from the region before
 
     def partition_fn(
@@ -167,28 +149,32 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         links = compiling["links"]
         split_weight_casts(joint)  # a 16-bit weight copy is cast again for the backward, not held
         if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
-            replay_random_draws(joint)
-            fuse_gradient_upcasts(joint)  # a 16-bit weight gradient written into fp32 rows, no whole copy
-            if links is not None and release_grads:
-                compiling["released"] = release_gradients(joint, num_fwd_outputs,
-                                                          set(static_lifetime_input_indices or []), links.shared)
-        cg = CapturedGraph(
-            joint=joint,
-            num_fwd_outputs=num_fwd_outputs,
-            static_input_indices=list(static_lifetime_input_indices or []),
-            index=compiling["index"],
-            device=_graph_device(joint),
-            links=compiling["links"],
-            compiler=compiler,
-            region_key=compiling["key"],
-        )
+            compiling["released"] = _eager_passes(joint, num_fwd_outputs, static_lifetime_input_indices,
+                                                  links if release_grads else None)
+        cg = CapturedGraph(joint=joint, num_fwd_outputs=num_fwd_outputs,
+                           static_input_indices=list(static_lifetime_input_indices or []), index=compiling["index"],
+                           device=_graph_device(joint), links=compiling["links"], compiler=compiler,
+                           region_key=compiling["key"])
         compiling["index"] += 1
-        return on_joint(cg)
+        code = compiling["code"]
+        return on_joint(cg) if code is None else code.partition(on_joint, cg)
 
-    inner = _aot(compiler, trace_only, partition_fn)
+    def aot(gm: fx.GraphModule, example_inputs: list) -> Callable:  # one AOTAutograd call
+        code = GraphCode() if codes is not None and compiler == "eager" else None
+        compiling["code"] = code
+        try:
+            compiled = _aot(compiler, trace_only, partition_fn, code)(gm, example_inputs)
+        finally:
+            compiling["code"] = None
+        if code is None:
+            return compiled
+        codes.append((code.cg.index if code.cg else -1, compiling["links"], code))
+        return tag(compiled, code)
+
+    def inner(gm: fx.GraphModule, example_inputs: list) -> Callable:  # the graph whole, as one call
+        return called_at(aot(gm, example_inputs), compiling["index"] - 1)
+
     if regions:  # one graph per repeated block: gradients leave the backward block by block
-        aot = inner
-
         def one_region(gm: fx.GraphModule, example_inputs: list) -> Callable:
             links = gm.meta.get(LINKS)
             key = region_key(gm, example_inputs) if same is not None else None  # None outside a cut graph
@@ -197,22 +183,24 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
                 only = compiling["last"] if in_runs else None
                 may_reuse = not in_runs or only is not None  # Inductor's code: none before the first region
                 if may_reuse and (hit := same.reused(key, compiling["index"], links, gm, only=only)) is not None:
+                    if codes is not None:
+                        codes.append((compiling["index"], links, code_of(hit)))
                     compiling["index"] += 1
                     compiling["last"] = hit
-                    return hit
+                    return called_at(hit, compiling["index"] - 1)
             compiling["links"], compiling["released"], compiling["key"] = links, [], key
             try:
                 compiled = aot(gm, example_inputs)
                 released = compiling["released"]
             finally:
                 compiling["links"], compiling["released"], compiling["key"] = None, [], None
-            compiled = with_stand_ins(compiled, released) if released else compiled
+            compiled = same_code(with_stand_ins(compiled, released), compiled) if released else compiled
             if key is not None:
                 same.keep(key, compiled, gm)
             compiling["last"] = compiled
-            return compiled
+            return called_at(compiled, compiling["index"] - 1)
 
-        inner = functools.partial(compile_regions, compile_one=one_region)
+        inner = functools.partial(compile_regions, compile_one=one_region)  # type: ignore[assignment]
     if pre_pass is None:
         return inner
     graphs = itertools.count()
@@ -224,10 +212,23 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     return backend
 
 
-def _aot(compiler: str, trace_only: bool, partition_fn: Callable) -> Callable:
-    """AOTAutograd with our partition function, the decompositions and compilers of `compiler`."""
+def _eager_passes(joint: fx.GraphModule, num_fwd_outputs: int, static: list[int] | None,
+                  links: RegionLinks | None) -> list[int]:
+    """The rewrites of a joint graph that eager's Python code needs; returns the parameters whose gradients
+    the region releases early (with `links`: regions.release_gradients)."""
+    replay_random_draws(joint)
+    fuse_gradient_upcasts(joint)  # a 16-bit weight gradient written into fp32 rows, no whole copy
+    if links is None:
+        return []
+    return release_gradients(joint, num_fwd_outputs, set(static or []), links.shared)
+
+
+def _aot(compiler: str, trace_only: bool, partition_fn: Callable, code: GraphCode | None = None) -> Callable:
+    """AOTAutograd with our partition function, the decompositions and compilers of `compiler` (under eager,
+    `code`'s, which a plan may swap later)."""
     if compiler == "eager":
-        return aot_autograd(fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=partition_fn,
+        fw_compiler, bw_compiler = (code.forward_compiler, code.backward_compiler) if code else (boxed_eager, boxed_eager)
+        return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
                             decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
     if compiler == "inductor":
         fw_compiler, bw_compiler, inductor_table = inductor_compilers()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from autoremat.capture.aot import fresh_forward, on_meta
+from autoremat.torch_internals import graph_break_reasons
 
 # Models whose forward dynamo was seen to skip whole: their later traces compile per block at once.
 _SKIPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -78,3 +79,26 @@ def _forwards(blocks: list[torch.nn.Module], forwards: list[Callable]) -> Iterat
                 del block.forward
             else:
                 block.forward = old
+
+
+class CaptureError(ValueError):
+    """torch.compile captured no graph of the training step, so nothing could be planned."""
+
+
+def no_graph_error(model: torch.nn.Module) -> CaptureError:
+    """What to tell a user whose step dynamo captured no graph of (it would run eagerly, unplanned, past any
+    budget)."""
+    reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
+    if skipped(model):
+        return CaptureError(
+            f"torch.compile captured no graph of {type(model).__name__}.forward, nor of its "
+            f"{len(repeated_blocks(model))} blocks compiled one by one, so there is nothing to plan and the budget "
+            "could not be held: dynamo ran them all eagerly. Remove the graph breaks it reports, or compile the "
+            "model with fullgraph=True to see where they are." + (f" Graph breaks seen: {reasons}" if reasons else ""))
+    return CaptureError(
+        f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
+        "budget could not be held: dynamo ran the whole forward eagerly, and the model has no repeated blocks (an "
+        "nn.ModuleList or nn.Sequential of one module class) for autoremat to compile one by one. A graph break "
+        "inside a loop (e.g. torch._dynamo.graph_break() or an unsupported call in `for w in self.weights:`) makes "
+        "dynamo skip the frame. Remove the break, move it out of the loop, or put the loop body in a module of its "
+        "own held in an nn.ModuleList." + (f" Graph breaks seen: {reasons}" if reasons else ""))

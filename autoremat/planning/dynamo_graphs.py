@@ -12,8 +12,9 @@ the planner gets what a full trace gives it (each region's profile; a region ide
 before reused by `same_regions`), without the bytecode. The backend runs in a tracing context like
 dynamo's (`tracing_like_dynamo`: FX's dead-code elimination reads it).
 
-The planned step, with compiler="eager", is compiled the same way (`compile_planned`) and handed to
-the frame dynamo compiled at the first trace: the code that frame runs is re-pointed to it (`Late`),
+The planned step, with compiler="eager", is the code of the trace it was planned on with the plan swapped
+in (planned_in_place.py), or where that cannot be, that graph traced again with the plan (`compile_planned`).
+It is handed to the frame dynamo compiled at the first trace: the code that frame runs is re-pointed to it (`Late`),
 and a recompile of the frame (a guard failing) goes to the planned step's backend, as it would have
 gone to a frame compiled with that backend. Under Inductor the planned step is still compiled by
 dynamo: Inductor's compilers read more of dynamo's context than this one provides.
@@ -26,6 +27,7 @@ fake or distributed tensors that only dynamo's own context can trace. Those step
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,9 +38,13 @@ import torch.fx as fx
 from autoremat.capture.aot import aot_backend, meta_traces_like_real
 from autoremat.capture.blocks import skipped
 from autoremat.capture.tracing import Restore
+from autoremat.planning.planned_in_place import swap_in_plan
 from autoremat.torch_internals import copy_dynamo_graph, tracing_like_dynamo
 
+log = logging.getLogger("autoremat")
+
 if TYPE_CHECKING:
+    from autoremat.planning.options import TrainingStep
     from autoremat.planning.planner import CapturePlanner
 
 
@@ -105,7 +111,7 @@ def step_backend(planner: CapturePlanner, compiler: str, trace_only: bool) -> Ca
     noted in its log."""
     return planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
                                         regions=planner.regions, release_grads=planner.release_grads,
-                                        trace_only=trace_only, same=planner.same))
+                                        trace_only=trace_only, same=planner.same, codes=planner.codes))
 
 
 def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> DynamoGraph | None:
@@ -132,15 +138,26 @@ def trace_again(model: torch.nn.Module, compiler: str, planner: CapturePlanner, 
     with errors(), Restore(model), torch.enable_grad(), tracing_like_dynamo(), \
             meta_traces_like_real() if on_meta else contextlib.nullcontext():
         code = backend(graph.fresh(), list(graph.example_inputs))
-    planner.source = graph
+    planner.source, planner.code = graph, code
     return backend, code
 
 
-def compile_planned(model: torch.nn.Module, compiler: str, applier: CapturePlanner, graph: DynamoGraph,
+def compile_planned(step: TrainingStep, applier: CapturePlanner, traced: CapturePlanner,
                     errors: Callable[[], Any]) -> Any:
-    """The step compiled with `applier`'s plan from the dynamo graph kept, and handed to the frame dynamo
-    compiled it from: its code re-pointed, and its recompiles (a guard failing) sent to the applier's backend.
-    Returns the step as the user calls it (that frame's torch.compile'd model)."""
-    backend, code = trace_again(model, compiler, applier, graph, errors, trace_only=False)
+    """The step compiled with `applier`'s plan, made from `traced`'s trace of the dynamo graph kept, and handed
+    to the frame dynamo compiled it from: its code re-pointed, and its recompiles (a guard failing) sent to
+    the applier's backend. The plan is swapped into the code of `traced`'s trace where it can be
+    (planned_in_place.py), else that graph is traced again with it. Returns the step as the user calls it
+    (that frame's torch.compile'd model)."""
+    graph = traced.source
+    assert graph is not None
+    with tracing_like_dynamo():  # the context the partition runs in when traced (FX's dead-code elimination reads it)
+        why_not = swap_in_plan(traced, applier)
+    if why_not is None:
+        backend, code = step_backend(applier, step.compiler, trace_only=False), traced.code
+        applier.source = graph
+    else:
+        log.debug("autoremat: the planned step is traced again: %s", why_not)
+        backend, code = trace_again(step.model, step.compiler, applier, graph, errors, trace_only=False)
     graph.runs.target, graph.kept.backend, graph.kept.graphs = code, backend, None
     return graph.compiled

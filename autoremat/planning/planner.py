@@ -20,7 +20,14 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture.aot import CapturedGraph, compile_fresh, default_split
-from autoremat.capture.blocks import compile_blocks, remember_skipped, repeated_blocks, skipped
+from autoremat.capture.blocks import (  # noqa: F401  (CaptureError: part of the public namespace)
+    CaptureError,
+    compile_blocks,
+    no_graph_error,
+    remember_skipped,
+    repeated_blocks,
+    skipped,
+)
 from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, ledger_from_graph
@@ -39,7 +46,6 @@ from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import (
     BackendCompilerFailed,
-    graph_break_reasons,
 )
 from autoremat.units import format_bytes
 
@@ -113,8 +119,12 @@ class Planner:
         return gp
 
     def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
+        return self.apply(cg, self._profile(cg))[0]
+
+    def apply(self, cg: CapturedGraph, gp: GraphProfile) -> tuple[tuple[fx.GraphModule, fx.GraphModule], set[str]]:
+        """The forward and backward modules of graph `cg` (profiled as `gp`) under the plan (solved for it
+        alone if there is none), and the values they save."""
         dev = self._device(cg)
-        gp = self._profile(cg)
         ledger = self.ledger or ledger_from_graph(cg, self.optimizer, dev.alloc_granularity,
                                                   blas_workspace_bytes(dev, cg.device))
         if self.plan is not None:
@@ -133,7 +143,7 @@ class Planner:
         modules, used = self._split(cg, gp, set(saved), need, budget_or_memory(self.budget, dev))
         if self.plan is not None and used == set(saved):
             self._compiled(cg, gp, used)
-        return modules
+        return modules, used
 
     def _compiled(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str] | None) -> None:
         """Hook: graph `cg` (profiled as `gp`) was partitioned saving `saved` (None: the default partition)."""
@@ -228,6 +238,10 @@ class CapturePlanner(Planner):
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
         self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None  # kept: dynamo_graphs.py
         self.source: DynamoGraph | None = None  # the kept dynamo graph its profiles were traced from, if any
+        # Under eager, the code each graph call of its trace runs (aot_backend's `codes`), and the traced step's
+        # code: a plan is swapped into them instead of tracing again (planning/planned_in_place.py).
+        self.codes: list[tuple[int, Any, Any]] = []
+        self.code: Any = None
 
     def done(self) -> None:
         """Planning is over: forgiving from now on (class docstring); the kept graph (and its inputs) let go."""
@@ -290,28 +304,10 @@ class CapturePlanner(Planner):
             self.plan = kept
 
 
-class CaptureError(ValueError):
-    """torch.compile captured no graph of the training step, so nothing could be planned."""
-
-
 def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
     """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
-    if planner.profiles:
-        return
-    reasons = [r.splitlines()[0] for r in graph_break_reasons()][-3:]
-    if skipped(model):
-        raise CaptureError(
-            f"torch.compile captured no graph of {type(model).__name__}.forward, nor of its "
-            f"{len(repeated_blocks(model))} blocks compiled one by one, so there is nothing to plan and the budget "
-            "could not be held: dynamo ran them all eagerly. Remove the graph breaks it reports, or compile the "
-            "model with fullgraph=True to see where they are." + (f" Graph breaks seen: {reasons}" if reasons else ""))
-    raise CaptureError(
-        f"torch.compile captured no graph of {type(model).__name__}.forward, so there is nothing to plan and the "
-        "budget could not be held: dynamo ran the whole forward eagerly, and the model has no repeated blocks (an "
-        "nn.ModuleList or nn.Sequential of one module class) for autoremat to compile one by one. A graph break "
-        "inside a loop (e.g. torch._dynamo.graph_break() or an unsupported call in `for w in self.weights:`) makes "
-        "dynamo skip the frame. Remove the break, move it out of the loop, or put the loop body in a module of its "
-        "own held in an nn.ModuleList." + (f" Graph breaks seen: {reasons}" if reasons else ""))
+    if not planner.profiles:
+        raise no_graph_error(model)
 
 
 def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
@@ -329,6 +325,7 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
         compiled = compile_blocks(model, blocks, backend)
         _trace(model, planner, compiled, args, kwargs)
     planner.source = dynamo_graphs.source_of(model, planner.dynamo_graphs, compiled)
+    planner.code = planner.source.runs.target if planner.source is not None else None
     return compiled
 
 
@@ -395,6 +392,6 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decis
                           "jointly under one budget")
     applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
     # Inductor's compilers run in dynamo's own context: only eager's step is compiled from the kept graph
-    compiled = dynamo_graphs.compile_planned(step.model, step.compiler, applier, planner.source, own_errors) \
+    compiled = dynamo_graphs.compile_planned(step, applier, planner, own_errors) \
         if planner.source is not None and step.compiler == "eager" else trace_step(step, applier)
     return plan, compiled, applier

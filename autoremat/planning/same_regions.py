@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from autoremat.capture.graph_code import GraphCode, code_of
 from autoremat.capture.regions import RegionLinks
 from autoremat.model.profile import GraphProfile, module_path_of
 
@@ -63,6 +64,13 @@ class SameRegions:
         if done is not None:
             done.compiled, done.modules = compiled, _module_paths(gm)
             self.memo.setdefault(key, []).append(done)
+
+    def forget(self, codes: list[GraphCode]) -> None:
+        """Codes a plan was swapped into (planning/planned_in_place.py) no longer run what they were traced
+        with: no region takes them from now on."""
+        gone = {id(c) for c in codes}
+        for key, done in self.memo.items():
+            self.memo[key] = [d for d in done if d.compiled is None or id(code_of(d.compiled)) not in gone]
 
     def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
                only: Callable | None = None) -> Callable | None:

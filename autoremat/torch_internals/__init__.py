@@ -13,6 +13,10 @@ AOTAutograd (joint graphs, partitioning):
   extract_fwd_bwd_modules      torch._functorch.partitioners._extract_fwd_bwd_modules: cut a joint
                                graph at a given set of saved values (passes.split); its keyword
                                arguments differ between releases, so only those it takes are passed
+  handed_to_backward           AOTAutograd's autograd.Function: the forward's saved tensors follow its
+                               outputs and reach the backward by position, as its first inputs, through
+                               ctx.save_for_backward (capture/graph_code.py swaps a plan's partition in
+                               behind a captured Function, relying on it)
   set_boxed_codegen            torch.fx.graph._BoxedCodeGen: generated code takes one list and clears
                                it, so saved tensors die after their last use (capture.boxed_eager)
   copy_graph                   fx.Graph's `_tracer_cls` and `_codegen`: a copy of a graph that shares its
@@ -124,6 +128,7 @@ from autoremat.torch_internals.aot import (
     copy_graph,
     default_partition,
     extract_fwd_bwd_modules,
+    handed_to_backward,
     is_mutable_op,
     is_primal,
     is_sym_node,
@@ -214,6 +219,7 @@ __all__ = [
     "dynamo_reset",
     "engine_will_run",
     "extract_fwd_bwd_modules",
+    "handed_to_backward",
     "gradient_node",
     "graph_break_reasons",
     "graph_task_id",

@@ -14,7 +14,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_part
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -31,6 +31,25 @@ def extract_fwd_bwd_modules(joint: fx.GraphModule, saved: list[fx.Node], saved_s
     if "ignore_must_be_in_fw_bw" in _EXTRACT_PARAMS:
         kwargs["ignore_must_be_in_fw_bw"] = True  # our schedule decides placement
     return _extract_fwd_bwd_modules(joint, saved, saved_sym, **kwargs)
+
+
+def handed_to_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) -> tuple[int, tuple[str, ...]] | str:
+    """How AOTAutograd's autograd.Function calls the partition (fw, bw): (how many tensors the forward saves for
+    the backward, the names of the backward's other inputs), or why the partition is not of that plain form.
+
+    The compiled forward returns its `num_fwd_outputs` outputs, then the tensors it saves, then the symbolic
+    sizes (and, on 2.13, opaque objects) it saves; the Function puts the tensors through
+    `ctx.save_for_backward` as they are and calls the backward with them by position, first among its
+    inputs, before the gradients of the outputs. Symbolic sizes and opaque objects travel apart, before them
+    (sizes) or after them (objects): such a partition is not of the plain form."""
+    saved = list(fw.graph.output_node().args[0])[num_fwd_outputs:]
+    if any(not isinstance(n, fx.Node) or is_sym_node(n) or not isinstance(n.meta.get("val"), torch.Tensor)
+           for n in saved):
+        return "it saves symbolic sizes or non-tensors for the backward"
+    inputs = list(bw.graph.find_nodes(op="placeholder"))
+    if len(inputs) < len(saved):
+        return "its backward takes fewer inputs than the forward saves"
+    return len(saved), tuple(n.name for n in inputs[len(saved):])
 
 
 def set_boxed_codegen(gm: fx.GraphModule) -> None:

@@ -1,0 +1,61 @@
+"""The planned step compiled from the code of the trace it was planned on, without tracing it again.
+
+`plan_jointly` plans every graph of a step from one trace of it, then compiles the step with the plan.
+Under compiler="eager" that compile used to trace the kept dynamo graph through AOTAutograd once more,
+now with the plan's partition: a second trace of every graph whose plan differs from the capture's (issue
+38: 0.7 to 2.2 s of the quick models' plans, a fifth to a quarter of the whole). The trace the plan was made
+from already has, for each graph, the joint graph as it was partitioned and an autograd.Function around its
+code (capture/graph_code.py), so `swap_in_plan` partitions each joint graph with the plan, as the second
+trace would have, and puts the result behind that function.
+
+It is all or nothing: every graph of the trace must take its plan's partition (`GraphCode.fits`), and a code
+that several graphs call (identical blocks, `same_regions`) must save the same values in each; otherwise
+nothing is changed and the caller traces the step again. The applier ends as the second trace would have
+left it: a profile per graph (the trace's own: the plan was solved on them), the codes it may swap a later
+plan into (verification's re-plans), and no identical region taking a swapped code as a capture's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from autoremat.capture.graph_code import GraphCode, Partition
+    from autoremat.planning.planner import CapturePlanner
+
+SWAP = True  # Off: the planned step is traced again (tests compare the two ways)
+
+
+def swap_in_plan(traced: CapturePlanner, applier: CapturePlanner) -> str | None:
+    """Partition every graph `traced` traced with `applier`'s plan and swap the result into its code.
+    None when done; else why not, with nothing swapped (the applier is then to be thrown away: it has seen
+    some of the graphs)."""
+    if not SWAP:
+        return "swapping plans in is off"
+    entries, profiles = traced.codes, traced.profiles
+    if not entries or len(entries) != len(profiles):
+        return "the trace did not note one eager code per graph"
+    per_code: dict[int, tuple[GraphCode, dict[int, tuple[Partition, frozenset[str]]]]] = {}
+    for (index, links, code), gp in zip(entries, profiles):
+        if code is None or gp.index != index or code.cg is None:
+            return f"graph {index} has no code a plan can be swapped into"
+        modules, used = applier.apply(code.captured(index, links), gp)
+        per_code.setdefault(id(code), (code, {}))[1][index] = (modules, frozenset(used))
+    swaps = []
+    for code, at in per_code.values():
+        distinct: dict[frozenset[str], int] = {}  # one partition per saved set: places saving the same share it
+        partitions: list[Partition] = []
+        for modules, used in at.values():
+            if used not in distinct:
+                distinct[used] = len(partitions)
+                partitions.append(modules)
+        reason = code.fits(partitions)
+        if reason is not None:
+            return f"graph {min(at)}: {reason}"
+        swaps.append((code, partitions, {index: distinct[used] for index, (_, used) in at.items()}))
+    for code, partitions, plan_at in swaps:
+        code.swap(partitions, plan_at)
+    applier.profiles.extend(profiles)
+    applier.codes, applier.code, applier.cut = list(entries), traced.code, traced.cut
+    applier.same.forget([code for code, _, _ in swaps])
+    return None
