@@ -64,8 +64,8 @@ def test_a_partition_saving_fewer_tensors_runs_behind_the_captured_function():
 
     recompute_both = saving(code, ["primals_1", "primals_2"])
     assert code.fits([recompute_both]) is None
-    code.swap([recompute_both], {0: 0})
-    assert [saved for _, _, saved in code.plans] == [2]
+    code.run(code.prepare([recompute_both]), {0: 0})
+    assert [runner.saved for runner in code.runners] == [2]
     # The same function, now running the plan: the same ops in the same order, so the same bits.
     assert all(torch.equal(g, e) for g, e in zip(gradients(lambda a, b: compiled(a, b)[0], x, w), captured))
 
@@ -80,9 +80,10 @@ def test_places_sharing_a_code_each_run_their_own_partition():
     expected = gradients(lambda a, b: eager(eager(a, b), b), x, w)
     partitions = [saving(code, ["primals_1", "primals_2"]), saving(code, ["primals_1", "primals_2", "mul"])]
     assert code.fits(partitions) is None  # 2 and 3 saved, room for 3: the fourth slot says which ran
-    code.swap(partitions, {0: 0, 1: 1})
+    runners = code.prepare(partitions)
+    code.run(runners, {0: 0, 1: 1})
     assert all(torch.equal(g, e) for g, e in zip(gradients(both, x, w), expected))
-    code.swap(partitions, {0: 1, 1: 0})  # each place's backward follows its own forward, in either order
+    code.run(runners, {0: 1, 1: 0})  # each place's backward follows its own forward, in either order
     assert all(torch.equal(g, e) for g, e in zip(gradients(both, x, w), expected))
 
 
@@ -92,7 +93,17 @@ def test_a_partition_saving_more_than_the_capture_has_room_for_is_refused():
     assert code.fits([four]) is None  # alone, four fit the capture's four slots
     # Beside another partition, one of the four slots must name the partition that ran: room for three.
     both = [four, saving(code, ["primals_1", "primals_2"])]
-    assert code.fits(both) == "a plan saves 4 tensors where the capture has room for 3"
+    assert code.fits(both) == "a plan saves 4 tensors where the capture has 3 slots for them"
     with pytest.raises(ValueError, match="cannot replace the captured one"):
-        code.swap(both, {0: 0, 1: 1})
-    assert code.plans == []  # nothing was swapped: the capture's partition still runs
+        code.prepare(both)
+    assert code.runners == []  # nothing was swapped: the capture's partition still runs
+
+
+def test_a_swapped_function_refuses_to_run_under_compiled_autograd(monkeypatch):
+    # Compiled autograd traces the backward graph AOTAutograd kept (the capture's), not the plan's backward:
+    # its gradients would be those of another partition. The swapped forward says so instead of running.
+    compiled, code, x, w = traced()
+    code.run(code.prepare([saving(code, ["primals_1", "primals_2"])]), {0: 0})
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    with pytest.raises(RuntimeError, match="does not run under compiled autograd"):
+        compiled(x, w)

@@ -54,7 +54,7 @@ def both_ways():
 
 def test_the_swap_puts_two_partitions_behind_the_identical_blocks_function(both_ways):
     (swapped, *_), _ = both_ways
-    plans = {id(code): len(code.plans) for _, _, code in swapped._planner.codes}
+    plans = {id(code): len(code.runners) for _, _, code in swapped._planner.codes}
     assert len(swapped._planner.codes) == 4  # the first block, the two identical ones, the tail
     assert sorted(plans.values()) == [1, 1, 2], "the identical blocks save different values at this budget"
 

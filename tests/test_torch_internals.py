@@ -162,6 +162,39 @@ def test_handed_to_backward():
     assert seen[1] == "it saves symbolic sizes or non-tensors for the backward"
 
 
+def test_handed_to_backward_refuses_tensors_stashed_on_a_ctx():
+    # A user autograd.Function that keeps x as `ctx.x` (not save_for_backward): AOTAutograd saves it apart,
+    # without the version-counter check, and marks it so.
+    class Stash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.x = x
+            return x.sin()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.x.cos()
+
+    seen = []
+
+    def record(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        fw, bw = ti.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        seen.append(ti.handed_to_backward(fw, bw, num_fwd_outputs))
+        return fw, bw
+
+    x = torch.randn(4, requires_grad=True)
+    torch.compile(lambda x: Stash.apply(x * 2), backend=ti.aot_autograd(
+        fw_compiler=boxed_eager, bw_compiler=boxed_eager, partition_fn=record), dynamic=False)(x).sum().backward()
+    assert seen == ["it saves tensors without a version-counter check (stashed on an autograd.Function's ctx)"]
+    assert torch.allclose(x.grad, 2 * (2 * x.detach()).cos())
+
+
+def test_compiled_autograd_on(monkeypatch):
+    assert not ti.compiled_autograd_on()
+    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
+    assert ti.compiled_autograd_on()
+
+
 def test_is_sym_node():
     gm = make_fx(lambda x: x.reshape(x.shape[0] * 2, -1), tracing_mode="symbolic")(torch.randn(4, 6))
     assert any(ti.is_sym_node(n) for n in gm.graph.nodes)

@@ -159,16 +159,18 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         code = compiling["code"]
         return on_joint(cg) if code is None else code.partition(on_joint, cg)
 
+    plain = _aot(compiler, trace_only, partition_fn)  # the compilers of a trace whose code is not noted
+
     def aot(gm: fx.GraphModule, example_inputs: list) -> Callable:  # one AOTAutograd call
         code = GraphCode() if codes is not None and compiler == "eager" else None
         compiling["code"] = code
         try:
-            compiled = _aot(compiler, trace_only, partition_fn, code)(gm, example_inputs)
+            compiled = (plain if code is None else _aot(compiler, trace_only, partition_fn, code))(gm, example_inputs)
         finally:
             compiling["code"] = None
         if code is None:
             return compiled
-        codes.append((code.cg.index if code.cg else -1, compiling["links"], code))
+        codes.append((code.cg.index if code.cg else None, compiling["links"], code))  # None: not partitioned
         return tag(compiled, code)
 
     def inner(gm: fx.GraphModule, example_inputs: list) -> Callable:  # the graph whole, as one call

@@ -5,43 +5,52 @@ The graphs of a step are planned jointly, so each is first traced and run with P
 partition (`capture.aot.default_split`), and once the plan is known the step used to be traced again
 through AOTAutograd with the plan's partition (issue 38: that second trace was most of the compile
 stage, 0.7 to 2.2 s of the quick models' plans). Under compiler="eager" the plan's forward and backward
-are Python code (`boxed_eager`), and AOTAutograd's autograd.Function only fixes how they are called:
+are Python code (`boxed_eager`), and AOTAutograd's autograd.Function only fixes how they are called
+(`torch_internals.handed_to_backward`): the forward returns its outputs, then the tensors it saves; the
+Function puts those through `ctx.save_for_backward` and hands them to the backward by position, first
+among its inputs, before the gradients of the outputs.
 
-- the forward returns the outputs AOTAutograd accounts for (mutated inputs, the user's outputs, ...),
-  then the tensors saved for the backward, then the symbolic sizes saved;
-- the backward takes the symbolic sizes, then the saved tensors (in the forward's order), then the
-  gradients of the outputs.
+So a plan that saves K tensors where the capture's partition saved N (K <= N) can run behind the same
+function: its forward returns its K saved tensors followed by N - K empty ones (no bytes), and its
+backward is given the first K. `GraphCode` is that indirection, one per AOTAutograd call of an eager
+trace: it keeps a copy of the joint graph as it was partitioned, checks a plan's partitions against the
+capture's convention (`prepare`), and runs them from then on (`run`). Identical blocks call one such
+function (planning/same_regions.py), each from its own place (`called_at`), and a plan may save other
+values in each: then the forward runs the partition of the place calling it and names it in its last
+saved slot (an empty tensor whose second size is the partition's number), which the backward reads.
 
-The saved tensors are handed from one to the other through `ctx.save_for_backward`, as they are, and
-nothing else about them is read. So a plan that saves K tensors where the capture's partition saved N
-(K <= N) can run behind the same function: its forward returns its K saved tensors followed by N - K
-empty ones (`_PAD`, one tensor of no elements), and its backward is given the first K. `GraphCode` is
-that indirection, one per AOTAutograd call of an eager trace: it keeps a copy of the joint graph as it was
-partitioned, checks a plan's forward and backward against the capture's convention (`fits`), and runs
-them from then on (`swap`). A graph with symbolic sizes saved, a plan saving more than the capture
-saved, or modules that differ from the capture's in anything but their saved tensors are not swapped:
-the planner traces such a step again (planning/planned_in_place.py).
+What this relies on, and where it is refused (the planner then traces the step again,
+planning/planned_in_place.py):
+- a partition of the plain form: tensors only saved, none stashed without a version-counter check
+  (`handed_to_backward`), the backward's other inputs the capture's;
+- no forward of the step awaiting its backward while a plan is swapped in: planning runs whole steps;
+- compiled autograd off: it traces the backward graph AOTAutograd kept (the capture's), not the code
+  run here. A swapped forward refuses to run under it (`compiled_autograd_on`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.fx as fx
 
-from autoremat.torch_internals import copy_graph, handed_to_backward, mark_boxed_call, set_boxed_codegen
+from autoremat.torch_internals import (
+    compiled_autograd_on,
+    copy_graph,
+    handed_to_backward,
+    mark_boxed_call,
+    set_boxed_codegen,
+)
 
 if TYPE_CHECKING:
     from autoremat.capture.aot import CapturedGraph
     from autoremat.capture.regions import RegionLinks
 
-# What a planned forward returns in the capture's saved slots it does not use: AOTAutograd saves it for
-# the backward (no bytes), and the planned backward is never given it.
-_PAD = torch.empty(0)
 
 
 def boxed_eager(gm: fx.GraphModule, example_inputs: Any = None) -> Callable:
@@ -81,23 +90,28 @@ def convention(fw: fx.GraphModule, bw: fx.GraphModule, outputs: int) -> Conventi
 Partition = tuple[fx.GraphModule, fx.GraphModule]
 
 
+class Runner(NamedTuple):
+    """One partition swapped in: its forward and backward, run as Python, and how many tensors it saves."""
+
+    forward: Callable
+    backward: Callable
+    saved: int
+
+
 class GraphCode:
     """One AOTAutograd call's forward and backward, run as Python, swappable for a plan's (module docstring).
 
-    `forward_compiler` and `backward_compiler` are the call's compilers; `partition` runs the partition callback
-    on the joint graph and keeps a copy of it. Identical blocks call one such function (`same_regions`), each
-    from its own place (`called_at`), and a plan may save other values in each: then the forward picks the
-    partition of the place calling it, and tells the backward which one it ran by the last saved slot, an
-    empty tensor whose second size is the partition's number (`_marker`)."""
+    `forward_compiler` and `backward_compiler` are the call's compilers; `partition` runs the partition
+    callback on the joint graph and keeps a copy of it."""
 
     def __init__(self) -> None:
         self.cg: CapturedGraph | None = None  # a copy of the joint graph as it was partitioned
         self.capture: Convention | str = "not partitioned"  # the capture's convention, or why there is none
         self.fw: Callable | None = None
         self.bw: Callable | None = None
-        self.plans: list[tuple[Callable, Callable, int]] = []  # each partition swapped in: forward, backward, saved
-        self.plan_at: dict[int, int] = {}  # graph index -> its partition in `plans`
-        self.position: int | None = None  # the graph index of the call running now (`called_at`)
+        self.runners: list[Runner] = []  # the partitions swapped in (none: the capture's runs)
+        self.runner_at: dict[int, int] = {}  # graph index -> its partition in `runners`
+        self.calling = threading.local()  # .position: the graph index of the call running in this thread
 
     def partition(self, on_joint: Callable, cg: CapturedGraph) -> Partition:
         """`on_joint(cg)` (the partition callback's answer), a copy of the joint graph kept from before it."""
@@ -117,11 +131,12 @@ class GraphCode:
         """`compiled` (this code's function) as the call at graph `index` runs it."""
         @functools.wraps(compiled)  # its attributes too: the tag, how dynamo calls it
         def call(*args: Any) -> Any:
-            outer, self.position = self.position, index
+            outer = getattr(self.calling, "position", None)
+            self.calling.position = index
             try:
                 return compiled(*args)
             finally:
-                self.position = outer
+                self.calling.position = outer
         return call
 
     def fits(self, partitions: list[Partition]) -> str | None:
@@ -129,40 +144,57 @@ class GraphCode:
         capture = self.capture
         if isinstance(capture, str):
             return capture
-        room = capture.saved - (len(partitions) > 1)  # several: the last slot says which one ran
+        slots = capture.saved - (len(partitions) > 1)  # several: the last slot names the one that ran
         for fw, bw in partitions:
             plan = convention(fw, bw, capture.outputs)
             if isinstance(plan, str):
                 return plan
-            if plan.saved > room:
-                return f"a plan saves {plan.saved} tensors where the capture has room for {room}"
+            if plan.saved > slots:
+                return f"a plan saves {plan.saved} tensors where the capture has {slots} slots for them"
             if plan.rest != capture.rest:
                 return "the backward's inputs after the saved tensors differ"
         return None
 
-    def swap(self, partitions: list[Partition], plan_at: dict[int, int]) -> None:
-        """Run `partitions[plan_at[index]]` for the call at each graph index from now on; `fits` must have said
-        yes."""
+    def prepare(self, partitions: list[Partition]) -> list[Runner]:
+        """The runners of `partitions`; raises ValueError where `fits` says no."""
         reason = self.fits(partitions)
         if reason is not None:
             raise ValueError(f"these partitions cannot replace the captured one: {reason}")
         outputs = self.capture.outputs  # type: ignore[union-attr]
-        self.plans = [(boxed_eager(fw), boxed_eager(bw), len(fw.graph.output_node().args[0]) - outputs)
-                      for fw, bw in partitions]
-        self.plan_at = dict(plan_at)
+        return [Runner(boxed_eager(fw), boxed_eager(bw), len(fw.graph.output_node().args[0]) - outputs)
+                for fw, bw in partitions]
+
+    def run(self, runners: list[Runner], runner_at: dict[int, int]) -> None:
+        """Run `runners[runner_at[index]]` for the call at each graph index from now on (`prepare`d)."""
+        self.runners, self.runner_at = list(runners), dict(runner_at)
+
+    def _which(self) -> int:
+        if len(self.runners) == 1:
+            return 0
+        position = getattr(self.calling, "position", None)
+        if position not in self.runner_at:
+            raise RuntimeError(f"autoremat internal error: a planned graph's code was called from graph {position}, "
+                               f"which its plan does not name ({sorted(self.runner_at)}). Please report this model.")
+        return self.runner_at[position]
 
     def forward_compiler(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         self.fw = boxed_eager(gm)
 
         def run(args: list) -> Any:
-            if not self.plans:
+            if not self.runners:
                 return self.fw(args)
-            which = self.plan_at[self.position] if len(self.plans) > 1 else 0  # type: ignore[index]
-            forward, _, saved = self.plans[which]
-            pads = [_PAD] * (self.capture.saved - saved)  # type: ignore[union-attr]
-            if len(self.plans) > 1:
-                pads[-1] = _marker(which)
-            return [*forward(args), *pads]
+            if compiled_autograd_on():
+                raise RuntimeError(
+                    "autoremat's planned eager step does not run under compiled autograd, which would trace the "
+                    "backward graph the plan replaced instead of running the plan's backward. Turn it off for this "
+                    "step (torch._dynamo.config.compiled_autograd = False, and no compiled_autograd context).")
+            which = self._which()
+            runner = self.runners[which]
+            empty = torch.empty(0)  # the slots this plan leaves: saved for the backward, no bytes, never read
+            pads = [empty] * (self.capture.saved - runner.saved)  # type: ignore[union-attr]
+            if len(self.runners) > 1:
+                pads[-1] = torch.empty(0, which)
+            return [*runner.forward(args), *pads]
 
         mark_boxed_call(run)
         return run
@@ -171,22 +203,16 @@ class GraphCode:
         self.bw = boxed_eager(gm)
 
         def run(args: list) -> Any:
-            if not self.plans:
+            if not self.runners:
                 return self.bw(args)
-            room = self.capture.saved  # type: ignore[union-attr]
-            which = args[room - 1].shape[1] if len(self.plans) > 1 else 0
-            _, backward, saved = self.plans[which]
-            given = args[:saved] + args[room:]
+            slots = self.capture.saved  # type: ignore[union-attr]
+            runner = self.runners[args[slots - 1].shape[1] if len(self.runners) > 1 else 0]
+            given = args[:runner.saved] + args[slots:]
             args.clear()  # the pads and the capture's list go: the plan's backward frees its inputs as it goes
-            return backward(given)
+            return runner.backward(given)
 
         mark_boxed_call(run)
         return run
-
-
-def _marker(which: int) -> torch.Tensor:
-    """The last saved slot of a forward that ran partition `which`: no elements, `which` its second size."""
-    return torch.empty(0, which)
 
 
 def code_of(compiled: Callable) -> GraphCode | None:

@@ -8,9 +8,10 @@ from already has, for each graph, the joint graph as it was partitioned and an a
 code (capture/graph_code.py), so `swap_in_plan` partitions each joint graph with the plan, as the second
 trace would have, and puts the result behind that function.
 
-It is all or nothing: every graph of the trace must take its plan's partition (`GraphCode.fits`), and a code
-that several graphs call (identical blocks, `same_regions`) must save the same values in each; otherwise
-nothing is changed and the caller traces the step again. The applier ends as the second trace would have
+It is all or nothing: every graph of the trace must take its plan's partition (`GraphCode.fits`: several
+partitions behind one code where identical blocks share it and their plans differ); otherwise nothing is
+changed and the caller traces the step again. So it is under compiled autograd, which traces the backward
+graph AOTAutograd kept instead of running the code swapped here. The applier ends as the second trace would have
 left it: a profile per graph (the trace's own: the plan was solved on them), the codes it may swap a later
 plan into (verification's re-plans), and no identical region taking a swapped code as a capture's.
 """
@@ -18,6 +19,8 @@ plan into (verification's re-plans), and no identical region taking a swapped co
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from autoremat.torch_internals import compiled_autograd_on
 
 if TYPE_CHECKING:
     from autoremat.capture.graph_code import GraphCode, Partition
@@ -28,16 +31,36 @@ SWAP = True  # Off: the planned step is traced again (tests compare the two ways
 
 def swap_in_plan(traced: CapturePlanner, applier: CapturePlanner) -> str | None:
     """Partition every graph `traced` traced with `applier`'s plan and swap the result into its code.
-    None when done; else why not, with nothing swapped (the applier is then to be thrown away: it has seen
-    some of the graphs)."""
+    None when done; else why not, with nothing swapped and the applier as it was (it may trace the step)."""
     if not SWAP:
         return "swapping plans in is off"
-    entries, profiles = traced.codes, traced.profiles
+    if compiled_autograd_on():
+        return "compiled autograd is on: it reads the backward graph AOTAutograd kept, the capture's"
+    # A graph with no backward (no input or weight needs a gradient) has nothing to partition: it runs as traced.
+    entries = [(index, links, code) for index, links, code in traced.codes if code is None or code.cg is not None]
+    profiles = traced.profiles
     if not entries or len(entries) != len(profiles):
         return "the trace did not note one eager code per graph"
+    try:
+        swaps = _prepared(entries, profiles, applier)
+    finally:
+        applier.same.pending.clear()  # what `apply` noted of these graphs: no trace of the applier hands back their code
+    if isinstance(swaps, str):
+        return swaps
+    for code, runners, runner_at in swaps:
+        code.run(runners, runner_at)
+    applier.profiles.extend(profiles)
+    applier.codes, applier.code, applier.cut = list(traced.codes), traced.code, traced.cut
+    applier.same.forget([code for code, _, _ in swaps])
+    return None
+
+
+def _prepared(entries: list, profiles: list, applier: CapturePlanner) -> list[tuple] | str:
+    """For each code of the trace: its runners under the plan, and which one each graph calling it runs; or
+    why some graph cannot take its plan this way. Nothing is swapped here."""
     per_code: dict[int, tuple[GraphCode, dict[int, tuple[Partition, frozenset[str]]]]] = {}
     for (index, links, code), gp in zip(entries, profiles):
-        if code is None or gp.index != index or code.cg is None:
+        if code is None or gp.index != index:
             return f"graph {index} has no code a plan can be swapped into"
         modules, used = applier.apply(code.captured(index, links), gp)
         per_code.setdefault(id(code), (code, {}))[1][index] = (modules, frozenset(used))
@@ -52,10 +75,5 @@ def swap_in_plan(traced: CapturePlanner, applier: CapturePlanner) -> str | None:
         reason = code.fits(partitions)
         if reason is not None:
             return f"graph {min(at)}: {reason}"
-        swaps.append((code, partitions, {index: distinct[used] for index, (_, used) in at.items()}))
-    for code, partitions, plan_at in swaps:
-        code.swap(partitions, plan_at)
-    applier.profiles.extend(profiles)
-    applier.codes, applier.code, applier.cut = list(entries), traced.code, traced.cut
-    applier.same.forget([code for code, _, _ in swaps])
-    return None
+        swaps.append((code, code.prepare(partitions), {index: distinct[used] for index, (_, used) in at.items()}))
+    return swaps

@@ -82,6 +82,9 @@ Dynamo:
   dynamo_compile_id            the graph's meta["dynamo_compile_id"] (frame_id, frame_compile_id)
   BackendCompilerFailed, TorchRuntimeError, is_dynamo_error   torch._dynamo.exc and its module name
   is_inductor_error            an exception class from torch._inductor (CppCompileError, ...), by module name
+  compiled_autograd_on         torch._dynamo.config.compiled_autograd and
+                               torch._dynamo.compiled_autograd.compiled_autograd_enabled: the backward is
+                               traced from AOTAutograd's kept graph, not run through the compiled backward
   ddp_optimizer_active         torch._guards.TracingContext.try_get().ddp_optimizer_ctx: DDP's
                                graph splitter has already cut this graph
   copy_split_metadata,         torch._dynamo.backends.distributed: propagate_dynamo_source and
@@ -150,6 +153,7 @@ from autoremat.torch_internals.dynamo import (
     FakeTensorMode,
     TorchRuntimeError,
     compile_submodules,
+    compiled_autograd_on,
     copy_dynamo_graph,
     copy_split_metadata,
     ddp_optimizer_active,
@@ -208,6 +212,7 @@ __all__ = [
     "backward_entry_code",
     "clear_blas_workspaces",
     "compile_submodules",
+    "compiled_autograd_on",
     "composite_with_meta_kernel",
     "copy_graph",
     "copy_dynamo_graph",

@@ -39,13 +39,16 @@ def handed_to_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
 
     The compiled forward returns its `num_fwd_outputs` outputs, then the tensors it saves, then the symbolic
     sizes (and, on 2.13, opaque objects) it saves; the Function puts the tensors through
-    `ctx.save_for_backward` as they are and calls the backward with them by position, first among its
-    inputs, before the gradients of the outputs. Symbolic sizes and opaque objects travel apart, before them
-    (sizes) or after them (objects): such a partition is not of the plain form."""
+    `ctx.save_for_backward` (a view detached first) and calls the backward with them by position, first
+    among its inputs, before the gradients of the outputs. Not of that plain form: symbolic sizes or opaque
+    objects saved (they travel apart), or tensors a user's autograd.Function stashed on its ctx (marked
+    `saved_tensor_with_no_vc_check`: saved last, without the version-counter check)."""
     saved = list(fw.graph.output_node().args[0])[num_fwd_outputs:]
     if any(not isinstance(n, fx.Node) or is_sym_node(n) or not isinstance(n.meta.get("val"), torch.Tensor)
            for n in saved):
         return "it saves symbolic sizes or non-tensors for the backward"
+    if any(n.meta.get("saved_tensor_with_no_vc_check", False) for n in saved):
+        return "it saves tensors without a version-counter check (stashed on an autograd.Function's ctx)"
     inputs = list(bw.graph.find_nodes(op="placeholder"))
     if len(inputs) < len(saved):
         return "its backward takes fewer inputs than the forward saves"

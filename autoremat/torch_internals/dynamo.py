@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "tracing_like_dynamo", "unset_fake_temporarily"]
+__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "compiled_autograd_on", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "tracing_like_dynamo", "unset_fake_temporarily"]
 
 
 # -- fake tensors ------------------------------------------------------------------------------
@@ -59,6 +59,15 @@ def ddp_optimizer_active() -> bool:
     """DDP's graph splitter (torch._dynamo.config.optimize_ddp) is compiling the current graph."""
     context = torch._guards.TracingContext.try_get()
     return getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+def compiled_autograd_on() -> bool:
+    """Compiled autograd configured (torch._dynamo.config.compiled_autograd) or running (its context,
+    torch._dynamo.compiled_autograd.compiled_autograd_enabled): the backward is then traced from the graph
+    AOTAutograd kept for each compiled function, not run through the function's compiled backward."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(torch._dynamo.config.compiled_autograd or compiled_autograd.compiled_autograd_enabled)
 
 
 def copy_split_metadata(gm: fx.GraphModule, cut: fx.GraphModule) -> None:
