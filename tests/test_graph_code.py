@@ -99,11 +99,11 @@ def test_a_partition_saving_more_than_the_capture_has_room_for_is_refused():
     assert code.runners == []  # nothing was swapped: the capture's partition still runs
 
 
-def test_a_swapped_function_refuses_to_run_under_compiled_autograd(monkeypatch):
+def test_a_swapped_function_refuses_to_run_under_compiled_autograd():
     # Compiled autograd traces the backward graph AOTAutograd kept (the capture's), not the plan's backward:
     # its gradients would be those of another partition. The swapped forward says so instead of running.
     compiled, code, x, w = traced()
     code.run(code.prepare([saving(code, ["primals_1", "primals_2"])]), {0: 0})
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
-    with pytest.raises(RuntimeError, match="does not run under compiled autograd"):
+    with torch._dynamo.config.patch(compiled_autograd=True), \
+            pytest.raises(RuntimeError, match="does not run under compiled autograd"):
         compiled(x, w)

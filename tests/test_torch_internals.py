@@ -189,10 +189,13 @@ def test_handed_to_backward_refuses_tensors_stashed_on_a_ctx():
     assert torch.allclose(x.grad, 2 * (2 * x.detach()).cos())
 
 
-def test_compiled_autograd_on(monkeypatch):
+def test_compiled_autograd_on():
     assert not ti.compiled_autograd_on()
-    monkeypatch.setattr(torch._dynamo.config, "compiled_autograd", True)
-    assert ti.compiled_autograd_on()
+    # torch's own patcher: pytest's monkeypatch (9.2) deletes what it set on a config module, which hides the
+    # option from torch for the rest of the process
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        assert ti.compiled_autograd_on()
+    assert not ti.compiled_autograd_on()
 
 
 def test_is_sym_node():
