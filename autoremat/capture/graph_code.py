@@ -107,8 +107,6 @@ class GraphCode:
     def __init__(self) -> None:
         self.cg: CapturedGraph | None = None  # a copy of the joint graph as it was partitioned
         self.capture: Convention | str = "not partitioned"  # the capture's convention, or why there is none
-        self.fw: Callable | None = None
-        self.bw: Callable | None = None
         self.runners: list[Runner] = []  # the partitions swapped in (none: the capture's runs)
         self.runner_at: dict[int, int] = {}  # graph index -> its partition in `runners`
         self.calling = threading.local()  # .position: the graph index of the call running in this thread
@@ -178,11 +176,11 @@ class GraphCode:
         return self.runner_at[position]
 
     def forward_compiler(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        self.fw = boxed_eager(gm)
+        captured = boxed_eager(gm)
 
         def run(args: list) -> Any:
             if not self.runners:
-                return self.fw(args)
+                return captured(args)
             if compiled_autograd_on():
                 raise RuntimeError(
                     "autoremat's planned eager step does not run under compiled autograd, which would trace the "
@@ -200,11 +198,11 @@ class GraphCode:
         return run
 
     def backward_compiler(self, gm: fx.GraphModule, example_inputs: Any) -> Callable:
-        self.bw = boxed_eager(gm)
+        captured = boxed_eager(gm)
 
         def run(args: list) -> Any:
             if not self.runners:
-                return self.bw(args)
+                return captured(args)
             slots = self.capture.saved  # type: ignore[union-attr]
             runner = self.runners[args[slots - 1].shape[1] if len(self.runners) > 1 else 0]
             given = args[:runner.saved] + args[slots:]

@@ -44,7 +44,7 @@ def swap_in_plan(traced: CapturePlanner, applier: CapturePlanner) -> str | None:
     try:
         swaps = _prepared(entries, profiles, applier)
     finally:
-        applier.same.pending.clear()  # what `apply` noted of these graphs: no trace of the applier hands back their code
+        applier.same.untraced()  # what `apply` noted of these graphs: no trace of the applier hands back their code
     if isinstance(swaps, str):
         return swaps
     for code, runners, runner_at in swaps:

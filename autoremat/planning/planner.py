@@ -50,6 +50,8 @@ from autoremat.torch_internals import (
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
+    from autoremat.capture.graph_code import GraphCode
+    from autoremat.capture.regions import RegionLinks
     from autoremat.planning.options import TrainingStep
 
 log = logging.getLogger("autoremat")
@@ -240,7 +242,7 @@ class CapturePlanner(Planner):
         self.source: DynamoGraph | None = None  # the kept dynamo graph its profiles were traced from, if any
         # Under eager, the code each graph call of its trace runs (aot_backend's `codes`), and the traced step's
         # code: a plan is swapped into them instead of tracing again (planning/planned_in_place.py).
-        self.codes: list[tuple[int, Any, Any]] = []
+        self.codes: list[tuple[int | None, RegionLinks | None, GraphCode | None]] = []
         self.code: Any = None
 
     def done(self) -> None:

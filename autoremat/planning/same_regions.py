@@ -65,6 +65,11 @@ class SameRegions:
             done.compiled, done.modules = compiled, _module_paths(gm)
             self.memo.setdefault(key, []).append(done)
 
+    def untraced(self) -> None:
+        """What `traced` noted without a trace to hand its code back (planned_in_place.py partitions the
+        graphs itself): dropped, so that no later `keep` files a code under it."""
+        self.pending.clear()
+
     def forget(self, codes: list[GraphCode]) -> None:
         """Codes a plan was swapped into (planning/planned_in_place.py) no longer run what they were traced
         with: no region takes them from now on."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -64,10 +65,10 @@ def ddp_optimizer_active() -> bool:
 def compiled_autograd_on() -> bool:
     """Compiled autograd configured (torch._dynamo.config.compiled_autograd) or running (its context,
     torch._dynamo.compiled_autograd.compiled_autograd_enabled): the backward is then traced from the graph
-    AOTAutograd kept for each compiled function, not run through the function's compiled backward."""
-    from torch._dynamo import compiled_autograd
-
-    return bool(torch._dynamo.config.compiled_autograd or compiled_autograd.compiled_autograd_enabled)
+    AOTAutograd kept for each compiled function, not run through the function's compiled backward. Cheap: a
+    swapped forward asks on every call (capture/graph_code.py), and nothing is imported here."""
+    running = sys.modules.get("torch._dynamo.compiled_autograd")  # never imported: never enabled
+    return bool(torch._dynamo.config.compiled_autograd or (running is not None and running.compiled_autograd_enabled))
 
 
 def copy_split_metadata(gm: fx.GraphModule, cut: fx.GraphModule) -> None:
