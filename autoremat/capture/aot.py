@@ -225,16 +225,13 @@ def _eager_passes(joint: fx.GraphModule, num_fwd_outputs: int, static: list[int]
     return release_gradients(joint, num_fwd_outputs, set(static or []), links.shared)
 
 
-_EAGER_DECOMPOSITIONS = {**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS}  # made once: eager builds one AOTAutograd per graph
-
-
 def _aot(compiler: str, trace_only: bool, partition_fn: Callable, code: GraphCode | None = None) -> Callable:
     """AOTAutograd with our partition function, the decompositions and compilers of `compiler` (under eager,
     `code`'s, which a plan may swap later)."""
     if compiler == "eager":
         fw_compiler, bw_compiler = (code.forward_compiler, code.backward_compiler) if code else (boxed_eager, boxed_eager)
         return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, partition_fn=partition_fn,
-                            decompositions=_EAGER_DECOMPOSITIONS)
+                            decompositions={**LAYOUT_DECOMPOSITIONS, **DECOMPOSITIONS})
     if compiler == "inductor":
         fw_compiler, bw_compiler, inductor_table = inductor_compilers()
         fw_compiler, bw_compiler = (boxed_eager, boxed_eager) if trace_only else (
