@@ -11,6 +11,7 @@ import torch.nn as nn
 import autoremat
 from autoremat.measure import measure_peak
 from autoremat.model.ledger import Ledger
+from autoremat.planning.compilers import inductor_problem
 from tests.tolerances import assert_close_for
 
 NEAR = 1.03  # a budget 3% above the floor: within the 5% the issue asks for
@@ -241,3 +242,33 @@ def test_the_input_key_tells_apart_what_a_plan_depends_on_flat_or_nested():
     assert len(set(keys)) == len(keys)
     model.eval()
     assert input_key(model, (x,), {}) != keys[0]  # training mode is part of it
+
+
+
+def test_verification_measures_a_step_that_inductor_has_already_compiled(monkeypatch):
+    """Inductor compiles each backward graph at its first run, and its compile allocates (a copy of the CPU
+    generator's state). No training step after verification pays that, so verification must not measure it:
+    no Inductor compile runs inside a measured step, of the first plan or of a re-plan."""
+    import autoremat.measure
+    from autoremat.capture.aot import COMPILE_CLOCK
+
+    problem = inductor_problem("cpu")
+    if problem is not None:
+        pytest.skip(f"this machine cannot run Inductor on CPU: {problem}")
+    measured_compiling: list[float] = []
+    real = autoremat.measure.measure_peak
+
+    def noting(*args, **kwargs):
+        before = COMPILE_CLOCK.seconds
+        try:
+            return real(*args, **kwargs)
+        finally:
+            measured_compiling.append(COMPILE_CLOCK.seconds - before)
+
+    monkeypatch.setattr(autoremat.measure, "measure_peak", noting)
+    torch.manual_seed(0)
+    model, x = Broken(d=32), _x(4, d=32)  # three graphs, each backward compiled at its first run
+    om = autoremat.optimize(model, budget=10**12, example_inputs=(x,), compiler="inductor", progress=False)
+    assert om.plan.compiler["used"] == "inductor", om.plan.compiler
+    assert any(n.startswith("verified on one real step") for n in om.plan.notes), om.plan.notes
+    assert measured_compiling and all(s == 0.0 for s in measured_compiling), measured_compiling
