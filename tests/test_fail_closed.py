@@ -244,11 +244,10 @@ def test_the_input_key_tells_apart_what_a_plan_depends_on_flat_or_nested():
     assert input_key(model, (x,), {}) != keys[0]  # training mode is part of it
 
 
-
 def test_verification_measures_a_step_that_inductor_has_already_compiled(monkeypatch):
     """Inductor compiles each backward graph at its first run, and its compile allocates (a copy of the CPU
     generator's state). No training step after verification pays that, so verification must not measure it:
-    no Inductor compile runs inside a measured step, of the first plan or of a re-plan."""
+    no Inductor compile runs inside a measured step."""
     import autoremat.measure
     from autoremat.capture.aot import COMPILE_CLOCK
 

@@ -37,6 +37,11 @@ def measure_planned(step: TrainingStep, compiled, planner) -> int | None:
     progress.info("verifying the plan on a real step")
     if step.compiler == "inductor":
         along("Inductor compiles the backward graphs on this first backward")
+    return _measured(step, compiled, planner)
+
+
+def _measured(step: TrainingStep, compiled, planner) -> int | None:
+    """`measure_step` of `step`'s compiled plan; under Inductor a warm step first (measure_step says why)."""
     return measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where,
                         warm=step.compiler == "inductor")
 
@@ -79,8 +84,7 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
             raise _missed(ledger, budget, tried, reserved) from e
         new.notes += [n for n in plan.notes if n not in new.notes]  # the first plan's, and earlier re-plans'
         new.notes.append(f"re-planned with {reserved} B reserved for memory the model did not predict")
-        plan, measured = new, measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where,
-                                           warm=step.compiler == "inductor")
+        plan, measured = new, _measured(step, compiled, planner)
         if measured is None:
             return plan, compiled, planner
         held = ledger.step_peak(measured) <= budget
@@ -128,7 +132,7 @@ def measure_step(model, compiled, planner, args, kwargs, where, warm: bool = Fal
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         if where.type == "cuda" or warm:
-            # cuBLAS allocates its workspaces on a thread's first matmul and keeps them (the ledger holds them:
+            # `warm`: see above. On CUDA, cuBLAS allocates its workspaces on a thread's first matmul and keeps them (the ledger holds them:
             # devices.blas_workspace_bytes); autograd's device thread may not have run one yet. One step first, so
             # that the one measured is the steady state of the user's loop and the workspaces are not counted twice.
             step()
