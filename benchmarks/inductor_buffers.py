@@ -1,6 +1,7 @@
 """Buffer by buffer: what Inductor's generated code holds at each compiled graph's peak, against the memory model.
 
-Plans one model of `speed.py --quick`, or lora.py's LoRA GPT-2 (with its AdamW, outputs="loss"), under
+Plans one model of `speed.py --quick`, lora.py's LoRA GPT-2 (with its AdamW, outputs="loss"), or plan_time.py
+--quick's 2-layer HF BERT (`bert`: a biased output head, the logits returned, its loss chunked near the floor), under
 compiler="inductor" at a budget (verify off, so the plan is the first one), runs one step (the backward
 compiles at its first call), keeps the wrapper code Inductor generates for the final forward and backward
 modules (caches off, so every graph is generated), and replays each module's `call()` statically: a buffer
@@ -13,8 +14,9 @@ comment in the code (kept under --dump) names the graph nodes each kernel comput
 
     python benchmarks/inductor_buffers.py --model stack [--dropout 0.1] [--budget BYTES] [--dump DIR] [--out NAME]
     PYTHONPATH=.:benchmarks python benchmarks/inductor_buffers.py --model lora --budget 28437381 --out inductor_buffers_lora_cpu
+    PYTHONPATH=.:benchmarks python benchmarks/inductor_buffers.py --model bert --budget 5096980 --out inductor_buffers_bert_cpu
 
-A probe for issue #17's and #40's analysis: prints, and writes benchmarks/results/NAME.md under --out.
+A probe for issue #17's, #38's and #40's analysis: prints, and writes benchmarks/results/NAME.md under --out.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import SEED, git_state, lora_step, make_step, speed_configs, split
+from common import SEED, bert, git_state, lora_step, make_step, speed_configs, split
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1, "torch.int64": 8,
                "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1}
@@ -81,6 +83,10 @@ def _model(name: str, dropout: float):
     if name == "lora":
         model, batch, opt = lora_step()
         return model, batch, opt, "loss"
+    if name == "bert":  # plan_time.py --quick's 2-layer BERT (issue 38: its floor under Inductor)
+        torch.manual_seed(SEED)
+        model, ex = bert(4, 64, 2, 64, 4, 1024)
+        return model, ex, None, "all"
     cfg = next(c for c in speed_configs(True, dropout) if c["name"] == name)
     torch.manual_seed(SEED)
     model, ex = cfg["factory"](**cfg["kwargs"])
@@ -89,7 +95,7 @@ def _model(name: str, dropout: float):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="stack", choices=("stack", "gpt2", "lora"))
+    ap.add_argument("--model", default="stack", choices=("stack", "gpt2", "lora", "bert"))
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--budget", type=int, default=1 << 50, help="bytes (default: no recomputation)")
     ap.add_argument("--top", type=int, default=8)

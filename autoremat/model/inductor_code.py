@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from autoremat.model.devices import DeviceSpec
-from autoremat.model.fusion import concat_writes, fused_nodes, own_kernel
+from autoremat.model.fusion import concat_writes, epilogue_reductions, fused_nodes, own_kernel
 
 if TYPE_CHECKING:  # profile.py imports this module; the profile's class is only named here
     from autoremat.model.profile import NodeProfile
@@ -80,11 +80,15 @@ def mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: D
         p = nodes[name]
         p.fused, p.nbytes = True, 0
         p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
+    backward = {name for name, p in nodes.items() if p.kind == "backward"}
+    # A reduction taken into the kernel it feeds still reads its input from memory: it keeps its time.
+    for name in epilogue_reductions(gm, fused, backward, aliases, outputs):
+        nodes[name].fused, nodes[name].nbytes = True, 0
+        fused.add(name)
     for n in gm.graph.nodes:
         if n.name in nodes:
             p = nodes[n.name]
             p.inplace = p.kind == "backward" and n.name not in fused and p.storage == n.name and own_kernel(n)
-    backward = {name for name, p in nodes.items() if p.kind == "backward"}
     into, cats = concat_writes(gm, backward, aliases, outputs)
     for name, cat in into.items():
         nodes[name].into = cat
