@@ -29,6 +29,8 @@ stage. The longest gap between two progress records is reported too (issue 38 (5
 Inductor cache of its own (a user's first run): without it, kernels one run compiled are reused by the
 runs after it in the process.
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --quick --sizes 0 --models gpt2,llama,bert --variants eager,inductor
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --sizes 0 --models gated --variants eager
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --sizes 0 --models biased --variants inductor
 
 Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
 """
@@ -281,6 +283,11 @@ def bert(batch, seq, n_layer, hidden, heads, vocab):
     return make(batch, seq, n_layer, hidden, heads, vocab)
 
 
+def head_lm(batch, seq, vocab, d, bias, gate):
+    from common import head_lm as make
+    return make(batch, seq, vocab, d, bias, gate)
+
+
 def models(quick: bool, depths: list[int] | None = None) -> dict:
     """name -> [(size label, factory)] at two sizes (depth doubled; --quick halves everything), or at `depths`
     (--depths: how planning time grows with depth)."""
@@ -292,7 +299,13 @@ def models(quick: bool, depths: list[int] | None = None) -> dict:
             "bert": [(f"{n}L d64 4x64 V1024", lambda n=n: bert(4, 64, n, 64, 4, 1024)) for n in depths],
         }
     d = (1, 2) if quick else (2, 4)
-    return {
+    # --cliff's small heads, one size each (--sizes 0): eager code between the trunk and the loss region that
+    # no plan sees (every plan near the floor measures over), and a biased projection under Inductor
+    heads = {
+        "gated": [("d32 4x64 V2048 eager gate", lambda: head_lm(4, 64, 2048, 32, bias=False, gate=True))],
+        "biased": [("d32 4x64 V4096 biased head", lambda: head_lm(4, 64, 4096, 32, bias=True, gate=False))],
+    }
+    return {**heads,
         "stack": [(f"{2 * n}L d128 4x64", lambda n=n: ex.transformer_stack(4, 64, 2 * n, 128, 4, 0.1)) for n in d],
         "gpt2": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.gpt2(2, 64, n, 64, 4, 1024)) for n in d],
         "llama": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.llama(2, 64, n, 64, 4, 1024)) for n in d],

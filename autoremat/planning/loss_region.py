@@ -16,7 +16,9 @@ The fastest count is then built and verified (`pipeline.build`, from that trace,
 was planned in full: the step is not traced again). If the full plan refuses a count the rows chose, the
 next fastest is built; if none is left, the counts are planned in full, each calibrated against the
 simulator, fastest first, skipping those that cannot beat the fastest plan that fits, and the fastest
-that fits is kept. A floor query (no room at all) goes straight to the plans in full.
+that fits is kept; unless a count was refused because a real step measured more than the model predicted
+(verification): the plans in full would rest on the same model, and the step is refused with the lowest
+budget named. A floor query (no room at all) goes straight to the plans in full.
 """
 
 from __future__ import annotations
@@ -161,6 +163,12 @@ def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fi
             table[k] += "; chosen" if in_full else "; chosen by the ILP"
             return _record(plan, table, "the fastest of the counts planned" if in_full else "ilp"), compiled, planner
         if floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
+            _refuse_lowest(refused)
+        if any(e.measured for e in refused.values()):
+            # A real step measured more than the model predicted, and no plan of the counts with one held it:
+            # the counts' plans in full would be priced by the same model (issue 38: after a 16-chunk plan of
+            # a step with eager code between its graphs missed by 47 KB, the 64-chunk plan in full, compiled
+            # and verified, took 62 s more and missed too).
             _refuse_lowest(refused)
         progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
     k = _fastest_in_full(traces, refused, table, budget, step)
@@ -364,7 +372,7 @@ def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
     first, _, rest = str(e).partition("\n")
     raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
                       f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,
-                      e.smallest_budget, e.peak_step) from None
+                      e.smallest_budget, e.peak_step, measured=e.measured) from None
 
 
 def _record(plan, table: dict, how: str):

@@ -311,11 +311,15 @@ def _version() -> str:
 class BudgetError(ValueError):
     """The budget is below the smallest one any plan fits in; says which budget would fit."""
 
-    def __init__(self, message: str, ledger: Ledger, smallest_budget: int | None, peak_step=None) -> None:
+    def __init__(self, message: str, ledger: Ledger, smallest_budget: int | None, peak_step=None,
+                 measured: bool = False) -> None:
         super().__init__(message)
         self.ledger = ledger
         self.smallest_budget = smallest_budget
         self.peak_step = peak_step  # where the most memory-frugal plan found peaks (memory.Step), if one was found
+        # Refused after a real step measured more than the memory model predicted (planning/verify.py), not by
+        # the memory model alone.
+        self.measured = measured
 
     @classmethod
     def from_infeasible(cls, budget, ledger: Ledger, error, profiles, device) -> BudgetError:

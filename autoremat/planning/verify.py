@@ -80,6 +80,7 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
             new, compiled, planner = plan_jointly(step, planner, budget, solve_step(step, planner, budget, reserve))
         except BudgetError as e:
             if len(tried) == 1:
+                e.measured = True  # the gap a real step measured, reserved, is what no longer fits
                 raise
             raise _missed(ledger, budget, tried, reserved) from e
         new.notes += [n for n in plan.notes if n not in new.notes]  # the first plan's, and earlier re-plans'
@@ -103,7 +104,7 @@ def _missed(ledger: Ledger, budget: int, tried: list[tuple[int, int]], reserved:
         f"budget {format_bytes(budget)} ({budget} bytes) was not met on a real step: the plan predicted "
         f"{format_bytes(ledger.step_peak(predicted))} but measured {format_bytes(ledger.step_peak(measured))}{again}. "
         f"The memory model misses something this model allocates; a budget of {format_bytes(ledger.needs(last))} "
-        f"holds the last plan.\n{ledger.format()}", ledger, ledger.needs(last))
+        f"holds the last plan.\n{ledger.format()}", ledger, ledger.needs(last), measured=True)
 
 
 def measure_step(model, compiled, planner, args, kwargs, where, warm: bool = False) -> int | None:

@@ -27,6 +27,7 @@ from .models import (  # noqa: E402, F401
     floor_configs,
     gpt2_small_meta,
     gqa_decoder,
+    head_lm,
     llama_7b,
     lora_step,
     resnet,

@@ -182,3 +182,33 @@ def lora_step():
     ids = torch.randint(0, LORA_SIZES["vocab"], (LORA_BATCH, LORA_SIZES["seq"]), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     return model, {"input_ids": ids, "labels": ids.clone()}, opt
+
+
+# --------------------------------------------------------------------------------------------
+# plan_time.py --cliff's small heads (issue 38: what planning does after a real step measures a miss)
+
+
+@torch._dynamo.disable
+def _eager_gate(x: torch.Tensor) -> torch.Tensor:
+    """Runs between the graphs: autograd saves x and sigmoid(x) where no graph's plan sees them."""
+    return torch.sigmoid(x) * x
+
+
+class HeadLM(nn.Module):
+    """An embedding, a tanh trunk, a vocabulary projection and mean cross-entropy; returns the loss only.
+    gate: eager code between the trunk and the head; bias: on the projection."""
+
+    def __init__(self, vocab: int, d: int, bias: bool, gate: bool) -> None:
+        super().__init__()
+        self.vocab, self.gate = vocab, gate
+        self.embed, self.trunk, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab, bias=bias)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(self.embed(ids)))
+        h = _eager_gate(h) if self.gate else h
+        return F.cross_entropy(self.head(h).view(-1, self.vocab), labels.view(-1))
+
+
+def head_lm(batch: int, seq: int, vocab: int, d: int, bias: bool, gate: bool):
+    ids = torch.randint(0, vocab, (batch, seq))
+    return HeadLM(vocab, d, bias, gate), {"ids": ids, "labels": ids}
