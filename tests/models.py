@@ -1,6 +1,30 @@
-"""Small HF models built from config (no downloads) that several test files share."""
+"""Small models that several test files share: HF models built from config (no downloads), and a
+vocabulary head with eager code before it (also plan_time.py --cliff's `gated` and `biased`)."""
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@torch._dynamo.disable
+def eager_gate(x: torch.Tensor) -> torch.Tensor:
+    """Runs outside every graph: autograd saves x and sigmoid(x), which no graph's plan can see."""
+    return torch.sigmoid(x) * x
+
+
+class HeadLM(nn.Module):
+    """An embedding, a tanh trunk, a vocabulary projection and mean cross-entropy; returns the loss only.
+    gate: `eager_gate` between the trunk and the head; bias: on the projection."""
+
+    def __init__(self, vocab: int, d: int, bias: bool, gate: bool) -> None:
+        super().__init__()
+        self.vocab, self.gate = vocab, gate
+        self.embed, self.trunk, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab, bias=bias)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.trunk(self.embed(ids)))
+        h = eager_gate(h) if self.gate else h
+        return F.cross_entropy(self.head(h).view(-1, self.vocab), labels.view(-1))
 
 
 def tiny_llama(vocab: int = 128, d: int = 64, seq: int = 64, layers: int = 2, intermediate: int = 176,

@@ -13,6 +13,7 @@ import autoremat
 from autoremat.measure import measure_peak
 from autoremat.model.ledger import Ledger
 from autoremat.torch_internals import profiler_enabled
+from tests.models import eager_gate
 
 torch.set_num_threads(1)
 
@@ -246,19 +247,13 @@ def test_real_model_near_its_floor():
     assert fixed + m.delta_peak_bytes <= budget
 
 
-@torch._dynamo.disable
-def _eager_gate(x: torch.Tensor) -> torch.Tensor:
-    """Outside every graph: autograd saves x and sigmoid(x), which no graph's plan sees."""
-    return torch.sigmoid(x) * x
-
-
 class EagerBetween(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = Block(), Block()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(_eager_gate(self.a(x))).square().mean()
+        return self.b(eager_gate(self.a(x))).square().mean()
 
 
 def _steps(compiled, x, n: int) -> None:

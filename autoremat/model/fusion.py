@@ -71,11 +71,7 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
     their base); banned: nodes that may not be recomputed.
     """
     threshold = inductor_realize_reads_threshold()
-    viewers: dict[str, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        base = aliases.get(n.name, n.name)
-        if base != n.name:
-            viewers.setdefault(base, []).append(n)
+    viewers = _viewers(gm, aliases)
     fused: set[str] = set()
     for n in gm.graph.nodes:
         if not is_pointwise(n) or n.name in outputs or n.name in banned or aliases.get(n.name, n.name) != n.name:
@@ -85,12 +81,27 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
         views = viewers.get(n.name, [])
         if any(v.name in outputs for v in views):
             continue
-        readers = [u for m in (n, *views) for u in m.users if aliases.get(u.name, u.name) != n.name]
+        readers = _readers(n, viewers, aliases)
         if not readers or len(readers) > threshold:
             continue
         if all(_loop_op(u) for u in readers):
             fused.add(n.name)
     return fused
+
+
+def _viewers(gm: fx.GraphModule, aliases: dict[str, str]) -> dict[str, list[fx.Node]]:
+    """Node name -> the views of its storage."""
+    viewers: dict[str, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        base = aliases.get(n.name, n.name)
+        if base != n.name:
+            viewers.setdefault(base, []).append(n)
+    return viewers
+
+
+def _readers(n: fx.Node, viewers: dict[str, list[fx.Node]], aliases: dict[str, str]) -> list[fx.Node]:
+    """The nodes that read `n`'s value, directly or through a view of it (views themselves left out)."""
+    return [u for m in (n, *viewers.get(n.name, [])) for u in m.users if aliases.get(u.name, u.name) != n.name]
 
 
 def concat_writes(gm: fx.GraphModule, backward: set[str], aliases: dict[str, str],
@@ -159,18 +170,12 @@ def epilogue_reductions(gm: fx.GraphModule, fused: set[str], backward: set[str],
 
     fused: `fused_nodes`' answer; backward: the backward nodes; aliases: node -> the node owning its storage.
     """
-    views: dict[str, list[fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if aliases.get(n.name, n.name) != n.name:
-            views.setdefault(aliases[n.name], []).append(n)
-
-    def readers(n: fx.Node) -> list[fx.Node]:
-        return [u for m in (n, *views.get(n.name, [])) for u in m.users if aliases.get(u.name, u.name) != n.name]
+    views = _viewers(gm, aliases)
 
     def kernels(n: fx.Node, seen: set[str]) -> list[fx.Node] | None:
         """The kernels `n`'s value reaches through fused nodes, or None if it is read any other way."""
         found: list[fx.Node] = []
-        for u in readers(n):
+        for u in _readers(n, views, aliases):
             if u.name in seen:
                 continue
             seen.add(u.name)

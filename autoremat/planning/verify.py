@@ -133,9 +133,10 @@ def measure_step(model, compiled, planner, args, kwargs, where, warm: bool = Fal
         for p in model.parameters():
             p.grad = torch.zeros_like(p) if p.requires_grad else None
         if where.type == "cuda" or warm:
-            # `warm`: see above. On CUDA, cuBLAS allocates its workspaces on a thread's first matmul and keeps them (the ledger holds them:
-            # devices.blas_workspace_bytes); autograd's device thread may not have run one yet. One step first, so
-            # that the one measured is the steady state of the user's loop and the workspaces are not counted twice.
+            # `warm`: see the docstring. On CUDA, cuBLAS allocates its workspaces on a thread's first matmul and
+            # keeps them (the ledger holds them: devices.blas_workspace_bytes); autograd's device thread may not
+            # have run one yet. One step first, so that the one measured is the steady state of the user's loop
+            # and the workspaces are not counted twice.
             step()
         for _ in range(2):
             traced = len(planner.profiles)

@@ -188,27 +188,9 @@ def lora_step():
 # plan_time.py --cliff's small heads (issue 38: what planning does after a real step measures a miss)
 
 
-@torch._dynamo.disable
-def _eager_gate(x: torch.Tensor) -> torch.Tensor:
-    """Runs between the graphs: autograd saves x and sigmoid(x) where no graph's plan sees them."""
-    return torch.sigmoid(x) * x
-
-
-class HeadLM(nn.Module):
-    """An embedding, a tanh trunk, a vocabulary projection and mean cross-entropy; returns the loss only.
-    gate: eager code between the trunk and the head; bias: on the projection."""
-
-    def __init__(self, vocab: int, d: int, bias: bool, gate: bool) -> None:
-        super().__init__()
-        self.vocab, self.gate = vocab, gate
-        self.embed, self.trunk, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab, bias=bias)
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.trunk(self.embed(ids)))
-        h = _eager_gate(h) if self.gate else h
-        return F.cross_entropy(self.head(h).view(-1, self.vocab), labels.view(-1))
-
-
 def head_lm(batch: int, seq: int, vocab: int, d: int, bias: bool, gate: bool):
+    """tests/models.py's HeadLM (the model tests/test_chunk_count.py plans at its floor) and its batch."""
+    from tests.models import HeadLM
+
     ids = torch.randint(0, vocab, (batch, seq))
     return HeadLM(vocab, d, bias, gate), {"ids": ids, "labels": ids}
