@@ -99,7 +99,7 @@ def test_the_loss_region_nodes_are_tagged_through_aotautograd(alternatives) -> N
     """The chunked loss's dynamo node carries LOSS_REGION_TAG; AOTAutograd copies it onto the joint nodes
     traced from it, forward and backward, except a sum of gradient contributions (it copies no meta onto
     those). So every chunk-sized logits value ([rows / 4, vocabulary]) of the 4-chunk trace and its gradient
-    is tagged, or adds tagged gradients (what loss_region.peaks_outside counts as the region's), and nothing
+    is tagged, or adds tagged gradients (what more_chunks.binds_outside counts as the region's), and nothing
     inside the transformer block is tagged."""
     (g,) = alternatives[4]
     rows = BATCH * SEQ // 4
@@ -116,9 +116,9 @@ def test_the_loss_region_nodes_are_tagged_through_aotautograd(alternatives) -> N
 
 def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monkeypatch) -> None:
     """A floor query plans counts in full while the floors fall. Once a count's most frugal plan peaks
-    outside the loss region, the counts after it are not planned (loss_region.peaks_outside); the floor
+    outside the loss region, the counts after it are not planned (more_chunks.binds_outside); the floor
     is the one planning every count in full while floors fall finds."""
-    from autoremat.planning import loss_region
+    from autoremat.planning import more_chunks
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
@@ -129,7 +129,7 @@ def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monke
                                progress=False)
         return info.value
     ruled = floor_query()
-    monkeypatch.setattr(loss_region, "peaks_outside", lambda *a, **k: False)
+    monkeypatch.setattr(more_chunks, "binds_outside", lambda *a, **k: False)
     every = floor_query()
     assert ruled.smallest_budget == every.smallest_budget, (ruled.smallest_budget, every.smallest_budget)
     # BudgetError.peak_step: the step the floor plan peaks at, whose live bytes give the floor
@@ -143,7 +143,7 @@ def test_a_floor_set_by_the_optimizer_step_ends_the_counts() -> None:
     the step needs no more with activations than without: then no chunk count can lower it. Worked by hand:
     fixed 1,000 B, optimizer.step() 500 B, SLACK 1,024 B, so the floor with no activations is 2,524 B."""
     from autoremat.model.ledger import Ledger
-    from autoremat.planning.loss_region import _by_optimizer
+    from autoremat.planning.more_chunks import _by_optimizer
     ledger = Ledger(parameters=400, gradients=400, optimizer_state=200, optimizer_step=500)
     assert ledger.needs(0) == 2524
     assert _by_optimizer(autoremat.BudgetError("", ledger, 2524))  # activations of at most 500 B
@@ -169,8 +169,70 @@ def test_a_count_a_real_step_refused_ends_the_counts(caplog) -> None:
         autoremat.optimize(copy.deepcopy(model), 1, ex, **kw)
     floor = query.value.smallest_budget
     assert not query.value.measured  # the floor query runs no step
+    # The 16-chunk floor is set where the chunks' weight gradients are added up (3 x 256 KiB, whatever the
+    # count): 64 chunks are not planned (more_chunks.binds_outside; they took 15 s to reach the same floor).
+    assert "chunk counts planned: 1, 4, 16)" in str(query.value), str(query.value)
     with caplog.at_level(logging.INFO, logger="autoremat"), pytest.raises(autoremat.BudgetError) as refused:
         autoremat.optimize(copy.deepcopy(model), floor, ex, **kw)
     assert refused.value.measured and refused.value.smallest_budget > floor, str(refused.value)
     assert "did not predict" in caplog.text  # verification measured the miss and re-planned
     assert "planning the counts in full" not in caplog.text
+
+
+def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
+    """The backward of a loss region in 4 chunks of 2 token rows (8 rows), by hand, in fp32: per chunk its
+    logits gradient g (2 x vocab), weight gradient w (vocab x d) and hidden rows' gradient h (2 x d); the
+    weight gradients summed by untagged adds s (AOTAutograd tags no gradient sums), the hidden rows' pieces
+    concatenated after the last chunk (dh). `rows` is the row count the loss pass reports. Returns (the
+    count as traced, its plan)."""
+    from types import SimpleNamespace
+
+    from autoremat.model.memory import Schedule, simulate
+    from autoremat.model.profile import GraphProfile, NodeProfile
+    from autoremat.passes.loss_chunks import Report
+    from autoremat.planning.loss_region import Candidate
+    from autoremat.solve.decision import Decision
+
+    def node(name, shape, inputs=(), region=True):
+        return NodeProfile(name=name, kind="backward", target="t", inputs=tuple(inputs), storage=name,
+                           nbytes=4 * shape[0] * shape[1], shape=shape, loss_region=region)
+    nodes, order = [], []
+    for i in range(1, 5):
+        nodes += [node(f"g{i}", (2, vocab)), node(f"w{i}", (vocab, d), [f"g{i}"]), node(f"h{i}", (2, d), [f"g{i}"])]
+        order += [f"g{i}", f"w{i}", f"h{i}"]
+        if i > 1:
+            nodes.append(node(f"s{i}", (vocab, d), ["w1" if i == 2 else f"s{i - 1}", f"w{i}"], region=False))
+            order.append(f"s{i}")
+    nodes.append(node("dh", (8, d), [f"h{i}" for i in range(1, 5)]))
+    order.append("dh")
+    g = GraphProfile(nodes={n.name: n for n in nodes}, fw_outputs=[], grad_outputs=["s4", "dh"])
+    schedule = Schedule(forward=[], backward=order, saved=[], recomputed=[])
+    plan = Decision([set()], [schedule], simulate([(g, schedule)]), 0.0, "optimal", "by hand")
+    loss = LossOption("loss", 4, [Report(sites=1, rewritten=1, rows=rows, vocab=vocab)])
+    return Candidate(SimpleNamespace(sequence=lambda: [g]), None, loss), plan
+
+
+def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -> None:
+    """more_chunks.binds_outside on a backward worked out by hand (_four_chunk_backward).
+
+    Vocabulary 8, d = 3: the peak is the last add, s4: 384 B, of h1..h4 (24 B each: pieces the concatenation
+    gathers from every chunk), s3, w4 and s4 (96 B each, parameter-sized). More chunks shrink none of them:
+    the counts end. Vocabulary 64, d = 1: the peak is in the last chunk, at h4: 1,056 B, with its logits
+    gradient g4 alive (512 B, which 16 chunks would make 4 times smaller): they go on. With the loss over 32
+    rows, chunks of 8 rows, the weight gradients' 8 rows count as a chunk's by chance: they go on."""
+    from autoremat.model.memory import live_at_peak
+    from autoremat.planning.more_chunks import binds_outside
+
+    count, plan = _four_chunk_backward(8, 3)
+    assert (plan.timeline.peak_step.node, plan.peak) == ("s4", 384)
+    (g,) = count.planner.sequence()
+    assert {n: b for _, n, b in live_at_peak([(g, plan.schedules[0])])} == {
+        "h1": 24, "h2": 24, "h3": 24, "h4": 24, "s3": 96, "w4": 96, "s4": 96}
+    assert binds_outside(count, plan)
+    count, plan = _four_chunk_backward(64, 1)
+    assert (plan.timeline.peak_step.node, plan.peak) == ("h4", 1056)
+    (g,) = count.planner.sequence()
+    assert {n: b for _, n, b in live_at_peak([(g, plan.schedules[0])])} == {
+        "h1": 8, "h2": 8, "h3": 8, "s3": 256, "g4": 512, "w4": 256, "h4": 8}
+    assert not binds_outside(count, plan)
+    assert not binds_outside(*_four_chunk_backward(8, 3, rows=32))

@@ -283,15 +283,15 @@ def _run(
             pinned[out] = storage[out]
             heap.add(pinned[out], 0)
         during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(outs, heap.granularity)
+        steps.append(Step(g.index, phase, name, during))
+        if during > limit:  # before the releases: the heap is left as it is while this node runs (live_at_peak)
+            raise _OverLimit
         for a in dies.get(i, ()):
             release(a)
         if name not in last_use:
             release(name)
         if name in pinned:
             heap.drop(pinned.pop(name))
-        steps.append(Step(g.index, phase, name, during))
-        if during > limit:
-            raise _OverLimit
 
 
 def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1, limit: float = INF) -> Timeline:
@@ -311,8 +311,23 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1, 
     return tl
 
 
-def _replay(graphs: list[tuple[GraphProfile, Schedule]], granularity: int, limit: float, tl: Timeline) -> None:
+def live_at_peak(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> list[tuple[GraphProfile, str, int]]:
+    """The storages alive while the step's peak node runs (the first, where several reach the peak), as
+    (graph, the node whose allocation it is, bytes); with the peak node's transient bytes and unused
+    tuple outputs, they make up its `during`. For a caller asking what sets a plan's peak (the loss
+    region's chunk counts: which of these more chunks would shrink)."""
+    peak = simulate(graphs, granularity).peak
     heap = _Heap(granularity)
+    try:
+        _replay(graphs, granularity, peak - 1, Timeline(), heap)
+    except _OverLimit:
+        return [(graphs[scope][0], name, size) for (scope, name), size in heap.size.items()]
+    return []  # nothing allocated at all
+
+
+def _replay(graphs: list[tuple[GraphProfile, Schedule]], granularity: int, limit: float, tl: Timeline,
+            heap: _Heap | None = None) -> None:
+    heap = _Heap(granularity) if heap is None else heap
     saved_alive: list[list[str]] = []
     handoffs = region_handoffs([g for g, _ in graphs])
     release = handed_over(graphs, handoffs)

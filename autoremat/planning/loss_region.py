@@ -27,11 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from autoremat.model.cuts import base
-from autoremat.model.memory import Step
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
-from autoremat.planning import precision_plan
+from autoremat.planning import more_chunks, precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
@@ -187,8 +185,8 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     `build` would plan it, and the plan kept for `build`; one that does not fit is skipped, and while none
     fits, more chunks are traced only while the floors fall (as in `_fastest_in_full`); once a smaller count
     fits, one that does not ends the survey (its floor is above one a smaller count reached: by the same
-    argument, more chunks cannot lower it); so does a count whose plan in full peaks outside the loss region
-    (`floor_outside` where it does not fit, `peaks_outside` where it does). Tracing stops at
+    argument, more chunks cannot lower it); so does a count whose plan in full peaks where more chunks shrink
+    nothing (`floor_outside` where it does not fit, `binds_outside` where it does). Tracing stops at
     the first count no faster than a smaller one, or that could not be even with nothing recomputed: each
     count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
     no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
@@ -217,7 +215,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if fastest:  # fewer chunks fit: the peak is outside the region, where more chunks change nothing
                     table[k] += "; fewer chunks fit the budget, so more cannot lower the floor: no more counts traced"
                     break
-                why = f"the floor {OUTSIDE}" if floor_outside(traces[k], refused[k]) else None
+                why = f"the floor {more_chunks.OUTSIDE}" if more_chunks.floor_outside(traces[k], refused[k]) else None
                 if why is None and falling is not None and floor >= falling[0]:
                     why = f"the floor was no lower than the {falling[1]}-chunk one"
                 if why is not None:
@@ -227,11 +225,11 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if falling is None or floor < falling[0]:
                     falling = (floor, k)
                 continue
-            outside = peaks_outside(traces[k], traces[k].decision.timeline.peak_step)
+            outside = more_chunks.binds_outside(traces[k], traces[k].decision)
         no_faster = bool(fastest) and time_s >= min(fastest.values())
         fastest[k] = time_s
         if no_faster or outside:
-            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {OUTSIDE}"
+            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {more_chunks.OUTSIDE}"
             table[k] += ": no more counts traced"
             break
     _untraced(traces, table, "fewer chunks were already as fast")
@@ -313,8 +311,8 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
         time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
             else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
         if time_s is None:
-            if floor_outside(candidate, refused[k]):
-                stopped = f"the {k}-chunk floor {OUTSIDE}"
+            if more_chunks.floor_outside(candidate, refused[k]):
+                stopped = f"the {k}-chunk floor {more_chunks.OUTSIDE}"
             elif best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
             if falling is None or floor < falling[0]:
@@ -325,45 +323,6 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
     if best is not None:
         return best[1]
     _refuse_lowest(refused)
-
-
-OUTSIDE = "plan peaks outside the loss region, where more chunks change nothing"
-
-
-def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
-    """Whether a refused count's floor is set outside the loss region, where every count runs the same
-    nodes, so that more chunks cannot lower it: by optimizer.step()'s temporaries, or at the step where its
-    most memory-frugal plan peaks (`peaks_outside`; issue 38: on a 1-layer BERT the 16-chunk floor search,
-    the longest of a floor query, ended at the 4-chunk floor)."""
-    return _by_optimizer(refused) or peaks_outside(candidate, refused.peak_step)
-
-
-def peaks_outside(candidate: Candidate, step: Step | None) -> bool:
-    """Whether a count's plan peaks outside the loss region: at a step that neither runs a node traced from
-    the chunked loss nor reads one (NodeProfile.loss_region).
-
-    The loss region's values are dead there (its forward runs after the rest of the forward, its backward
-    before the rest of the backward), so more chunks free nothing at that step. For a refused count's most
-    frugal plan that is a bound (`floor_outside`). For a plan that fits only when planned in full (near the
-    floor) it is a judgement: the step that binds is one more chunks leave alone, so they are not traced.
-    False where that is not known: no plan, or a torch that did not carry the loss region's tag onto the
-    backward nodes."""
-    if step is None:
-        return False
-    graphs = candidate.planner.sequence()
-    if not any(p.loss_region and p.kind == "backward" for g in graphs for p in g.nodes.values()):
-        return False
-    nodes = next(g for g in graphs if g.index == step.graph).nodes
-    p = nodes[base(step.node)]
-    return not (p.loss_region or any(nodes[i].loss_region for i in p.inputs))
-
-
-def _by_optimizer(refused: BudgetError) -> bool:
-    """Whether optimizer.step()'s temporaries, not the activations, set a refused count's floor: it is what
-    the step needs with no activations at all. (Read from the error, not from `ledger.activations`: every
-    count's error shares the step's one ledger.)"""
-    floor, ledger = refused.smallest_budget, refused.ledger
-    return floor is not None and ledger.optimizer_step > 0 and floor <= ledger.needs(0)
 
 
 def _refuse_lowest(refused: dict[int, BudgetError]) -> None:

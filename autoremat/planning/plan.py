@@ -320,6 +320,7 @@ class BudgetError(ValueError):
         # Refused after a real step measured more than the memory model predicted (planning/verify.py), not by
         # the memory model alone.
         self.measured = measured
+        self.frugal = None  # from_infeasible: the most memory-frugal plan found (a solve.Decision), if any
 
     @classmethod
     def from_infeasible(cls, budget, ledger: Ledger, error, profiles, device) -> BudgetError:
@@ -341,4 +342,6 @@ class BudgetError(ValueError):
                    f"{format_bytes(ledger.fixed)} is needed before any activation")
         msg = (f"budget {format_bytes(budget)} ({budget} bytes) is too small for this training step on "
                f"{device.name}: {why}.\n{ledger.format()}")
-        return cls(msg, ledger, need, smallest.timeline.peak_step if smallest is not None else None)
+        refused = cls(msg, ledger, need, smallest.timeline.peak_step if smallest is not None else None)
+        refused.frugal = smallest  # the most memory-frugal plan found (solve.Decision): what sets its peak
+        return refused

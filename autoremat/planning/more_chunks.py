@@ -1,0 +1,88 @@
+"""Whether more chunks of the loss region can lower a chunk count's peak: the judgements that end the counts
+(autoremat.planning.loss_region) before the costliest, the most chunks, is traced and planned."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from autoremat.model.cuts import base
+from autoremat.model.memory import live_at_peak
+from autoremat.planning.plan import BudgetError
+from autoremat.solve.decision import Decision
+
+if TYPE_CHECKING:
+    from autoremat.planning.loss_region import Candidate
+
+OUTSIDE = "plan's peak holds nothing sized by the chunk's rows, which is all more chunks shrink"
+
+
+def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
+    """Whether a refused count's floor is set where more chunks change nothing: by optimizer.step()'s
+    temporaries, or at a peak of its most memory-frugal plan that holds no chunk-sized value (`binds_outside`;
+    issue 38: on a 1-layer BERT the 16-chunk floor search, the longest of a floor query, ended at the
+    4-chunk floor)."""
+    return _by_optimizer(refused) or binds_outside(candidate, refused.frugal)
+
+
+def binds_outside(candidate: Candidate, plan: Decision | None) -> bool:
+    """Whether the count's plan peaks where more chunks shrink nothing that is alive.
+
+    More chunks shrink the values of the chunk being computed: those traced from the chunked loss
+    (NodeProfile.loss_region), or backward sums of them (AOTAutograd tags no gradient sums), with a
+    dimension that is a chunk's row count (logits, log-probabilities, their gradients, a chunk's hidden
+    rows). They do not shrink a parameter-sized value the chunks add up (the head's weight gradient), nor
+    the pieces every chunk leaves for one node that reads them all (the hidden rows' gradient, concatenated
+    after the last chunk): k times as many pieces, each k times smaller. Where a dimension of another value
+    equals a chunk's rows by chance, the value counts as the chunk's: the judgement errs toward tracing more
+    counts. Outside the region entirely (its forward runs after the rest of the forward, its backward before
+    the rest of the backward) no value of a chunk is alive.
+
+    For a refused count's most frugal plan this bounds what more chunks can do (`floor_outside`); for a plan
+    that fits only when planned in full (near the floor) it is a judgement: the peak that binds is one more
+    chunks leave alone, so they are not traced (issue 38: a head whose 16-chunk floor was set by adding up
+    the weight gradient's chunks spent 15 s planning 64 chunks to the same floor). False where that is not
+    known: no plan, or a torch that did not carry the loss region's tag onto the backward nodes."""
+    if plan is None or plan.timeline.peak_step is None:
+        return False
+    graphs = candidate.planner.sequence()
+    if not any(p.loss_region and p.kind == "backward" for g in graphs for p in g.nodes.values()):
+        return False
+    rows, k = candidate.loss.rows(), candidate.loss.chunks or 1
+    size = -(-rows // k)
+    sizes = {size, rows - (k - 1) * size}
+    peak = plan.timeline.peak_step
+    at_peak = [(g, base(name)) for g, name, _ in live_at_peak(list(zip(graphs, plan.schedules)), plan.granularity)]
+    at_peak.append((next(g for g in graphs if g.index == peak.graph), base(peak.node)))
+    readers = {id(g): _readers(g) for g in graphs}
+    return not any(_shrinks(g.nodes, name, sizes, k, readers[id(g)]) for g, name in at_peak)
+
+
+def _readers(g) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for name, p in g.nodes.items():
+        for i in p.inputs:
+            out.setdefault(i, []).append(name)
+    return out
+
+
+def _shrinks(nodes: dict, name: str, sizes: set[int], k: int, readers: dict[str, list[str]]) -> bool:
+    """Whether more chunks shrink this value: one of the chunk being computed, not a piece a later node
+    gathers from every chunk (binds_outside)."""
+    if not _of_a_chunk(nodes, name, sizes):
+        return False
+    return k == 1 or not any(sum(_of_a_chunk(nodes, i, sizes) for i in nodes[r].inputs) >= k
+                             for r in readers.get(name, ()))
+
+
+def _of_a_chunk(nodes: dict, name: str, sizes: set[int]) -> bool:
+    p = nodes[name]
+    in_region = p.loss_region or (p.kind == "backward" and any(nodes[i].loss_region for i in p.inputs))
+    return in_region and any(d in sizes for d in p.shape)
+
+
+def _by_optimizer(refused: BudgetError) -> bool:
+    """Whether optimizer.step()'s temporaries, not the activations, set a refused count's floor: it is what
+    the step needs with no activations at all. (Read from the error, not from `ledger.activations`: every
+    count's error shares the step's one ledger.)"""
+    floor, ledger = refused.smallest_budget, refused.ledger
+    return floor is not None and ledger.optimizer_step > 0 and floor <= ledger.needs(0)
