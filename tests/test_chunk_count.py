@@ -236,3 +236,28 @@ def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -
         "h1": 8, "h2": 8, "h3": 8, "s3": 256, "g4": 512, "w4": 256, "h4": 8}
     assert not binds_outside(count, plan)
     assert not binds_outside(*_four_chunk_backward(8, 3, rows=32))
+
+
+def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(alternatives) -> None:
+    """loss_region.Traces.least_base_time: the time with nothing recomputed grows convexly with the chunk count
+    (each chunk's ops on rows/k rows under the roofline, plus a launch each), so the 64-chunk trace costs at
+    least the line through the 4- and 16-chunk traces, extrapolated: the bound that leaves the 64-chunk trace
+    untraced when fewer chunks are already faster. Checked on the real traces of a 1-layer GPT-2."""
+    from types import SimpleNamespace
+
+    from autoremat.planning.loss_region import Candidate, Traces
+
+    torch.manual_seed(0)
+    model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
+    planner = CapturePlanner(None, device="cpu", optimizer=None, pre_pass=LossOption("loss", 64).pre_pass())
+    compile_and_trace(copy.deepcopy(model), planner, "eager", (), ex)
+    base = {k: ops_once_time(g) for k, g in {**alternatives, 64: planner.profiles}.items()}
+    loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
+    traces = Traces(None, Candidate(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
+    traces.base_time.update({k: base[k] for k in COUNTS})  # as tracing those counts would have set them
+    least, how = traces.least_base_time(64)
+    assert least == pytest.approx(base[16] + 4 * (base[16] - base[4])) and "4- and 16-chunk" in how
+    assert base[4] < base[16] < least <= base[64], base
+    assert traces.least_base_time(16) is None  # traced: its own time is known, no bound is needed
+    traces.base_time = {1: base[1], 4: base[4]}
+    assert traces.least_base_time(64) is None  # one chunked count gives no slope

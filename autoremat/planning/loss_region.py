@@ -103,6 +103,21 @@ class Traces:
             self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
         return self.traced[k]
 
+    def least_base_time(self, k: int) -> tuple[float, str] | None:
+        """A lower bound of count k's time with nothing recomputed, without tracing it, and how it was found;
+        None if the traces so far give none.
+
+        Each chunk runs the same ops on rows/k rows, and under the roofline (devices.op_time) one op's k
+        copies cost max(its FLOPs, k x its per-chunk fixed bytes + its row bytes) plus k launches: convex in k.
+        So is the trace's sum, so the slope past the two largest chunked counts traced is at least the slope
+        between them. Only counts that split the rows evenly (the last chunk as large as the others)."""
+        rows = self.traced[1].loss.rows()
+        even = sorted(c for c in self.base_time if c > 1 and rows % c == 0)
+        if len(even) < 2 or k <= even[-1] or rows % k:
+            return None
+        (a, ta), (b, tb) = ((c, self.base_time[c]) for c in even[-2:])
+        return tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"
+
 
 def remembered_count(step: TrainingStep, budget: int, dtypes, store, fields, build: Callable):
     """build's result from the plan cache at the chunk count a plan of this step was made with before, traced
@@ -197,6 +212,10 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     fastest: dict[int, float] = {}
     falling: tuple[int, int] | None = None  # (floor, count) of the lowest floor so far, while none fits
     for k in traces.counts:
+        if fastest and (least := traces.least_base_time(k)) and least[0] >= min(fastest.values()):
+            table[k] = (f"not traced: no faster than fewer chunks even with nothing recomputed (at least "
+                        f"{1e3 * least[0]:.3f} ms, {least[1]})")
+            break
         profiles = traces[k].planner.profiles
         table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
         if fastest and traces.base_time[k] >= min(fastest.values()):
@@ -299,6 +318,12 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
             continue
         if stopped is not None:
             table[k] = (table[k] if k in traces.traced else "not traced") + f"; not planned: {stopped}"
+            continue
+        if best is not None and k not in traces.traced and (least := traces.least_base_time(k)) \
+                and least[0] >= best[0]:
+            stopped = (f"with nothing recomputed {k} chunks take at least {least[0] * 1e3:.3f} ms ({least[1]}), "
+                       f"no faster than the {best[1]}-chunk plan ({best[0] * 1e3:.3f} ms)")
+            table[k] = f"not traced; not planned: {stopped}"
             continue
         candidate = traces[k]
         if not table.get(k, "").startswith("ops once"):
