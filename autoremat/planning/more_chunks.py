@@ -66,12 +66,33 @@ def _readers(g) -> dict[str, list[str]]:
 
 
 def _shrinks(nodes: dict, name: str, sizes: set[int], k: int, readers: dict[str, list[str]]) -> bool:
-    """Whether more chunks shrink this value: one of the chunk being computed, not a piece a later node
-    gathers from every chunk (binds_outside)."""
+    """Whether more chunks shrink this value: one of the chunk being computed, not a piece a later kernel
+    gathers from every chunk (binds_outside). A kernel reads what the views and the fused nodes it computes
+    read (fusion.py): under Inductor each chunk's bias-gradient sum is fused into the one kernel that adds
+    them all up (fusion.epilogue_reductions), which so gathers every chunk's logits gradient."""
     if not _of_a_chunk(nodes, name, sizes):
         return False
-    return k == 1 or not any(sum(_of_a_chunk(nodes, i, sizes) for i in nodes[r].inputs) >= k
-                             for r in readers.get(name, ()))
+    return k == 1 or not any(sum(_of_a_chunk(nodes, i, sizes) for i in _kernel_reads(nodes, r)) >= k
+                             for r in _kernels_reading(nodes, name, readers))
+
+
+def _inlined(p) -> bool:
+    """A node that runs inside its readers' kernels: fused by Inductor, or a view of its input's storage."""
+    return p.fused or (p.storage != p.name and p.kind != "param")
+
+
+def _kernels_reading(nodes: dict, name: str, readers: dict[str, list[str]]) -> set[str]:
+    out: set[str] = set()
+    for r in readers.get(name, ()):
+        out |= _kernels_reading(nodes, r, readers) if _inlined(nodes[r]) else {r}
+    return out
+
+
+def _kernel_reads(nodes: dict, name: str) -> set[str]:
+    out: set[str] = set()
+    for i in nodes[name].inputs:
+        out |= _kernel_reads(nodes, i) if _inlined(nodes[i]) and nodes[i].inputs else {i}
+    return out
 
 
 def _of_a_chunk(nodes: dict, name: str, sizes: set[int]) -> bool:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 
 from autoremat.capture.regions import block_of
+from autoremat.model.cuts import base
 from autoremat.model.lifetimes import lifetimes
+from autoremat.model.memory import live_at_peak
 from autoremat.model.profile import GraphProfile
 from autoremat.solve.decision import Decision, evaluate
 
@@ -208,10 +210,13 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
     peak and hold its inputs and outputs there (checkpointing a transformer block recomputes
     attention before the MLP's backward, where the peak is, only because the MLP reads attention's
     output). So each round tries, in the graph holding the peak, every value recomputed before the
-    peak step and keeps the one that lowers the peak most (the cheaper on a tie; the first that
-    lowers it is a worse guide: a small early value moves the recomputations and ends the search);
-    rounds go on until none lowers it or after `max_tries` simulations of the whole step. A count,
-    not a deadline, bounds it: the plan at a floor must be the plan the floor was found with.
+    peak step that can lower it (`_held_back`) and keeps the one that lowers the peak most (the cheaper
+    on a tie; the first that lowers it is a worse guide: a small early value moves the recomputations
+    and ends the search). The other values recomputed before the peak can only make the plan cheaper
+    at the same peak; they are tried too when there are at most SLACK_TRIES of them (`spend_slack`'s
+    bound on such a search) and the tries left cover them. Rounds go on until none
+    lowers the peak or makes the plan cheaper, or after `max_tries` simulations of the whole step.
+    A count, not a deadline, bounds it: the plan at a floor must be the plan the floor was found with.
     """
     best, tries = plan, 0
     while tries < max_tries:
@@ -220,12 +225,12 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             break
         at = next(i for i, g in enumerate(graphs) if g.index == step.graph)  # a Step names GraphProfile.index
         g, schedule = graphs[at], best.schedules[at]
-        recomputed = set(schedule.recomputed)
-        before = schedule.backward[:schedule.backward.index(step.node)]
+        before = [v for v in schedule.backward[:schedule.backward.index(step.node)] if v in schedule.recomputed
+                  and not g.nodes[v].is_tuple and g.nodes[v].nbytes and g.nodes[v].storage == v]
+        lowering = _held_back(graphs, best, at, before, granularity)
+        rest = [v for v in before if v not in lowering]  # only a cheaper plan at the same peak: while few
         found = None
-        for v in before:
-            if v not in recomputed or g.nodes[v].is_tuple or not g.nodes[v].nbytes or g.nodes[v].storage != v:
-                continue
+        for v in lowering + (rest if len(rest) <= min(SLACK_TRIES, max_tries - tries - len(lowering)) else []):
             if tries >= max_tries:
                 break
             tries += 1
@@ -238,6 +243,31 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             break
         best = found
     return best if best is plan else dataclasses.replace(best, path=plan.path + "+peak-lowered")
+
+
+def _held_back(graphs: list[GraphProfile], plan: Decision, at: int, before: list[str], granularity: int) -> list[str]:
+    """The values recomputed before the peak step (`before`: graph `at`'s backward up to it) whose saving
+    can lower the peak: a recomputed value the peak holds, and the recomputed values on the way to its
+    first reader that is not recomputed.
+
+    The step's own nodes run in a fixed order, and a recomputed value runs just before its first reader
+    (schedule.make_schedule). A value saved instead of recomputed lives to its last use as its copy did,
+    so saving v lowers the peak only by moving a recomputation it holds past it: one held there whose
+    first reader is v, or is recomputed for v's sake. Other values are not tried (issue 38: the 16-chunk
+    floor search of a biased head spent 10 s in 450 trials of saving values, none of which could)."""
+    g, schedule = graphs[at], plan.schedules[at]
+    recomputed = set(schedule.recomputed)  # `before` holds only such values
+    first_reader: dict[str, str] = {}
+    for n in schedule.backward:
+        for i in schedule.reads.get(n, g.nodes[base(n)].inputs):
+            first_reader.setdefault(base(i), n)
+    alive = {base(n) for gp, n, _ in live_at_peak(list(zip(graphs, plan.schedules)), granularity) if gp is g}
+    tried: set[str] = set()
+    for v in alive & recomputed:
+        while v in recomputed and v not in tried:
+            tried.add(v)
+            v = first_reader.get(v, "")
+    return [v for v in before if v in tried]
 
 
 def _with_saved(graphs: list[GraphProfile], plan: Decision, values: list[tuple[int, str]],
