@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import SEED, bert, git_state, lora_step, make_step, speed_configs, split
+from common import SEED, bert, git_state, head_lm, lora_step, make_step, speed_configs, split
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.float16": 2, "torch.bfloat16": 2, "torch.bool": 1, "torch.int64": 8,
                "torch.int32": 4, "torch.uint8": 1, "torch.int8": 1}
@@ -87,6 +87,10 @@ def _model(name: str, dropout: float):
         torch.manual_seed(SEED)
         model, ex = bert(4, 64, 2, 64, 4, 1024)
         return model, ex, None, "all"
+    if name == "head":  # plan_time.py --cliff's `biased` head, loss only (issue 38: its floor under Inductor)
+        torch.manual_seed(SEED)
+        model, ex = head_lm(4, 64, 4096, 32, bias=True, gate=False)
+        return model, ex, None, "loss"
     cfg = next(c for c in speed_configs(True, dropout) if c["name"] == name)
     torch.manual_seed(SEED)
     model, ex = cfg["factory"](**cfg["kwargs"])
@@ -95,7 +99,7 @@ def _model(name: str, dropout: float):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="stack", choices=("stack", "gpt2", "lora", "bert"))
+    ap.add_argument("--model", default="stack", choices=("stack", "gpt2", "lora", "bert", "head"))
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--budget", type=int, default=1 << 50, help="bytes (default: no recomputation)")
     ap.add_argument("--top", type=int, default=8)

@@ -82,9 +82,11 @@ def mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: D
         p.time_s = dev.fused_op_time(p.flops, dtype={"bfloat16": "bf16", "float16": "fp16"}.get(p.dtype, "fp32"))
     backward = {name for name, p in nodes.items() if p.kind == "backward"}
     # A reduction taken into the kernel it feeds still reads its input from memory: it keeps its time.
+    graph_nodes = {n.name: n for n in gm.graph.nodes}
     for name in epilogue_reductions(gm, fused, backward, aliases, outputs):
         nodes[name].fused, nodes[name].nbytes = True, 0
         fused.add(name)
+        nodes[name].inputs += _producer_reads(name, nodes, graph_nodes, fused)
     for n in gm.graph.nodes:
         if n.name in nodes:
             p = nodes[n.name]
@@ -94,3 +96,24 @@ def mark_inductor_code(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: D
         nodes[name].into = cat
     for cat in cats:
         nodes[cat].inplace = False  # its buffer exists before it runs: no input's to take
+
+
+def _producer_reads(reduction: str, nodes: dict[str, NodeProfile], graph_nodes: dict[str, fx.Node],
+                    fused: set[str]) -> tuple[str, ...]:
+    """The buffers the kernels producing a reduction's inputs read, where that reduction runs in the kernel its
+    sum feeds (fusion.epilogue_reductions): Inductor takes those producers into that kernel too, so what they
+    read lives until it runs. Issue 38: a biased head over 4 loss chunks under Inductor computed three chunks'
+    logits gradients, with the three scatter buffers of their targets, in the kernel that adds up the bias
+    gradient, 1,114,352 B over the prediction. Only buffers the backward computes (a saved forward value is
+    held by the plan, not by this kernel), and only producers Inductor generates (an extern kernel runs
+    where the graph has it)."""
+    reads: list[str] = []
+    for v in nodes[reduction].inputs:
+        owner = nodes[v].storage or v
+        if owner not in graph_nodes or owner in fused or nodes[owner].kind != "backward" \
+                or not own_kernel(graph_nodes[owner]):
+            continue
+        reads += [i for i in nodes[owner].inputs if i not in nodes[reduction].inputs and i not in fused
+                  and nodes[i].kind == "backward" and nodes[i].storage and i not in reads]
+    return tuple(reads)
+
