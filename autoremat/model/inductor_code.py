@@ -108,13 +108,14 @@ def _producer_reads(reduction: str, nodes: dict[str, NodeProfile], graph_nodes: 
     held by the plan, not by this kernel), and only producers Inductor generates (an extern kernel runs
     where the graph has it). Inductor does not always take them in (torch 2.11 ran a 1-layer BERT head's four
     chunk kernels each on its own, 447,744 B under the prediction): the model errs on the safe side."""
-    reads: list[str] = []
-    for v in nodes[reduction].inputs:
+    own = nodes[reduction].inputs
+    reads: dict[str, None] = {}  # in order, once each
+    for v in own:
         owner = nodes[v].storage or v
         if owner not in graph_nodes or owner in fused or nodes[owner].kind != "backward" \
                 or not own_kernel(graph_nodes[owner]):
             continue
-        reads += [i for i in nodes[owner].inputs if i not in nodes[reduction].inputs and i not in fused
-                  and nodes[i].kind == "backward" and nodes[i].storage and i not in reads]
+        reads.update(dict.fromkeys(i for i in nodes[owner].inputs if i not in own and i not in fused
+                                   and nodes[i].kind == "backward" and nodes[i].storage))
     return tuple(reads)
 

@@ -311,17 +311,22 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1, 
     return tl
 
 
-def live_at_peak(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1) -> list[tuple[GraphProfile, str, int]]:
+def live_at_peak(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1,
+                 peak: int | None = None) -> list[tuple[GraphProfile, str, int]]:
     """The storages alive while the step's peak node runs (the first, where several reach the peak), as
     (graph, the node whose allocation it is, bytes); with the peak node's transient bytes and unused
     tuple outputs, they make up its `during`. For a caller asking what sets a plan's peak (the loss
-    region's chunk counts: which of these more chunks would shrink)."""
-    peak = simulate(graphs, granularity).peak
+    region's chunk counts: which of these more chunks would shrink; the floor search: which recomputed
+    values the peak holds). `peak`: these schedules' simulated peak, where the caller has it (a plan's
+    timeline), so that the step is replayed once."""
+    peak = simulate(graphs, granularity).peak if peak is None else peak
     heap = _Heap(granularity)
     try:
         _replay(graphs, granularity, peak - 1, Timeline(), heap)
     except _OverLimit:
         return [(graphs[scope][0], name, size) for (scope, name), size in heap.size.items()]
+    if peak > 0:
+        raise ValueError(f"live_at_peak: no step of these schedules reaches the peak given ({peak} B)")
     return []  # nothing allocated at all
 
 

@@ -51,9 +51,10 @@ def binds_outside(candidate: Candidate, plan: Decision | None) -> bool:
     size = -(-rows // k)
     sizes = {size, rows - (k - 1) * size}
     peak = plan.timeline.peak_step
-    at_peak = [(g, base(name)) for g, name, _ in live_at_peak(list(zip(graphs, plan.schedules)), plan.granularity)]
+    live = live_at_peak(list(zip(graphs, plan.schedules)), plan.granularity, plan.peak)
+    at_peak = [(g, base(name)) for g, name, _ in live]
     at_peak.append((next(g for g in graphs if g.index == peak.graph), base(peak.node)))
-    readers = {id(g): _readers(g) for g in graphs}
+    readers = {id(g): _readers(g) for g in {id(g): g for g, _ in at_peak}.values()}  # the graphs holding them
     return not any(_shrinks(g.nodes, name, sizes, k, readers[id(g)]) for g, name in at_peak)
 
 

@@ -225,7 +225,8 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
             break
         at = next(i for i, g in enumerate(graphs) if g.index == step.graph)  # a Step names GraphProfile.index
         g, schedule = graphs[at], best.schedules[at]
-        before = [v for v in schedule.backward[:schedule.backward.index(step.node)] if v in schedule.recomputed
+        recomputed = set(schedule.recomputed)
+        before = [v for v in schedule.backward[:schedule.backward.index(step.node)] if v in recomputed
                   and not g.nodes[v].is_tuple and g.nodes[v].nbytes and g.nodes[v].storage == v]
         lowering = _held_back(graphs, best, at, before, granularity)
         rest = [v for v in before if v not in lowering]  # only a cheaper plan at the same peak: while few
@@ -261,7 +262,8 @@ def _held_back(graphs: list[GraphProfile], plan: Decision, at: int, before: list
     for n in schedule.backward:
         for i in schedule.reads.get(n, g.nodes[base(n)].inputs):
             first_reader.setdefault(base(i), n)
-    alive = {base(n) for gp, n, _ in live_at_peak(list(zip(graphs, plan.schedules)), granularity) if gp is g}
+    alive = {base(n) for gp, n, _ in live_at_peak(list(zip(graphs, plan.schedules)), granularity, plan.peak)
+             if gp is g}
     tried: set[str] = set()
     for v in alive & recomputed:
         while v in recomputed and v not in tried:
