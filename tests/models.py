@@ -12,18 +12,40 @@ def eager_gate(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x) * x
 
 
+class _ScratchInBackward(torch.autograd.Function):
+    """The identity, whose backward allocates `elements` floats of scratch (as a kernel's workspace would):
+    memory no trace sees, that only a real step measures."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, elements: int) -> torch.Tensor:
+        ctx.elements = elements
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        scratch = torch.zeros(ctx.elements, dtype=grad.dtype)
+        return grad + scratch[0], None
+
+
+@torch._dynamo.disable
+def scratch_in_backward(x: torch.Tensor, elements: int) -> torch.Tensor:
+    return _ScratchInBackward.apply(x, elements)
+
+
 class HeadLM(nn.Module):
     """An embedding, a tanh trunk, a vocabulary projection and mean cross-entropy; returns the loss only.
-    gate: `eager_gate` between the trunk and the head; bias: on the projection."""
+    gate: `eager_gate` between the trunk and the head; bias: on the projection; scratch: that many floats
+    `scratch_in_backward` allocates there in the backward."""
 
-    def __init__(self, vocab: int, d: int, bias: bool, gate: bool) -> None:
+    def __init__(self, vocab: int, d: int, bias: bool, gate: bool, scratch: int = 0) -> None:
         super().__init__()
-        self.vocab, self.gate = vocab, gate
+        self.vocab, self.gate, self.scratch = vocab, gate, scratch
         self.embed, self.trunk, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab, bias=bias)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.trunk(self.embed(ids)))
         h = eager_gate(h) if self.gate else h
+        h = scratch_in_backward(h, self.scratch) if self.scratch else h
         return F.cross_entropy(self.head(h).view(-1, self.vocab), labels.view(-1))
 
 

@@ -154,14 +154,16 @@ def test_a_floor_set_by_the_optimizer_step_ends_the_counts() -> None:
 
 
 def test_a_count_a_real_step_refused_ends_the_counts(caplog) -> None:
-    """At the floor the model names, the chosen count's plan measures over on a real step (the eager gate's
-    saved tensors), and with the gap reserved its re-plan no longer fits. The other counts' plans in full
-    would be priced by the same model, which just missed: the step is refused at once, naming a budget over
-    the floor, and says the refusal came from a real step (issue 38: plan_time.py --cliff's `gated`, this model,
-    was refused at its floor in 50.5 s, its 64-chunk plan in full missing too; then in 11.8 s)."""
+    """At the floor the model names, the chosen count's plan measures over on a real step (scratch an eager
+    Function's backward allocates, which no trace sees), and with the gap reserved its re-plan no longer fits.
+    The other counts' plans in full would be priced by the same model, which just missed: the step is refused
+    at once, naming a budget over the floor, and says the refusal came from a real step (issue 38: plan_time.py
+    --cliff's `gated`, a model with eager code here, was refused at its floor in 50.5 s, its 64-chunk plan in
+    full missing too; then in 11.8 s)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = HeadLM(VOCAB, 32, bias=False, gate=True)  # eager code between the trunk and the loss region
+    # eager code between the trunk and the loss region, whose backward allocates as much as the logits
+    model = HeadLM(VOCAB, 32, bias=False, gate=True, scratch=4 * 64 * VOCAB)
     ids = torch.randint(0, VOCAB, (4, 64))
     ex = {"ids": ids, "labels": ids}
     kw = dict(optimizer=None, outputs="loss", compiler="eager", progress=False)

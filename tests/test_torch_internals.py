@@ -448,6 +448,34 @@ def test_queue_callback_runs_at_the_end_of_the_backward():
     assert order == ["hook", "end of backward"]
 
 
+class _Stash(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 3
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+def test_saved_tensors_by_origin_splits_eager_saves_from_a_compiled_graphs():
+    """A compiled graph (AOTAutograd's node) between eager ops: sin saves its input, exp its result and the
+    custom Function its input, all eager; the graph saves what its own backward reads (its input, for tanh's
+    backward its output)."""
+    compiled = torch.compile(lambda t: torch.tanh(t * t), backend="aot_eager")
+    x = torch.randn(8, requires_grad=True)
+    a = torch.sin(x)
+    b = compiled(a)
+    c = _Stash.apply(b)
+    d = torch.exp(c)
+    eager, by_graph = ti.saved_tensors_by_origin([d.sum()])
+    ids = {t.untyped_storage().data_ptr() for t in eager}
+    assert ids == {x.untyped_storage().data_ptr(), b.untyped_storage().data_ptr(), d.untyped_storage().data_ptr()}
+    assert {t.untyped_storage().data_ptr() for t in by_graph} == {a.untyped_storage().data_ptr(),
+                                                                 b.untyped_storage().data_ptr()}
+
+
 def test_weak_id_key_dictionary_keys_tensors_by_identity():
     owners = ti.WeakIdKeyDictionary()
     a, b = torch.zeros(2), torch.zeros(2)  # equal values, distinct tensors

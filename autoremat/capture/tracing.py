@@ -1,8 +1,10 @@
-"""Running a model's step once while planning it: no trace left, inputs checked, shards put back.
+"""Running a model's step once while planning it: no trace left, inputs checked, shards put back, and what
+autograd saved for the eager code between its graphs.
 
 `Restore` puts buffers (BatchNorm statistics), gradients and the RNG back as they were;
 `inputs_must_fit` turns dynamo's error for example inputs the model cannot take into one that says
-so (`describe` names the inputs); `reshard` puts FSDP2's shards back after a forward without backward.
+so (`describe` names the inputs); `reshard` puts FSDP2's shards back after a forward without backward; `eager_saved_bytes` weighs what
+the forward's eager code (a graph break, a dynamo-disabled function) left saved for its backward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from autoremat.torch_internals import (
     FAKE_TENSOR_LOGGER,
     TorchRuntimeError,
     is_dynamo_error,
+    saved_tensors_by_origin,
+    tree_leaves,
 )
+from autoremat.units import round_up, storage_key
 
 
 class Restore:
@@ -97,3 +102,24 @@ def reshard(model: torch.nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def eager_saved_bytes(out: Any, model: torch.nn.Module, args: tuple, kwargs: dict, granularity: int) -> int:
+    """Bytes autograd holds for the backward of the eager code between a step's graphs, after its forward.
+
+    No graph's profile sees them: they are saved when that code runs in the forward and freed when its
+    backward runs, so they are held across every graph after it, the forward/backward turn included (where
+    a step peaks). Not counted again: parameters and buffers, the user's inputs (the ledger holds them),
+    and what a compiled graph saved itself (its plan holds that). A graph's output the eager code saves is
+    counted: the memory model lets such an output go when its graph returns it. Each storage on the step's
+    device counts once, rounded as the allocator hands it out.
+    """
+    roots = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if not roots:
+        return 0
+    eager, by_graphs = saved_tensors_by_origin(roots)
+    counted = {storage_key(t)[0] for t in (*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs)), *by_graphs)
+               if isinstance(t, torch.Tensor)}
+    held = {key: round_up(nbytes, granularity) for t in eager if t.device == roots[0].device
+            for key, nbytes in [storage_key(t)] if key not in counted}
+    return sum(held.values())

@@ -2,7 +2,9 @@
 
 Parameters, gradients, optimizer state, fp32 master weights and the input batch stay
 resident through the whole step, so the planner subtracts them from the budget before
-it decides what activations to keep. Figures are per rank once sharding is applied.
+it decides what activations to keep. So are the tensors autograd saves for eager code
+between the graphs: no plan changes them, and they are alive where a step peaks (its
+forward/backward turn). Figures are per rank once sharding is applied.
 """
 
 import math
@@ -50,6 +52,10 @@ class Ledger:
     optimizer_state: int
     master_weights: int = 0
     inputs: int = 0
+    # Tensors autograd saved for the eager code between the step's graphs (a graph break, a dynamo-disabled
+    # function): held from that code's forward to its backward, across the graphs after it; measured on the
+    # planning trace's forward (capture/tracing.eager_saved_bytes)
+    eager_saved: int = 0
     gathered: int = 0  # FSDP/ZeRO-3: one block's unsharded parameters (+ the prefetched next) and gradients
     # cuBLAS/cuBLASLt workspaces on a GPU: allocated once per thread that runs matmuls, kept for the process's life
     # (devices.blas_workspace_bytes); 0 on a CPU.
@@ -70,7 +76,7 @@ class Ledger:
     @property
     def fixed(self) -> int:
         states = self.gradients + self.optimizer_state + self.master_weights
-        return self.parameters + states + self.inputs + self.gathered + self.workspaces
+        return self.parameters + states + self.inputs + self.eager_saved + self.gathered + self.workspaces
 
     @property
     def total(self) -> int:
@@ -86,6 +92,12 @@ class Ledger:
         """The budget a step needs whose graphs are predicted to peak at `activations` bytes: `step_peak`
         and SLACK. The one place this sum is written: every floor, check and re-plan asks here."""
         return self.step_peak(activations) + SLACK
+
+    def of_graphs(self, measured: int) -> int:
+        """A real step's measured activation peak (above its baseline) less what eager code saved, which this
+        ledger holds: what a plan's predicted peak, its graphs' alone, is compared with. Those tensors are
+        alive at the step's forward/backward turn, so a real peak includes them."""
+        return max(0, measured - self.eager_saved)
 
     def room(self, budget: int) -> int:
         """What `budget` leaves the graphs' activations: the inverse of `needs` wherever the activations
@@ -109,21 +121,11 @@ class Ledger:
         return cls(**d)
 
     def format(self) -> str:
-        rows = [
-            ("parameters", self.parameters),
-            ("gradients", self.gradients),
-            ("optimizer state", self.optimizer_state),
-        ]
-        if self.master_weights:
-            rows.append(("master weights", self.master_weights))
-        if self.gathered:
-            rows.append(("gathered block (fsdp)", self.gathered))
-        if self.workspaces:
-            rows.append(("cuBLAS workspaces", self.workspaces))
-        rows += [
-            ("inputs", self.inputs),
-            ("activations + temporaries", self.activations),
-        ]
+        rows = [("parameters", self.parameters), ("gradients", self.gradients), ("optimizer state", self.optimizer_state)]
+        rows += [(label, n) for label, n in (("master weights", self.master_weights), ("gathered block (fsdp)", self.gathered),
+                                             ("cuBLAS workspaces", self.workspaces)) if n]
+        rows += [("inputs", self.inputs)] + ([("saved by eager code", self.eager_saved)] if self.eager_saved else [])
+        rows.append(("activations + temporaries", self.activations))
         if self.optimizer_step:
             rows.append(("optimizer.step() temporaries", self.optimizer_step))
         rows.append(("total", self.total))

@@ -351,8 +351,11 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
 
 
 def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
-    """Raise the BudgetError of the count with the lowest floor, naming the counts planned."""
-    k, e = min(refused.items(), key=lambda ke: (ke[1].smallest_budget or 2**62, ke[0]))
+    """Raise the BudgetError of the count with the lowest floor, naming the counts planned. Where a real step
+    measured memory the model did not predict, only such refusals count: the others' floors lack it, and it is
+    no smaller for them (a count refused by the model alone peaks over the budget the measured one fit)."""
+    measured = {k: e for k, e in refused.items() if e.measured} or refused
+    k, e = min(measured.items(), key=lambda ke: (ke[1].smallest_budget or 2**62, ke[0]))
     first, _, rest = str(e).partition("\n")
     raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
                       f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,

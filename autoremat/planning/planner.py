@@ -28,7 +28,7 @@ from autoremat.capture.blocks import (  # noqa: F401  (CaptureError: part of the
     repeated_blocks,
     skipped,
 )
-from autoremat.capture.tracing import Restore, describe, inputs_must_fit, reshard  # noqa: F401  (describe, Restore: used by the faces)
+from autoremat.capture.tracing import Restore, describe, eager_saved_bytes, inputs_must_fit, reshard  # noqa: F401 (faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, ledger_from_graph
 from autoremat.model.profile import GraphProfile, fingerprint, profile_graph
@@ -44,9 +44,7 @@ from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.same_regions import SameRegions
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import save_all
-from autoremat.torch_internals import (
-    BackendCompilerFailed,
-)
+from autoremat.torch_internals import BackendCompilerFailed
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -332,10 +330,13 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
 
 
 def _trace(model: torch.nn.Module, planner: CapturePlanner, compiled: Any, args: tuple, kwargs: dict) -> None:
+    """Run the forward once (it traces every graph); the ledger learns what eager code between graphs saved."""
     planner.log.recording = True
     try:
         with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
-            out = compiled(*args, **kwargs)  # tracing plans every graph; the outputs are not needed
+            out = compiled(*args, **kwargs)
+            if planner.ledger is not None and planner.device is not None:
+                planner.ledger.eager_saved = eager_saved_bytes(out, model, args, kwargs, planner.device.alloc_granularity)
     finally:
         planner.log.recording = False
     del out

@@ -41,9 +41,11 @@ def measure_planned(step: TrainingStep, compiled, planner) -> int | None:
 
 
 def _measured(step: TrainingStep, compiled, planner) -> int | None:
-    """`measure_step` of `step`'s compiled plan; under Inductor a warm step first (measure_step says why)."""
-    return measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where,
-                        warm=step.compiler == "inductor")
+    """`measure_step` of `step`'s compiled plan (under Inductor a warm step first: measure_step says why), less
+    what the eager code between its graphs saved (`Ledger.of_graphs`)."""
+    measured = measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where,
+                            warm=step.compiler == "inductor")
+    return None if measured is None else step.ledger.of_graphs(measured)
 
 
 def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured: Any = UNMEASURED):

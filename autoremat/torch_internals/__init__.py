@@ -105,6 +105,10 @@ Profiler and autograd engine:
   engine_will_run, gradient_node   torch._C._will_engine_execute_node and
                                torch.autograd.graph.get_gradient_edge: whether the running backward
                                executes a parameter's AccumulateGrad (it accumulates into .grad)
+  saved_tensors_by_origin      the autograd graph after a forward: nodes' `_saved_*` attributes, a custom
+                               Function node's saved_tensors, and the class name CompiledFunctionBackward
+                               of AOTAutograd's node for a compiled graph: what autograd saved for the
+                               eager code between graphs, apart from the graphs' own (capture/tracing.py)
   graph_task_id                torch._C._current_graph_task_id: which backward is running (a counter,
                                -1 outside one), so a fact about it is looked up once per backward
 CUDA:
@@ -180,6 +184,7 @@ from autoremat.torch_internals.engine import (
     in_backward,
     profiler_enabled,
     queue_callback,
+    saved_tensors_by_origin,
 )
 from autoremat.torch_internals.inductor import (
     ORDERS_TAG,
@@ -222,6 +227,7 @@ __all__ = [
     "detect_fake_mode",
     "dynamo_compile_id",
     "dynamo_reset",
+    "saved_tensors_by_origin",
     "engine_will_run",
     "extract_fwd_bwd_modules",
     "handed_to_backward",

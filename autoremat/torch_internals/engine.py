@@ -9,7 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "backward_entry_code", "clear_blas_workspaces", "engine_will_run", "gradient_node", "graph_task_id", "in_backward", "profiler_enabled", "queue_callback"]
+__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "backward_entry_code", "saved_tensors_by_origin", "clear_blas_workspaces", "engine_will_run", "gradient_node", "graph_task_id", "in_backward", "profiler_enabled", "queue_callback"]
 
 
 # -- profiler and autograd engine --------------------------------------------------------------
@@ -46,6 +46,50 @@ def allocation_events(prof: torch.profiler.profile) -> Iterator[tuple[int, int, 
             ef = node.extra_fields
             yield node.start_time_ns, int(ef.alloc_size), ef.device
         stack.extend(node.children)
+
+
+# AOTAutograd's autograd.Function for a compiled graph: its backward node's class name
+_COMPILED_GRAPH_NODE = "CompiledFunctionBackward"
+
+
+def _compiled_graph_node(node: Any) -> bool:
+    return type(node).__name__ == _COMPILED_GRAPH_NODE
+
+
+def _saved_by(node: Any) -> Iterator[torch.Tensor]:
+    """What autograd saved for `node`'s backward: a built-in op's `_saved_*` attributes (the naming autograd
+    documents for them), a custom Function's `saved_tensors`. A value an unpack hook would have to rebuild
+    (a saved-tensors hook that recomputes) is not read: that raises here, and the node is skipped."""
+    try:
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            yield from node.saved_tensors
+            return
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                for v in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(v, torch.Tensor):
+                        yield v
+    except RuntimeError:
+        return
+
+
+def saved_tensors_by_origin(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every tensor autograd saved on the way to `roots`, as (saved for the ops that ran outside a compiled
+    graph, saved by a compiled graph for its backward): the autograd graph walked from the roots' nodes.
+    Only valid before the backward frees what was saved."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen: set[int] = set()
+    eager: list[torch.Tensor] = []
+    compiled: list[torch.Tensor] = []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        (compiled if _compiled_graph_node(node) else eager).extend(_saved_by(node))
+        stack += [f for f, _ in node.next_functions]
+    return eager, compiled
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
