@@ -346,3 +346,18 @@ def test_needs_and_room_are_the_one_budget_sum_optimizer_step_included():
     assert ledger.needs(5000) == 400 + 5000 + SLACK
     assert ledger.room(10_000) == 10_000 - 400 - SLACK
     assert ledger.needs(ledger.room(10_000)) == 10_000  # inverse where the activations are the larger
+
+
+def test_what_eager_code_saved_is_held_with_the_activations_not_with_the_optimizer_step():
+    """fixed = 100 + 100 + 200 (saved by eager code) = 400 B. The eager code's saved tensors live with the
+    activations and are freed before optimizer.step(): its 500 B of temporaries need 500 - 200 = 300 B over
+    the fixed parts, so graphs peaking at 250 B need 400 + 300; at 1,000 B, 400 + 1,000. A real step's
+    measured 1,200 B above its baseline include the 200 B: 1,000 B are the graphs'."""
+    ledger = Ledger(parameters=100, gradients=100, optimizer_state=0, eager_saved=200, optimizer_step=500)
+    assert ledger.fixed == 400 and ledger.after_backward == 300
+    assert ledger.needs(250) == 400 + 300 + SLACK
+    assert ledger.needs(1000) == 400 + 1000 + SLACK
+    assert ledger.of_graphs(1200) == 1000
+    assert ledger.step_peak(ledger.of_graphs(1200)) == 200 + 1200  # the parameters and gradients, and the measured
+    assert "saved by eager code" in ledger.format()
+    assert Ledger.from_dict(ledger.to_dict()) == ledger

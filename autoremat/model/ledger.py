@@ -1,10 +1,10 @@
 """The fixed part of a training step's memory: everything that is not activations.
 
 Parameters, gradients, optimizer state, fp32 master weights and the input batch stay
-resident through the whole step, so the planner subtracts them from the budget before
-it decides what activations to keep. So are the tensors autograd saves for eager code
-between the graphs: no plan changes them, and they are alive where a step peaks (its
-forward/backward turn). Figures are per rank once sharding is applied.
+resident through the whole step, so the planner subtracts them from the budget before it
+decides what activations to keep; so are the tensors autograd saves for eager code between
+the graphs (no plan changes them; they are alive at the forward/backward turn, where a step
+peaks, and freed before optimizer.step()). Figures are per rank once sharding is applied.
 """
 
 import math
@@ -82,11 +82,16 @@ class Ledger:
     def total(self) -> int:
         return self.step_peak(self.activations)
 
+    @property
+    def after_backward(self) -> int:
+        """What optimizer.step()'s temporaries need over the fixed parts: what eager code saved is freed by then."""
+        return self.optimizer_step - self.eager_saved
+
     def step_peak(self, activations: int) -> int:
         """The whole step's peak when its graphs peak at `activations` bytes: the fixed parts and the larger
         of the activations and optimizer.step()'s temporaries (they never coexist). A measured peak is held
         to the budget with this; a predicted one with `needs`."""
-        return self.fixed + max(activations, self.optimizer_step)
+        return self.fixed + max(activations, self.after_backward)
 
     def needs(self, activations: int) -> int:
         """The budget a step needs whose graphs are predicted to peak at `activations` bytes: `step_peak`
@@ -182,13 +187,9 @@ def _unique_storage_bytes(
 
 
 def _flatten_tensors(obj: object) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _flatten_tensors(item)]
-    return []
+    obj = list(obj.values()) if isinstance(obj, dict) else obj
+    return [t for item in obj for t in _flatten_tensors(item)] if isinstance(obj, (list, tuple)) else \
+        [obj] if isinstance(obj, torch.Tensor) else []
 
 
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

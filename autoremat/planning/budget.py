@@ -47,7 +47,7 @@ def plan_graphs(
     def smallest() -> Decision:
         return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
     try:
-        if room <= 0 or room < ledger.optimizer_step:  # optimizer.step() must fit too
+        if room <= 0 or room < ledger.after_backward:  # optimizer.step() must fit too
             raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
         decision = solve(profiles, room, granularity=device.alloc_granularity, solver=solver,
                          time_limit=time_limit, gap=gap)

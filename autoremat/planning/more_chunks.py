@@ -107,4 +107,4 @@ def _by_optimizer(refused: BudgetError) -> bool:
     the step needs with no activations at all. (Read from the error, not from `ledger.activations`: every
     count's error shares the step's one ledger.)"""
     floor, ledger = refused.smallest_budget, refused.ledger
-    return floor is not None and ledger.optimizer_step > 0 and floor <= ledger.needs(0)
+    return floor is not None and ledger.after_backward > 0 and floor <= ledger.needs(0)

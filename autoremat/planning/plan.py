@@ -333,7 +333,7 @@ class BudgetError(ValueError):
             why = (f"the smallest budget that fits is {format_bytes(need)} ({need} bytes): "
                    f"{format_bytes(ledger.fixed)} fixed + {format_bytes(smallest.peak)} activations at the "
                    f"most memory-frugal plan found")
-            if ledger.optimizer_step > smallest.peak:
+            if ledger.after_backward > smallest.peak:
                 why += (f"; optimizer.step()'s temporaries ({format_bytes(ledger.optimizer_step)}, after the "
                         "backward) set the floor: a fused optimizer (fused=True) allocates none")
         else:
