@@ -461,8 +461,8 @@ class _Stash(torch.autograd.Function):
 
 def test_saved_tensors_by_origin_splits_eager_saves_from_a_compiled_graphs():
     """A compiled graph (AOTAutograd's node) between eager ops: sin saves its input, exp its result and the
-    custom Function its input, all eager; the graph saves what its own backward reads (its input, for tanh's
-    backward its output)."""
+    custom Function its input, all eager; the graph saves what its own backward reads (its input, and tanh's
+    output)."""
     compiled = torch.compile(lambda t: torch.tanh(t * t), backend="aot_eager")
     x = torch.randn(8, requires_grad=True)
     a = torch.sin(x)
@@ -474,6 +474,26 @@ def test_saved_tensors_by_origin_splits_eager_saves_from_a_compiled_graphs():
     assert ids == {x.untyped_storage().data_ptr(), b.untyped_storage().data_ptr(), d.untyped_storage().data_ptr()}
     assert {t.untyped_storage().data_ptr() for t in by_graph} == {a.untyped_storage().data_ptr(),
                                                                  b.untyped_storage().data_ptr()}
+
+
+def test_saved_tensors_by_origin_unpacks_nothing_a_hook_packed():
+    """Inside a non-reentrant checkpoint, cos's input is packed by the checkpoint's hook, whose unpacking would
+    run the region again: it is not read. sin's input, saved outside, is."""
+    from torch.utils.checkpoint import checkpoint
+
+    calls = []
+
+    def region(t):
+        calls.append(1)
+        return torch.cos(t)
+
+    x = torch.randn(8, requires_grad=True)
+    y = checkpoint(region, torch.sin(x), use_reentrant=False)
+    eager, _ = ti.saved_tensors_by_origin([y.sum()])
+    assert len(calls) == 1  # the forward's own call
+    assert {t.untyped_storage().data_ptr() for t in eager} == {x.untyped_storage().data_ptr()}
+    y.sum().backward()
+    assert len(calls) == 2 and torch.allclose(x.grad, -torch.sin(torch.sin(x)) * torch.cos(x))
 
 
 def test_weak_id_key_dictionary_keys_tensors_by_identity():

@@ -105,10 +105,12 @@ Profiler and autograd engine:
   engine_will_run, gradient_node   torch._C._will_engine_execute_node and
                                torch.autograd.graph.get_gradient_edge: whether the running backward
                                executes a parameter's AccumulateGrad (it accumulates into .grad)
-  saved_tensors_by_origin      the autograd graph after a forward: nodes' `_saved_*` attributes, a custom
-                               Function node's saved_tensors, and the class name CompiledFunctionBackward
-                               of AOTAutograd's node for a compiled graph: what autograd saved for the
-                               eager code between graphs, apart from the graphs' own (capture/tracing.py)
+  saved_tensors_by_origin      the autograd graph after a forward: nodes' `_raw_saved_*` attributes (a
+                               custom Function's `_raw_saved_tensors`), each SavedTensor's `data` and
+                               `unpack_hook` (read without unpacking), and the class name
+                               CompiledFunctionBackward of AOTAutograd's node for a compiled graph: what
+                               autograd saved for the eager code between graphs, apart from the graphs' own
+                               (capture/tracing.py)
   graph_task_id                torch._C._current_graph_task_id: which backward is running (a counter,
                                -1 outside one), so a fact about it is looked up once per backward
 CUDA:

@@ -57,21 +57,20 @@ def _compiled_graph_node(node: Any) -> bool:
 
 
 def _saved_by(node: Any) -> Iterator[torch.Tensor]:
-    """What autograd saved for `node`'s backward: a built-in op's `_saved_*` attributes (the naming autograd
-    documents for them), a custom Function's `saved_tensors`. A value an unpack hook would have to rebuild
-    (a saved-tensors hook that recomputes) is not read: that raises here, and the node is skipped."""
-    try:
-        if isinstance(node, torch.autograd.function.BackwardCFunction):
-            yield from node.saved_tensors
-            return
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                value = getattr(node, name)
-                for v in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(v, torch.Tensor):
-                        yield v
-    except RuntimeError:
-        return
+    """What autograd saved for `node`'s backward, read without unpacking it: each SavedTensor of a built-in
+    op's `_raw_saved_*` attributes, or of a custom Function's `_raw_saved_tensors`, gives its tensor (`data`).
+    One a saved-tensors hook packed (a non-reentrant checkpoint's, which would recompute its region to
+    unpack it) holds what its hook kept, which is not read: verification measures it."""
+    for name in dir(node):
+        if not name.startswith("_raw_saved_"):
+            continue
+        try:
+            value = getattr(node, name)
+        except RuntimeError:  # already freed by a backward
+            continue
+        for saved in value if isinstance(value, (tuple, list)) else (value,):
+            if getattr(saved, "unpack_hook", None) is None and isinstance(data := getattr(saved, "data", None), torch.Tensor):
+                yield data
 
 
 def saved_tensors_by_origin(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -79,14 +78,14 @@ def saved_tensors_by_origin(roots: list[torch.Tensor]) -> tuple[list[torch.Tenso
     graph, saved by a compiled graph for its backward): the autograd graph walked from the roots' nodes.
     Only valid before the backward frees what was saved."""
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # the nodes held, so that no id is reused by another node's Python object
     eager: list[torch.Tensor] = []
     compiled: list[torch.Tensor] = []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         (compiled if _compiled_graph_node(node) else eager).extend(_saved_by(node))
         stack += [f for f, _ in node.next_functions]
     return eager, compiled
