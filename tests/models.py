@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 @torch._dynamo.disable
 def eager_gate(x: torch.Tensor) -> torch.Tensor:
-    """Runs outside every graph: autograd saves x and sigmoid(x), which no graph's plan can see."""
+    """Runs outside every graph: autograd saves x and sigmoid(x), which no graph's plan holds; the ledger counts
+    them from the planning trace's forward (capture/tracing.eager_saved_bytes)."""
     return torch.sigmoid(x) * x
 
 
