@@ -52,6 +52,21 @@ class EagerBetween(Broken):
         return x.square().mean()
 
 
+@torch._dynamo.disable
+def _eager_loss(x: torch.Tensor) -> torch.Tensor:
+    return x.square().mean()  # square saves x for its backward
+
+
+class EagerAround(EagerBetween):
+    """EagerBetween's gate, and its loss computed eagerly after the last graph."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        x = x + b[1](x + b[0](x))
+        x = eager_gate(x)
+        return _eager_loss(x + b[3](x + b[2](x)))
+
+
 class ScratchBetween(Broken):
     """Eager code between two graphs whose backward allocates scratch no trace sees (as large as the
     activations of the second graph's two blocks)."""
@@ -138,6 +153,22 @@ def test_what_eager_code_between_graphs_saves_is_counted_from_the_trace():
     assert any(n.startswith("verified on one real step") for n in om.plan.notes), om.plan.notes
     assert not any(n.startswith("re-planned") for n in om.plan.notes), om.plan.notes
     assert _steady_total(om, model, x, om.plan) <= floor
+    _assert_same_grads(model, om, x)
+
+
+def test_what_eager_code_after_the_last_graph_saves_is_left_to_the_real_step():
+    """The eager loss saves the last graph's output (32 x 16 x 64 floats) for square's backward. It is alive at
+    the forward/backward turn only, and freed before any graph's backward: the ledger counts the gate's two
+    tensors alone. Where saving everything is predicted to fit, the step peaks at that turn: the real step
+    measures the loss's tensor over the prediction, and the plan made again with it reserved holds."""
+    torch.manual_seed(0)
+    model, x = EagerAround(), _x()
+    roomy = autoremat.optimize(model, budget=10**12, example_inputs=(x,), verify=False, compiler="eager").plan
+    assert Ledger.from_dict(roomy.ledger).eager_saved == 2 * 32 * 16 * 64 * 4
+    budget = roomy.predicted_peak + 1024
+    om = autoremat.optimize(model, budget=budget, example_inputs=(x,), compiler="eager")
+    assert any(n.startswith("re-planned with") for n in om.plan.notes), om.plan.notes
+    assert _steady_total(om, model, x, om.plan) <= budget
     _assert_same_grads(model, om, x)
 
 

@@ -109,8 +109,8 @@ Profiler and autograd engine:
                                custom Function's `_raw_saved_tensors`), each SavedTensor's `data` and
                                `unpack_hook` (read without unpacking), and the class name
                                CompiledFunctionBackward of AOTAutograd's node for a compiled graph: what
-                               autograd saved for the eager code between graphs, apart from the graphs' own
-                               (capture/tracing.py)
+                               autograd saved for the eager code before a graph, after the last, and the
+                               graphs' own (capture/tracing.py)
   graph_task_id                torch._C._current_graph_task_id: which backward is running (a counter,
                                -1 outside one), so a fact about it is looked up once per backward
 CUDA:
@@ -174,6 +174,7 @@ from autoremat.torch_internals.dynamo import (
     unset_fake_temporarily,
 )
 from autoremat.torch_internals.engine import (
+    SavedTensors,
     StorageWeakRef,
     WeakIdKeyDictionary,
     accumulate_into_grad,
@@ -229,6 +230,7 @@ __all__ = [
     "detect_fake_mode",
     "dynamo_compile_id",
     "dynamo_reset",
+    "SavedTensors",
     "saved_tensors_by_origin",
     "engine_will_run",
     "extract_fwd_bwd_modules",

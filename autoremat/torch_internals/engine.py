@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "backward_entry_code", "saved_tensors_by_origin", "clear_blas_workspaces", "engine_will_run", "gradient_node", "graph_task_id", "in_backward", "profiler_enabled", "queue_callback"]
+__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "backward_entry_code", "SavedTensors", "saved_tensors_by_origin", "clear_blas_workspaces", "engine_will_run", "gradient_node", "graph_task_id", "in_backward", "profiler_enabled", "queue_callback"]
 
 
 # -- profiler and autograd engine --------------------------------------------------------------
@@ -73,22 +73,40 @@ def _saved_by(node: Any) -> Iterator[torch.Tensor]:
                 yield data
 
 
-def saved_tensors_by_origin(roots: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Every tensor autograd saved on the way to `roots`, as (saved for the ops that ran outside a compiled
-    graph, saved by a compiled graph for its backward): the autograd graph walked from the roots' nodes.
-    Only valid before the backward frees what was saved."""
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    seen: dict[int, Any] = {}  # the nodes held, so that no id is reused by another node's Python object
-    eager: list[torch.Tensor] = []
-    compiled: list[torch.Tensor] = []
+class SavedTensors(NamedTuple):
+    """What autograd saved on the way to a step's outputs, by who saved it."""
+
+    before_a_graph: list[torch.Tensor]  # by ops outside the compiled graphs whose output a later graph reads
+    after_the_graphs: list[torch.Tensor]  # by ops outside them that no graph reads from (a loss after the last)
+    by_graphs: list[torch.Tensor]  # by compiled graphs, for their own backward
+
+
+def _walk(starts: list[Any]) -> dict[int, Any]:
+    """Every autograd node reachable from `starts`, by id; held, so that no id is reused by another node's
+    Python object while the walk runs (they are made as they are reached)."""
+    stack, seen = list(starts), {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
-        (compiled if _compiled_graph_node(node) else eager).extend(_saved_by(node))
         stack += [f for f, _ in node.next_functions]
-    return eager, compiled
+    return seen
+
+
+def saved_tensors_by_origin(roots: list[torch.Tensor]) -> SavedTensors:
+    """Every tensor autograd saved on the way to `roots` (the autograd graph walked from their nodes), by
+    who saved it. An op outside the graphs is before a graph when the graph's node reaches it. Only valid
+    before the backward frees what was saved."""
+    nodes = _walk([t.grad_fn for t in roots if t.grad_fn is not None])
+    compiled = [n for n in nodes.values() if _compiled_graph_node(n)]
+    below = _walk([f for n in compiled for f, _ in n.next_functions])
+    out = SavedTensors([], [], [])
+    for key, node in nodes.items():
+        kind = out.by_graphs if _compiled_graph_node(node) else \
+            out.before_a_graph if key in below else out.after_the_graphs
+        kind.extend(_saved_by(node))
+    return out
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
