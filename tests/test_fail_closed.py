@@ -43,43 +43,38 @@ class Broken(nn.Module):
         return x.square().mean()
 
 
-class EagerBetween(Broken):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks
-        x = x + b[1](x + b[0](x))
-        x = eager_gate(x)
-        x = x + b[3](x + b[2](x))
-        return x.square().mean()
-
-
 @torch._dynamo.disable
 def _eager_loss(x: torch.Tensor) -> torch.Tensor:
     return x.square().mean()  # square saves x for its backward
 
 
+SCRATCH = 512 * 1024  # floats an eager backward allocates in ScratchBetween: 2 MiB
+
+
+class EagerBetween(Broken):
+    """Two graphs of two blocks each with eager code between them (`between`: the gate), and the loss (`loss`:
+    in the second graph)."""
+
+    between = staticmethod(eager_gate)
+    loss = staticmethod(lambda x: x.square().mean())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.blocks
+        x = x + b[1](x + b[0](x))
+        x = self.between(x)
+        return self.loss(x + b[3](x + b[2](x)))
+
+
 class EagerAround(EagerBetween):
-    """EagerBetween's gate, and its loss computed eagerly after the last graph."""
+    """The gate between the graphs, and the loss computed eagerly after the last."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks
-        x = x + b[1](x + b[0](x))
-        x = eager_gate(x)
-        return _eager_loss(x + b[3](x + b[2](x)))
+    loss = staticmethod(_eager_loss)
 
 
-class ScratchBetween(Broken):
-    """Eager code between two graphs whose backward allocates scratch no trace sees (as large as the
-    activations of the second graph's two blocks)."""
+class ScratchBetween(EagerBetween):
+    """Eager code between the graphs whose backward allocates scratch no trace sees."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = self.blocks
-        x = x + b[1](x + b[0](x))
-        x = scratch_in_backward(x, SCRATCH)
-        x = x + b[3](x + b[2](x))
-        return x.square().mean()
-
-
-SCRATCH = 512 * 1024  # floats: 2 MiB
+    between = staticmethod(lambda x: scratch_in_backward(x, SCRATCH))
 
 
 class LoopBreak(Broken):

@@ -3,8 +3,9 @@ autograd saved for the eager code between its graphs.
 
 `Restore` puts buffers (BatchNorm statistics), gradients and the RNG back as they were;
 `inputs_must_fit` turns dynamo's error for example inputs the model cannot take into one that says
-so (`describe` names the inputs); `reshard` puts FSDP2's shards back after a forward without backward; `eager_saved_bytes` weighs what
-the forward's eager code (a graph break, a dynamo-disabled function) left saved for its backward.
+so (`describe` names the inputs); `reshard` puts FSDP2's shards back after a forward without backward;
+`eager_saved_bytes` weighs what the forward's eager code (a graph break, a dynamo-disabled function) left
+saved for its backward.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ def eager_saved_bytes(out: Any, model: torch.nn.Module, args: tuple, kwargs: dic
     if not roots:
         return 0
     saved = saved_tensors_by_origin(roots)
+    if not saved.before_a_graph:  # a step captured as one graph, or no eager code before one: on every trace
+        return 0
     counted = {storage_key(t)[0] for t in (*model.parameters(), *model.buffers(), *tree_leaves((args, kwargs)),
                                            *saved.by_graphs) if isinstance(t, torch.Tensor)}
     held = {key: round_up(nbytes, granularity) for t in saved.before_a_graph if t.device == roots[0].device

@@ -118,4 +118,3 @@ def _producer_reads(reduction: str, nodes: dict[str, NodeProfile], graph_nodes: 
         reads.update(dict.fromkeys(i for i in nodes[owner].inputs if i not in own and i not in fused
                                    and nodes[i].kind == "backward" and nodes[i].storage))
     return tuple(reads)
-

@@ -24,7 +24,7 @@ from autoremat.model.optimizers import (
     optimizer_state_bytes,
     optimizer_step_bytes,
 )
-from autoremat.torch_internals import arg_tree_leaves, is_primal
+from autoremat.torch_internals import arg_tree_leaves, is_primal, tree_leaves
 from autoremat.units import format_bytes, round_up, storage_key
 
 __all__ = ["OPTIMIZER_NAMES", "SLACK", "Ledger", "ledger_for_count", "ledger_for_model", "optimizer_state_bytes",
@@ -186,12 +186,6 @@ def _unique_storage_bytes(
     return total
 
 
-def _flatten_tensors(obj: object) -> list[torch.Tensor]:
-    obj = list(obj.values()) if isinstance(obj, dict) else obj
-    return [t for item in obj for t in _flatten_tensors(item)] if isinstance(obj, (list, tuple)) else \
-        [obj] if isinstance(obj, torch.Tensor) else []
-
-
 def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -278,7 +272,7 @@ def ledger_for_model(
         gradients=gradients,
         optimizer_state=optimizer_state,
         master_weights=master,
-        inputs=_unique_storage_bytes(_flatten_tensors(inputs), g),
+        inputs=_unique_storage_bytes([t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)], g),
         optimizer_step=optimizer_step,
         workspaces=workspaces,
         world_size=world_size,

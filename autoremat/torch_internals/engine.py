@@ -9,7 +9,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "backward_entry_code", "SavedTensors", "saved_tensors_by_origin", "clear_blas_workspaces", "engine_will_run", "gradient_node", "graph_task_id", "in_backward", "profiler_enabled", "queue_callback"]
+__all__ = ["StorageWeakRef", "WeakIdKeyDictionary", "accumulate_into_grad", "allocation_events", "backward_entry_code", "clear_blas_workspaces", "engine_will_run", "gradient_node", "graph_task_id", "in_backward", "profiler_enabled", "queue_callback", "saved_tensors_by_origin", "SavedTensors"]
 
 
 # -- profiler and autograd engine --------------------------------------------------------------
