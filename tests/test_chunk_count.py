@@ -114,6 +114,70 @@ def test_the_loss_region_nodes_are_tagged_through_aotautograd(alternatives) -> N
     assert block and not any(g.nodes[n].loss_region for n in block)
 
 
+def test_each_chunks_nodes_carry_its_number_and_the_shared_ones_none(alternatives) -> None:
+    """torch_internals.annotate tags each chunk's ops with its number, forward and backward. The ops the chunks
+    share (the rows' split, the gradients' concatenation) carry none: the tag does not outlive its chunk
+    (torch's own annotate wrote it into the chunked loss node's meta, and every later op traced from that node
+    carried chunk 1). Chunks 2 to 4 run the same ops; the first has one add fewer (its loss starts the sum)."""
+    (g,) = alternatives[4]
+    ops: dict[int, list[str]] = {}
+    for p in g.nodes.values():
+        ops.setdefault(p.loss_chunk, []).append(p.target)
+    assert set(ops) == {0, 1, 2, 3, 4}, set(ops)
+    assert {p.kind for p in g.nodes.values() if p.loss_chunk} == {"forward", "backward"}
+    shared = {p.target for p in g.nodes.values() if p.loss_region and not p.loss_chunk}
+    assert {"aten.split.Tensor", "aten.cat.default"} <= shared, shared
+    assert sorted(ops[2]) == sorted(ops[3]) == sorted(ops[4])
+    first = list(ops[2])
+    first.remove("aten.add.Tensor")
+    assert sorted(ops[1]) == sorted(first)
+
+
+def _hand_graph():
+    """Two chunks of 8 rows: a logits value z_i = h_i W^T per chunk, a weight-gradient piece w_i per chunk, and
+    the sum of the pieces, untagged, into the gradient output. W is [10, 8]: its 8 columns equal a chunk's rows,
+    so only the gradient chain tells its pieces are as large at any count. Bandwidth 100 B/s, launch 1 s."""
+    from autoremat.model.devices import DeviceSpec
+    from autoremat.model.profile import GraphProfile, NodeProfile
+
+    def node(name, kind, target, inputs, shape, time_s=0.0, moved=0.0, chunk=0):
+        return NodeProfile(name=name, kind=kind, target=target, inputs=inputs, storage=name, nbytes=0, dtype="float32",
+                           shape=shape, time_s=time_s, bytes_moved=moved, loss_chunk=chunk, loss_region=bool(chunk))
+    mm = "aten.mm.default"
+    nodes = [node("w", "param", "placeholder", (), (10, 8)), node("h1", "input", "placeholder", (), (8, 8)),
+             node("h2", "input", "placeholder", (), (8, 8)),
+             # memory-bound: h_i 256 B + W 320 B + z_i 320 B at 100 B/s, and a launch
+             node("z1", "forward", mm, ("h1", "w"), (8, 10), 9.96, 896, chunk=1),
+             node("z2", "forward", mm, ("h2", "w"), (8, 10), 9.96, 896, chunk=2),
+             # compute-bound: 19 s of arithmetic
+             node("w1", "backward", mm, ("z1", "h1"), (10, 8), 20.0, 896, chunk=1),
+             node("w2", "backward", mm, ("z2", "h2"), (10, 8), 20.0, 896, chunk=2),
+             node("gw", "backward", "aten.add.Tensor", ("w1", "w2"), (10, 8), 10.6, 960)]
+    graph = GraphProfile(nodes={n.name: n for n in nodes}, fw_outputs=["z1", "z2"], grad_outputs=["gw"])
+    dev = DeviceSpec(name="hand", kind="cpu", flops={"fp32": 1.0}, mem_bandwidth=100.0, memory_bytes=0,
+                     alloc_granularity=1, launch_overhead_s=1.0)
+    return graph, dev
+
+
+def test_a_chunks_ops_split_into_more_copies_cost_at_least_this_much_more() -> None:
+    """more_chunks.least_ops_time, worked by hand for 2 chunks of 8 rows going to 8 chunks of 2 (m = 4 copies
+    of each op of a chunk), each op costing max(its compute, (m x fixed + rows bytes) / bandwidth) + m launches:
+    - z_i, memory-bound, reads W (320 B, fixed): max(8.96, (4 x 320 + 576) / 100) + 4 - 9.96 = 12.60 more;
+    - w_i, compute-bound: only the launches, 3 more;
+    - the sum adds chunk 2's piece: all 960 B fixed (the gradient chain), max(9.6, 38.4) + 4 - 10.6 = 31.80 more.
+    The truth for the sum is 7 adds for 1 (63.6 more): an op with b - 1 copies is counted as such."""
+    from autoremat.planning.more_chunks import least_ops_time
+
+    graph, dev = _hand_graph()
+    least = least_ops_time([graph], 100.0, 16, 2, 8, dev)
+    assert least == pytest.approx(100.0 + 2 * 12.60 + 2 * 3.0 + 31.8)
+    graph.grad_outputs = []  # then W's pieces and their sum count as rows: the sum only adds its launches
+    assert least_ops_time([graph], 100.0, 16, 2, 8, dev) == pytest.approx(100.0 + 2 * 12.60 + 2 * 3.0 + 3.0)
+    for p in graph.nodes.values():
+        p.loss_chunk = 0
+    assert least_ops_time([graph], 100.0, 16, 2, 8, dev) is None  # no tags: no bound
+
+
 def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monkeypatch) -> None:
     """A floor query plans counts in full while the floors fall. Once a count's most frugal plan peaks
     outside the loss region, the counts after it are not planned (more_chunks.binds_outside); the floor
@@ -262,4 +326,24 @@ def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(
     assert base[4] < base[16] < least <= base[64], base
     assert traces.least_base_time(16) is None  # traced: its own time is known, no bound is needed
     traces.base_time = {1: base[1], 4: base[4]}
-    assert traces.least_base_time(64) is None  # one chunked count gives no slope
+    assert traces.least_base_time(64) is None  # one chunked count gives no slope, and its trace is not at hand
+
+
+def test_the_largest_chunked_trace_bounds_a_larger_count_op_by_op(alternatives) -> None:
+    """With only the 4-chunk trace at hand, more_chunks.least_ops_time bounds the 16-chunk trace's ops once from
+    below, on the real traces of a 1-layer GPT-2 (no slope to extrapolate yet); not under Inductor."""
+    from types import SimpleNamespace
+
+    from autoremat.model.devices import get_device
+    from autoremat.planning.loss_region import Candidate, Traces
+
+    base = {k: ops_once_time(g) for k, g in alternatives.items()}
+    loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
+    step = SimpleNamespace(compiler="eager", dev=get_device("cpu"))
+    traces = Traces(step, Candidate(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
+    traces.traced[4] = Candidate(SimpleNamespace(profiles=alternatives[4]), None, loss)
+    traces.base_time[4] = base[4]
+    least, how = traces.least_base_time(16)
+    assert base[4] < least <= base[16] and "4-chunk trace" in how, (least, base)
+    step.compiler = "inductor"
+    assert traces.least_base_time(16) is None

@@ -205,6 +205,30 @@ def test_is_sym_node():
     assert not any(ti.is_sym_node(n) for n in static.graph.nodes)
 
 
+def test_annotate_tags_what_is_traced_inside_and_leaves_the_node_meta_alone():
+    """ti.annotate adds to meta["custom"] of the ops traced inside it, on top of what the node being traced
+    carries, and no further: the node's own meta is unchanged and the ops after the block carry the node's
+    tags only (torch.fx.traceback.annotate updated the node's dict in place)."""
+    def body(x):
+        with ti.annotate({"chunk": 1}):
+            y = x.sin()
+        return y.cos()
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    call = graph.call_function(body, (x,))
+    call.meta["custom"] = {"region": True}
+    graph.output(call)
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    with torch.fx.traceback.preserve_node_meta():
+        traced = make_fx(lambda t: fx.Interpreter(gm).run(t))(torch.randn(3))
+    tags = {n.target: n.meta.get("custom") for n in traced.graph.nodes if n.op == "call_function"}
+    assert tags == {torch.ops.aten.sin.default: {"region": True, "chunk": 1},
+                    torch.ops.aten.cos.default: {"region": True}}, tags
+    assert call.meta["custom"] == {"region": True}
+    assert ti.tagged(next(n for n in traced.graph.nodes if n.target is torch.ops.aten.sin.default), "chunk") == 1
+
+
 def test_op_overloads_and_mutability():
     assert isinstance(torch.ops.aten.add.Tensor, ti.OpOverload)
     assert isinstance(torch.ops.aten.add, ti.OpOverloadPacket)

@@ -33,6 +33,7 @@ from autoremat.passes.remat import BATCH_NORM_WITH_STATS
 from autoremat.passes.reuse import dying_inputs, forward_writable
 from autoremat.passes.rng_replay import draw_scratch, is_draw, is_replay
 from autoremat.torch_internals import (
+    LOSS_CHUNK_TAG,
     LOSS_REGION_TAG,
     OpOverload,
     StorageWeakRef,
@@ -82,6 +83,7 @@ class NodeProfile:
     into: str = ""
     mark: str = ""  # the user's checkpoint policy for it, "must_save", "prefer_recompute", ... (marks.py)
     loss_region: bool = False  # traced from the chunked loss (passes/loss_chunks.py; torch_internals.LOSS_REGION_TAG)
+    loss_chunk: int = 0  # which of its chunks, numbered from 1; 0: none (torch_internals.LOSS_CHUNK_TAG)
 
 
 @dataclass
@@ -139,10 +141,8 @@ def _target_name(node: fx.Node) -> str:
 
 def module_path_of(node: fx.Node) -> str:
     """The innermost nn.Module path a graph node was traced in ("" outside every module)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        # Backward nodes carry the forward node they came from in "fwd_nn_module_stack".
-        stack = node.meta.get("fwd_nn_module_stack")
+    # Backward nodes carry the forward node they came from in "fwd_nn_module_stack".
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return ""
     path = str(list(stack.values())[-1][0])
@@ -272,7 +272,7 @@ def _node_profile(n: fx.Node, kind: str, owner: dict, mutated: set[str], dev: De
     val = n.meta.get("val")
     prof = NodeProfile(name=n.name, kind=kind, target=_target_name(n), inputs=tuple(a.name for a in n.all_input_nodes),
                        storage="", nbytes=0, module=module_path_of(n), mark=user_mark(n),
-                       loss_region=tagged(n, LOSS_REGION_TAG))
+                       loss_region=bool(tagged(n, LOSS_REGION_TAG)), loss_chunk=tagged(n, LOSS_CHUNK_TAG) or 0)
     if isinstance(val, torch.Tensor):
         prof.dtype = str(val.dtype).replace("torch.", "")
         prof.shape = tuple(int(s) for s in val.shape)

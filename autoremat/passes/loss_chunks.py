@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from autoremat.passes.fused_linear_loss import fused_linear_cross_entropy
 from autoremat.passes.fused_loss import fused_cross_entropy
-from autoremat.torch_internals import C_NN_LINEAR, LOSS_REGION_TAG
+from autoremat.torch_internals import C_NN_LINEAR, LOSS_CHUNK_TAG, LOSS_REGION_TAG, annotate
 
 OUTPUTS = ("all", "loss")
 CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss whole (outputs="all")
@@ -71,17 +71,17 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     rows = h.shape[0]
     size = -(-rows // chunks)
     total = None
-    for h_i, y_i in zip(h.split(size), target.split(size)):
-        z = F.linear(h_i, weight, bias) if proj == "linear" else torch.matmul(h_i, weight)
-        if dtype is not None:
-            z = z.to(dtype)
-        valid = y_i != ignore_index
-        picked = z.gather(1, torch.where(valid, y_i, 0).unsqueeze(1)).squeeze(1)
-        term = torch.logsumexp(z, dim=-1)
-        term = term - picked if label_smoothing == 0 else (
-            term - (1 - label_smoothing) * picked - label_smoothing * z.mean(dim=-1))
-        part = torch.where(valid, term, 0).sum()
-        total = part if total is None else total + part
+    for i, (h_i, y_i) in enumerate(zip(h.split(size), target.split(size))):
+        with annotate({LOSS_CHUNK_TAG: i + 1}):  # the planner tells a chunk's nodes from the shared ones
+            z = F.linear(h_i, weight, bias) if proj == "linear" else torch.matmul(h_i, weight)
+            z = z if dtype is None else z.to(dtype)
+            valid = y_i != ignore_index
+            picked = z.gather(1, torch.where(valid, y_i, 0).unsqueeze(1)).squeeze(1)
+            term = torch.logsumexp(z, dim=-1)
+            term = term - picked if label_smoothing == 0 else (
+                term - (1 - label_smoothing) * picked - label_smoothing * z.mean(dim=-1))
+            part = torch.where(valid, term, 0).sum()
+            total = part if total is None else total + part
     if reduction == "mean":
         total = total / (target != ignore_index).sum()
     return total

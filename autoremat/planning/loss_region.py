@@ -110,13 +110,23 @@ class Traces:
         Each chunk runs the same ops on rows/k rows, and under the roofline (devices.op_time) one op's k
         copies cost max(its FLOPs, k x its per-chunk fixed bytes + its row bytes) plus k launches: convex in k.
         So is the trace's sum, so the slope past the two largest chunked counts traced is at least the slope
-        between them. Only counts that split the rows evenly (the last chunk as large as the others)."""
+        between them. Without Inductor the largest chunked count traced bounds it alone too, op by op
+        (more_chunks.least_ops_time; Inductor fuses ops differently at another count: the chunks' weight
+        gradients are summed by one kernel, not one add each, and it fell below that bound). The larger bound
+        is taken. Only counts that split the rows evenly (the last chunk as large as the others)."""
         rows = self.traced[1].loss.rows()
         even = sorted(c for c in self.base_time if c > 1 and rows % c == 0)
-        if len(even) < 2 or k <= even[-1] or rows % k:
+        if not even or k <= even[-1] or rows % k:
             return None
-        (a, ta), (b, tb) = ((c, self.base_time[c]) for c in even[-2:])
-        return tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"
+        bounds = []
+        if len(even) >= 2:
+            (a, ta), (b, tb) = ((c, self.base_time[c]) for c in even[-2:])
+            bounds.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
+        b = even[-1]
+        if b in self.traced and self.step.compiler == "eager" and (least := more_chunks.least_ops_time(
+                self.traced[b].planner.profiles, self.base_time[b], rows, b, k, self.step.dev)) is not None:
+            bounds.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
+        return max(bounds, default=None)
 
 
 def remembered_count(step: TrainingStep, budget: int, dtypes, store, fields, build: Callable):

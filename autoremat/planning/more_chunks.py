@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
+
+import torch
 
 from autoremat.model.cuts import base
 from autoremat.model.memory import live_at_peak
@@ -108,3 +111,73 @@ def _by_optimizer(refused: BudgetError) -> bool:
     count's error shares the step's one ledger.)"""
     floor, ledger = refused.smallest_budget, refused.ledger
     return floor is not None and ledger.after_backward > 0 and floor <= ledger.needs(0)
+
+
+
+def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev) -> float | None:
+    """A lower bound of the step's time with nothing recomputed (ops once) with the loss region in k chunks,
+    from its trace in b < k chunks (`graphs`, whose ops once take `ops_once`), both splitting the rows evenly;
+    None where the trace carries no chunk tags (NodeProfile.loss_chunk).
+
+    Each op of a chunk has k/b times as many copies in k chunks, on k/b times fewer rows. Under the roofline
+    (devices.op_time) the b identical copies of an op cost max(compute, (b x fixed + rows)/bandwidth) + b
+    launches, where the fixed bytes are those of values as large at any count, and the rows' bytes and the
+    compute are shared among the copies; so each copy at b costs at least `_split_cost` more at k. The ops of a
+    chunk are those tagged with it, and the gradient sums AOTAutograd leaves untagged that add a chunk's value
+    (the weight gradient's running sum: one add more per chunk). An op every chunk shares is tagged with none
+    and runs once at any count (the rows' split, the mean's divisor, the gradients' concatenation); an op with
+    a copy in all chunks but one (a sum of b values has b - 1 adds) counts b - 1 copies, which only lowers the
+    bound (issue 38: each 16-chunk trace that only showed 16 chunks no faster than 4
+    took a second of a 4-second plan)."""
+    size, m, extra, tagged = rows // b, k / b, 0.0, False
+    for g in graphs:
+        fixed = _fixed_values(g, size)
+        for p in g.nodes.values():
+            tagged |= bool(p.loss_chunk)
+            if _of_a_chunk_op(p, g.nodes):
+                extra += _split_cost(p, g.nodes, fixed, m, dev)
+    return ops_once + extra if tagged else None
+
+
+def _of_a_chunk_op(p, nodes: dict) -> bool:
+    """Tagged with a chunk, or a gradient sum AOTAutograd left untagged that adds a chunk's value."""
+    if p.loss_chunk:
+        return True
+    return p.kind == "backward" and p.target == "aten.add.Tensor" and any(
+        nodes[i].loss_chunk for i in p.inputs if i in nodes)
+
+
+def _fixed_values(g, size: int) -> set[str]:
+    """The values of a trace in b chunks (of `size` rows) that are as large at any count: those with no
+    dimension of a chunk's rows, and, whatever their shape, the parameters, their views, and the pieces summed
+    into a gradient output (a weight gradient's pieces and partial sums). A value whose dimension equals a
+    chunk's rows by chance (a hidden size) and is none of those counts as a chunk's, which only lowers the
+    bound."""
+    nodes = g.nodes
+    fixed = {n for n, p in nodes.items() if size not in p.shape or p.kind == "param"
+             or (p.storage in nodes and nodes[p.storage].kind == "param")}
+    todo = [n for n in g.grad_outputs if n in nodes]
+    while todo:
+        n = todo.pop()
+        fixed.add(n)
+        p = nodes[n]
+        if p.target == "aten.add.Tensor":
+            todo += [i for i in p.inputs if i in nodes and nodes[i].shape == p.shape and i not in fixed]
+    return fixed
+
+
+def _split_cost(p, nodes: dict, fixed: set[str], m: float, dev) -> float:
+    """What one op of a chunk costs more as m copies on 1/m of its rows (least_ops_time)."""
+    if p.fused or p.time_s <= 0:  # inlined into a kernel (no traffic, no launch), or a view
+        return 0.0
+    launch = dev.launch_overhead_s if p.time_s >= dev.launch_overhead_s else 0.0
+    values = [*(i for i in p.inputs if i in nodes), *([] if p.is_tuple else [p.name])]
+    held = min(p.bytes_moved, sum(_dense_bytes(nodes[v]) for v in values if v in fixed))
+    memory = (m * held + p.bytes_moved - held) / dev.mem_bandwidth
+    return max(p.time_s - launch, memory) + m * launch - p.time_s
+
+
+def _dense_bytes(p) -> int:
+    if not p.dtype:
+        return 0
+    return math.prod(p.shape) * getattr(torch, p.dtype).itemsize

@@ -33,6 +33,9 @@ AOTAutograd (joint graphs, partitioning):
   LOSS_REGION_TAG, tagged      a key the loss-chunk pass puts in its node's meta["custom"]: AOTAutograd copies
                                "custom" onto the joint nodes traced from it, and onto their backward nodes by
                                seq_nr, so the profile knows the chunked loss region's nodes
+  LOSS_CHUNK_TAG, annotate     torch.fx.traceback.current_meta, the meta of the node being traced: each chunk's
+                               ops traced under {LOSS_CHUNK_TAG: its number} in "custom", copied the same way
+                               (planning/more_chunks.py)
 Dispatcher and ops:
   OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
   is_mutable_op                OpOverload._schema.is_mutable
@@ -127,10 +130,12 @@ Not listed, and used in place: the FX node meta keys torch.fx documents and ever
 
 from autoremat.torch_internals.aot import (
     C_NN_LINEAR,
+    LOSS_CHUNK_TAG,
     LOSS_REGION_TAG,
     TANGENTS_BOXED,
     OpOverload,
     OpOverloadPacket,
+    annotate,
     aot_autograd,
     arg_tree_leaves,
     composite_with_meta_kernel,
@@ -203,6 +208,7 @@ from autoremat.torch_internals.inductor import (
 __all__ = [
     "BackendCompilerFailed",
     "C_NN_LINEAR",
+    "LOSS_CHUNK_TAG",
     "LOSS_REGION_TAG",
     "FAKE_TENSOR_LOGGER",
     "FakeTensorMode",
@@ -215,6 +221,7 @@ __all__ = [
     "WeakIdKeyDictionary",
     "accumulate_into_grad",
     "allocation_events",
+    "annotate",
     "aot_autograd",
     "arg_tree_leaves",
     "backward_entry_code",

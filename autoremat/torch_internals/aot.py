@@ -9,12 +9,13 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -109,10 +110,34 @@ def mutated_input_indices(output_node: fx.Node) -> set[int] | None:
 LOSS_REGION_TAG = "autoremat_loss_region"
 
 
-def tagged(node: torch.fx.Node, key: str) -> bool:
-    """Whether a joint-graph node carries `key` in its meta["custom"] (LOSS_REGION_TAG)."""
+# Which chunk of the chunked loss a node was traced from, numbered from 1, in the same meta["custom"]
+LOSS_CHUNK_TAG = "autoremat_loss_chunk"
+
+
+@contextlib.contextmanager
+def annotate(extra: dict[str, Any]) -> Iterator[None]:
+    """Add `extra` to meta["custom"] of the nodes traced inside, while node meta is preserved (AOTAutograd).
+
+    torch.fx.traceback.current_meta is a shallow copy of the meta of the node being traced; its own
+    `annotate` updates the "custom" dict in place, which is that node's dict, so the tag outlived the block
+    and every later trace of the node carried it. A new dict is set instead."""
+    meta = fx_traceback.current_meta
+    had, old = "custom" in meta, meta.get("custom")
+    meta["custom"] = {**(old or {}), **extra}
+    try:
+        yield
+    finally:
+        if had:
+            meta["custom"] = old
+        else:
+            meta.pop("custom", None)
+
+
+def tagged(node: torch.fx.Node, key: str) -> Any:
+    """What a joint-graph node carries under `key` in its meta["custom"] (LOSS_REGION_TAG, LOSS_CHUNK_TAG), or
+    None."""
     custom = node.meta.get("custom")
-    return isinstance(custom, dict) and bool(custom.get(key))
+    return custom.get(key) if isinstance(custom, dict) else None
 
 
 # -- dispatcher and ops ------------------------------------------------------------------------
