@@ -113,7 +113,6 @@ def _by_optimizer(refused: BudgetError) -> bool:
     return floor is not None and ledger.after_backward > 0 and floor <= ledger.needs(0)
 
 
-
 def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev) -> float | None:
     """A lower bound of the step's time with nothing recomputed (ops once) with the loss region in k chunks,
     from its trace in b < k chunks (`graphs`, whose ops once take `ops_once`), both splitting the rows evenly;
@@ -127,8 +126,8 @@ def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev
     (the weight gradient's running sum: one add more per chunk). An op every chunk shares is tagged with none
     and runs once at any count (the rows' split, the mean's divisor, the gradients' concatenation); an op with
     a copy in all chunks but one (a sum of b values has b - 1 adds) counts b - 1 copies, which only lowers the
-    bound (issue 38: each 16-chunk trace that only showed 16 chunks no faster than 4
-    took a second of a 4-second plan)."""
+    bound. Issue 38: each 16-chunk trace that only showed 16 chunks no faster than 4 took a second of a
+    4-second plan; benchmarks/chunk_bound.py compares the bound with real traces."""
     size, m, extra, tagged = rows // b, k / b, 0.0, False
     for g in graphs:
         fixed = _fixed_values(g, size)
