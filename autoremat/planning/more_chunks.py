@@ -133,12 +133,12 @@ def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev
         fixed = _fixed_values(g, size)
         for p in g.nodes.values():
             tagged |= bool(p.loss_chunk)
-            if _of_a_chunk_op(p, g.nodes):
+            if _copied_per_chunk(p, g.nodes):
                 extra += _split_cost(p, g.nodes, fixed, m, dev)
     return ops_once + extra if tagged else None
 
 
-def _of_a_chunk_op(p, nodes: dict) -> bool:
+def _copied_per_chunk(p, nodes: dict) -> bool:
     """Tagged with a chunk, or a gradient sum AOTAutograd left untagged that adds a chunk's value."""
     if p.loss_chunk:
         return True

@@ -99,12 +99,11 @@ def saved_tensors_by_origin(roots: list[torch.Tensor]) -> SavedTensors:
     who saved it. An op outside the graphs is before a graph when the graph's node reaches it. Only valid
     before the backward frees what was saved."""
     nodes = _walk([t.grad_fn for t in roots if t.grad_fn is not None])
-    compiled = [n for n in nodes.values() if _compiled_graph_node(n)]
-    below = _walk([f for n in compiled for f, _ in n.next_functions])
+    compiled = {key for key, n in nodes.items() if _compiled_graph_node(n)}
+    below = _walk([f for key in compiled for f, _ in nodes[key].next_functions])
     out = SavedTensors([], [], [])
     for key, node in nodes.items():
-        kind = out.by_graphs if _compiled_graph_node(node) else \
-            out.before_a_graph if key in below else out.after_the_graphs
+        kind = out.by_graphs if key in compiled else out.before_a_graph if key in below else out.after_the_graphs
         kind.extend(_saved_by(node))
     return out
 
