@@ -1,6 +1,8 @@
 """Small models that several test files share: HF models built from config (no downloads), and a
 vocabulary head with eager code before it (also plan_time.py --cliff's `gated` and `biased`)."""
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,3 +66,19 @@ def tiny_llama(vocab: int = 128, d: int = 64, seq: int = 64, layers: int = 2, in
         model = LlamaForCausalLM(cfg)
         ids = torch.randint(0, vocab, (1, seq))
     return model, {"input_ids": ids, "labels": ids}
+
+
+@functools.cache
+def bf16_attention_problem() -> str:
+    """Why torch's own bf16 scaled_dot_product_attention cannot run on this CPU, or "" where it runs.
+
+    torch 2.13's CPU flash-attention kernel picks its bf16 packing (pack_vnni2) from the hardware (AVX-512
+    with bf16) but checks it against the dispatch capability, so with ATEN_CPU_CAPABILITY=default on such a
+    CPU eager PyTorch raises on a bf16 attention before autoremat is involved. A bf16 attention test there
+    has no eager reference to compare with. The kernel packs only past a few rows: 4 rows ran, 64 did not."""
+    q = torch.ones(1, 1, 128, 32, dtype=torch.bfloat16)
+    try:
+        F.scaled_dot_product_attention(q, q, q)
+    except RuntimeError as e:
+        return f"eager bf16 scaled_dot_product_attention fails here: {e}"
+    return ""

@@ -6,10 +6,12 @@ import torch.nn.functional as F
 
 import autoremat
 from autoremat.passes import fused_attention as fa
-from tests.models import tiny_llama
+from tests.models import bf16_attention_problem, tiny_llama
 from tests.tolerances import assert_close_for
 
 B, H, S, D = 2, 3, 300, 16  # S over one block of the blockwise kernels (256 rows)
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(bool(bf16_attention_problem()),
+                                                             reason=bf16_attention_problem()))
 
 
 def _inputs(dtype):
@@ -18,7 +20,7 @@ def _inputs(dtype):
     return [torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_fused_attention_gives_eagers_values_and_gradients_on_cpu(dtype):
     x = _inputs(dtype)
     keep = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
@@ -36,7 +38,7 @@ def test_fused_attention_gives_eagers_values_and_gradients_on_cpu(dtype):
             assert_close_for(a, b, depth=2 * (S + D))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 def test_the_blockwise_kernel_of_other_devices_agrees_with_eager(dtype):
     q, k, v = (t.detach() for t in _inputs(dtype))
     keep = torch.ones(S, S, dtype=torch.bool).tril()[None, None]

@@ -9,7 +9,7 @@ from autoremat.measure import measure_peak
 from autoremat.passes import fused_linear_loss as fll
 from autoremat.passes import loss_chunks
 from autoremat.solve.decision import evaluate
-from tests.models import tiny_llama
+from tests.models import bf16_attention_problem, tiny_llama
 from tests.test_twice_and_reuse import SEED_BYTES
 from tests.tolerances import assert_close_for, tol
 
@@ -93,6 +93,7 @@ def test_the_fused_head_lowers_a_bf16_llamas_floor_under_outputs_loss(monkeypatc
     assert plain - fused >= 512 * 8192 * 2, (plain, fused)
 
 
+@pytest.mark.skipif(bool(bf16_attention_problem()), reason=bf16_attention_problem())  # a bf16 Llama's attention
 def test_the_heads_backward_writes_hs_gradient_over_h_where_h_dies(monkeypatch):
     """At a bf16 Llama's floor the LM head's backward holds h (the 16-bit hidden states) beside the dh it
     writes; h is read by nothing after it, so the plan writes dh over h
