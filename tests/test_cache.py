@@ -5,10 +5,12 @@ import json
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import autoremat
 from autoremat.model.ledger import Ledger
 from autoremat.planning.cache import PlanCache
+from autoremat.planning.compilers import inductor_problem
 from autoremat.planning.planner import trace_step
 from examples import models
 from tests.tolerances import assert_close_for, batch_depth
@@ -169,10 +171,85 @@ def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_pa
     monkeypatch.setattr(pipeline, "trace_step", lambda *a: traced.append(a) or trace_step(*a))
     second = autoremat.optimize(model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager",
                                 outputs="loss", cache=tmp_path, progress=False)
-    assert len(traced) == 1  # the remembered count, with the cached plan applied as it is traced
+    assert len(traced) == 1  # the remembered count, captured; the cached plan is swapped into its code
     assert second.plan.solver["path"] == "cache"
     assert second.plan.loss["chunks"] == first.plan.loss["chunks"]
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
+
+
+def _aot_traces(run):
+    before = counters["aot_autograd"]["total"]
+    out = run()
+    return out, counters["aot_autograd"]["total"] - before
+
+
+def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_path, monkeypatch):
+    """A 3-block stack is cut into 4 graphs: the embedding with block 0, blocks 1 and 2 (the same joint graph,
+    so one AOTAutograd trace), and the head. At 60% of its activations the plan saves different values in
+    blocks 1 and 2. A cache hit captures the step as a cold plan does (3 traces), then swaps the plan into
+    the captured code: no block is traced again for its own saved set (issue 38: a plan-cache hit)."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=3, d=16, seq=8, batch=2)
+    roomy = autoremat.optimize(model, budget="1GB", example_inputs=ex, optimizer=None, compiler="eager", verify=False,
+                               progress=False)
+    budget = Ledger.from_dict(roomy.plan.ledger).needs(int(0.6 * roomy.plan.activation_peak))
+    first = autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None, compiler="eager",
+                               cache=tmp_path, progress=False)
+    graphs = first.plan.graphs
+    assert len(graphs) == 4 and graphs[1].fingerprint == graphs[2].fingerprint
+    assert set(graphs[1].saved) != set(graphs[2].saved)  # the case this covers: one code, two saved sets
+    _no_solver(monkeypatch)
+    second, traces = _aot_traces(lambda: autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None,
+                                                            compiler="eager", cache=tmp_path, progress=False))
+    assert second.plan.solver["path"] == "cache"
+    assert traces == len({g.fingerprint for g in graphs}) == 3
+    assert [g.saved for g in second.plan.graphs] == [g.saved for g in graphs]
+    grads = []
+    for step in (model, second):  # regions hand gradients to .grad as they are made: read them there
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)  # dropout: same draws in both
+        step(*ex).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for g, r in zip(grads[1], grads[0], strict=True):
+        assert_close_for(g, r, depth=batch_depth(ex))
+
+
+def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):
+    """regions="auto" plans a roomy 2-block stack as one graph, and stores the plan under that graph's key. A
+    second run captures the cut step first (its key is not in the cache), then the one graph: that plan is
+    the hit. It used to be taken for a stale entry, discarded and planned again on every run."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
+    first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager",
+                               progress=False)
+    assert first.num_graphs == 1 and any("one graph for the step" in n for n in first.plan.notes), first.plan.notes
+    _no_solver(monkeypatch)
+    second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager",
+                                progress=False)
+    assert second.plan.solver["path"] == "cache" and second.num_graphs == 1
+    assert not [r for r in caplog.records if "cached plan" in r.getMessage()]
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_stale_entry_is_planned_again(tmp_path, compiler, caplog):
+    """A cached plan naming a value the graph does not have is discarded with a warning, and the step planned
+    afresh. Under eager the step was captured without the plan: that capture is planned, with no trace more
+    than a cold plan makes. Under Inductor the plan was applied while tracing: the step is traced again."""
+    if compiler == "inductor" and (why := inductor_problem("cpu")):
+        pytest.skip(f"this machine cannot run Inductor on CPU: {why}")
+    model, ex = _model()
+    good, cold = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
+                                                        verify=False, compiler=compiler, progress=False))
+    path = _entry(tmp_path)
+    entry = json.loads(path.read_text())
+    entry["plan"]["graphs"][0]["saved"] = ["no_such_node"]
+    path.write_text(json.dumps(entry))
+    again, traces = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
+                                                           verify=False, compiler=compiler, progress=False))
+    assert again.plan.solver["path"] != "cache"
+    assert [g.saved for g in again.plan.graphs] == [g.saved for g in good.plan.graphs]
+    assert any("no longer fits" in r.getMessage() for r in caplog.records)
+    assert traces == cold + (compiler == "inductor")
 
 
 def test_cache_argument_is_checked():

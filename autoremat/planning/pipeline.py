@@ -29,12 +29,12 @@ from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planner import (
     CapturePlanner,
     StaleCache,
+    compile_with,
     log,
     plan_jointly,
     planner_for,
     progress,
     require_graphs,
-    say_solving,
     solve_step,
     trace_step,
 )
@@ -58,8 +58,11 @@ class _Tracer:
         return self.store.load(self.keys[-1])
 
     def planner(self, split: bool, lookup: bool = True) -> CapturePlanner:
+        # Under eager a cached plan is swapped into the capture's code (`_from_cache`); Inductor compiles each
+        # graph as it is traced, so there the plan is applied while tracing.
         return planner_for(self.step, self.budget, lookup=self._lookup if lookup and self.store is not None else None,
-                           pre_pass=self.pre, regions=split, keep_graphs=True)
+                           pre_pass=self.pre, regions=split, keep_graphs=True,
+                           apply_cached=self.step.compiler != "eager")
 
     def __call__(self, split: bool) -> Traced:
         """Capture the step, with the cache key used (None if the cache was not looked up). The second form
@@ -107,13 +110,11 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     else:
         progress.info("capturing the training step")
         traced = trace(regions if isinstance(regions, bool) else True)  # "auto" captures per block first
-    planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
-    hit = check_cached(planner, budget, ledger, dev) if planner.cached is not None else None
-    if hit is not None:
-        hit.notes.append(f"plan loaded from the cache ({store.path(store_key)}); re-simulated, not solved")
-        return hit, compiled, planner
+    if (hit := _from_cache(step, traced, budget, trace)) is not None:
+        return hit
     if cached_only:
         return None  # a step traced at a remembered chunk count whose plan is not in the cache
+    planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
     chunks_note = None
     if chunks is None and loss.found and region.loss_region_matters(planner, loss, dev.alloc_granularity):
         chunks_note = region.fits_unchunked(planner, budget, ledger, dev)
@@ -121,16 +122,12 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
             return region.choose_chunks(step, region.Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build)
     regions_note, cut_step = None, None
     checked = step.checked
-    if regions == "auto" and planner.cached is None and planner.cut:
+    if regions == "auto" and planner.cut:
         traced, cut_step = one_graph_if_free(traced, trace, budget, step)
+        if (hit := _from_cache(step, traced, budget, trace)) is not None:  # the one graph's plan, cached
+            return hit
         planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
-    if planner.cached is not None:  # found, but it no longer fits these graphs
-        log.warning("autoremat: cached plan %s no longer fits; planning again", store.path(store_key))
-        store.discard(store_key)
-        planner = trace.planner(planner.regions, lookup=False)
-        compiled = trace_step(step, planner)
-    decision = traced.decision or plan_graphs(say_solving(planner.sequence(), options), budget, ledger, dev, options,
-                                              one_set=True)
+    decision = traced.decision or solve_step(step, planner, budget)
     plan, compiled, planner = plan_jointly(step, planner, budget, decision)
     measured: Any = verification.UNMEASURED
     if cut_step is not None and checked:
@@ -151,6 +148,34 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     if store is not None and store_key:
         store.store(store_key, plan, fields)
     return plan, compiled, planner
+
+
+def _from_cache(step: TrainingStep, traced: Traced, budget: int, trace: _Tracer) -> tuple | None:
+    """build's (plan, compiled, planner) from the plan cache: the plan `traced`'s first graph found there,
+    re-simulated on the graphs traced and compiled with them. None if none was found, or if it is not
+    what it claims; then its entry is discarded and `traced` is left to plan afresh: the capture itself
+    where the plan was not applied while tracing (eager), else the step traced again without it."""
+    planner, store = traced.planner, trace.store
+    if planner.cached is None:
+        return None
+    where = store.path(traced.store_key)
+    plan = check_cached(planner, budget, step.ledger, step.dev)
+    applied = planner.plan is not None  # while tracing: its trace is no capture to plan afresh from
+    why = "no longer fits"
+    if plan is not None:
+        try:
+            compiled, applier = (traced.compiled, planner) if applied else compile_with(step, planner, budget, plan)
+            plan.notes.append(f"plan loaded from the cache ({where}); re-simulated, not solved")
+            return plan, compiled, applier
+        except Exception as e:  # noqa: BLE001 - an entry is never trusted: any failure means plan afresh
+            why, applied = f"could not be applied ({type(e).__name__}: {e})", True  # the code may be half changed
+    log.warning("autoremat: cached plan %s %s; planning again", where, why)
+    store.discard(traced.store_key)
+    if applied:
+        planner = trace.planner(planner.regions, lookup=False)
+        traced.planner, traced.compiled = planner, trace_step(step, planner)
+    planner.cached = None
+    return None
 
 
 def _describe(plan: Plan, planner: CapturePlanner, loss: LossOption, chunks: int | None, chunks_note: str | None,

@@ -59,11 +59,17 @@ def _prepared(entries: list, profiles: list, applier: CapturePlanner) -> list[tu
     """For each code of the trace: its runners under the plan, and which one each graph calling it runs; or
     why some graph cannot take its plan this way. Nothing is swapped here."""
     per_code: dict[int, tuple[GraphCode, dict[int, tuple[Partition, frozenset[str]]]]] = {}
+    # Calls of one code (identical blocks) that the plan has save the same values take one partition: it is
+    # made once (a deep model's blocks are mostly alike, and each partition is a split of the joint graph).
+    made: dict[tuple[int, frozenset[str] | None], tuple[Partition, frozenset[str]]] = {}
     for (index, links, code), gp in zip(entries, profiles):
         if code is None or gp.index != index:
             return f"graph {index} has no code a plan can be swapped into"
-        modules, used = applier.apply(code.captured(index, links), gp)
-        per_code.setdefault(id(code), (code, {}))[1][index] = (modules, frozenset(used))
+        wanted = (id(code), applier.saved_for(gp, index))
+        if wanted not in made:
+            modules, used = applier.apply(code.captured(index, links), gp)
+            made[wanted] = (modules, frozenset(used))
+        per_code.setdefault(id(code), (code, {}))[1][index] = made[wanted]
     swaps = []
     for code, at in per_code.values():
         distinct: dict[frozenset[str], int] = {}  # one partition per saved set: places saving the same share it

@@ -1,12 +1,11 @@
 """The planning machinery every face uses: from AOTAutograd's joint graphs to a plan and a compiled step.
 
-`Planner` is AOTAutograd's partition callback: it profiles each joint graph and either applies a
-given plan to it or solves for it on its own. `plan_graphs` solves the graphs of one step jointly
-under what the ledger leaves of the budget. `CapturePlanner` is `optimize`'s: its first trace only
-profiles (a graph cannot know the ones after it), then `plan_jointly` plans every graph of the step
-together and `compile_and_trace` compiles the step with that plan (autoremat.planning.pipeline runs these
-stages and verifies the result on a real step). The torch.compile face (autoremat.backend) builds
-its own step planner on `Planner`.
+`Planner` is AOTAutograd's partition callback: it profiles each joint graph and either applies a given
+plan to it or solves for it on its own. `CapturePlanner` is `optimize`'s: its first trace only profiles (a
+graph cannot know the ones after it), then `plan_jointly` plans every graph of the step together under the
+budget (`budget.plan_graphs`) and `compile_with` compiles the step with that plan (autoremat.planning.pipeline
+runs these stages and verifies the result on a real step). The torch.compile face (autoremat.backend)
+builds its own step planner on `Planner`.
 """
 
 from __future__ import annotations
@@ -215,7 +214,8 @@ class CapturePlanner(Planner):
     """`optimize`'s planner: the plan cache in front of the solver, and forgiving once planning is done.
 
     lookup(fingerprint) -> Plan | None is asked when the first graph arrives (fingerprints exist only
-    after tracing). The first trace only profiles (`_capture`). Once `optimize` has returned
+    after tracing); a plan found is applied as the graphs are traced, or with apply_cached=False (eager)
+    swapped into the capture's code afterwards (`compile_with`). The first trace only profiles (`_capture`). Once `optimize` has returned
     (`strict = False`), a graph identical to one already planned (an identical block, or a recompile
     caused by a guard on Python state) reuses that plan, and a graph that no plan was made for (the
     same input shape traced to another graph by such a recompile: new shapes get a pipeline of their
@@ -224,14 +224,14 @@ class CapturePlanner(Planner):
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
                  pre_pass: Callable | None = None, regions: bool = True, regions_seen: dict | None = None,
-                 keep_graphs: bool = False, **kwargs: Any) -> None:
+                 keep_graphs: bool = False, apply_cached: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # identical regions traced once, over a memo every trace of the step shares (same_regions.py)
         self.same = SameRegions(self, {} if regions_seen is None else regions_seen)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.regions = regions  # one graph per repeated block (autoremat.capture.regions)
         self.release_grads = self.options.release_grads  # each weight gradient to .grad as soon as it exists (regions)
-        self.lookup = lookup
+        self.lookup, self.apply_cached = lookup, apply_cached
         self.cut = False  # whether a dynamo graph was cut into regions (regions found repeated blocks)
         self.cached: Plan | None = None
         self.strict = True
@@ -255,7 +255,8 @@ class CapturePlanner(Planner):
     def __call__(self, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
         fp = fingerprint(cg.joint)
         if self.plan is None and self.lookup is not None and not self.profiles:
-            self.plan = self.cached = self.lookup(fp)
+            self.cached = self.lookup(fp)
+            self.plan = self.cached if self.apply_cached else None
         if self.cached is not None and self.plan is self.cached:
             try:
                 return super().__call__(cg)
@@ -360,18 +361,12 @@ def trace_step(step: TrainingStep, planner: CapturePlanner, source: DynamoGraph 
 def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None) -> Decision:
     """Every graph of the step (graph breaks, regions) solved jointly under one budget (`plan_graphs`).
 
-    `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the
-    model does not predict); the plan built from the answer still reports `step.ledger`.
-    """
-    profiles = say_solving(planner.sequence(), step.options)
-    return plan_graphs(profiles, budget, reserve or step.ledger, step.dev, step.options, one_set=True)
-
-
-def say_solving(profiles: list[GraphProfile], options: PlanOptions) -> list[GraphProfile]:
-    """The solving stage's progress line; returns `profiles`."""
+    `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the model
+    does not predict); the plan built from the answer still reports `step.ledger`."""
+    profiles = planner.sequence()
     progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
-                  sum(len(g.nodes) for g in profiles), len(profiles), options.time_limit)
-    return profiles
+                  sum(len(g.nodes) for g in profiles), len(profiles), step.options.time_limit)
+    return plan_graphs(profiles, budget, reserve or step.ledger, step.dev, step.options, one_set=True)
 
 
 def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decision: Decision):
@@ -393,8 +388,13 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decis
     elif len(profiles) > 1:
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
+    return (plan, *compile_with(step, planner, budget, plan))
+
+
+def compile_with(step: TrainingStep, planner: CapturePlanner, budget: int, plan: Plan) -> tuple[Any, CapturePlanner]:
+    """The step `planner` traced, compiled with `plan`, and the planner that applied it."""
     applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
     # Inductor's compilers run in dynamo's own context: only eager's step is compiled from the kept graph
     compiled = dynamo_graphs.compile_planned(step, applier, planner, own_errors) \
         if planner.source is not None and step.compiler == "eager" else trace_step(step, applier)
-    return plan, compiled, applier
+    return compiled, applier
