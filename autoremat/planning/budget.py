@@ -6,6 +6,7 @@ budget that would fit (`Ledger.needs` of the smallest peak found).
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from autoremat.model.devices import DeviceSpec
@@ -19,6 +20,8 @@ from autoremat.solve.solver import Infeasible, smallest_peak, solve
 
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner
+
+progress = logging.getLogger("autoremat.progress")  # the planning stages, at INFO (planner.progress)
 
 
 def budget_or_memory(budget: int | None, device: DeviceSpec) -> int:
@@ -60,6 +63,13 @@ def plan_graphs(
         if one_set:  # the floor reported is that of the code that runs: one saved set per compiled graph
             e.smallest = one_set_per_graph(profiles, e.smallest, None)
         raise BudgetError.from_infeasible(budget, ledger, e, profiles, device) from None
+
+
+def say_solving(profiles: list[GraphProfile], options: PlanOptions) -> list[GraphProfile]:
+    """The solving stage's progress line (before `plan_graphs` solves `profiles` for a step); returns them."""
+    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
+                  sum(len(g.nodes) for g in profiles), len(profiles), options.time_limit)
+    return profiles
 
 
 def room_for(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:

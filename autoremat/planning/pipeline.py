@@ -21,7 +21,7 @@ from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import loss_region as region
 from autoremat.planning import precision_plan
 from autoremat.planning import verify as verification
-from autoremat.planning.budget import check_cached, plan_graphs, room_for
+from autoremat.planning.budget import check_cached, plan_graphs, room_for, say_solving
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
@@ -127,7 +127,8 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         if (hit := _from_cache(step, traced, budget, trace)) is not None:  # the one graph's plan, cached
             return hit
         planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
-    decision = traced.decision or solve_step(step, planner, budget)
+    decision = traced.decision or plan_graphs(say_solving(planner.sequence(), options), budget, ledger, dev, options,
+                                              one_set=True)
     plan, compiled, planner = plan_jointly(step, planner, budget, decision)
     measured: Any = verification.UNMEASURED
     if cut_step is not None and checked:

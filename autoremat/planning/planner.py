@@ -35,7 +35,7 @@ from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
 from autoremat.planning import dynamo_graphs
-from autoremat.planning.budget import budget_or_memory, plan_graphs
+from autoremat.planning.budget import budget_or_memory, plan_graphs, say_solving
 from autoremat.planning.calls import CallLog, repeats
 from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.options import DEFAULTS, PlanOptions
@@ -363,9 +363,7 @@ def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve
 
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the model
     does not predict); the plan built from the answer still reports `step.ledger`."""
-    profiles = planner.sequence()
-    progress.info("solving for %d nodes in %d graph(s) (time limit %g s per solve)",
-                  sum(len(g.nodes) for g in profiles), len(profiles), step.options.time_limit)
+    profiles = say_solving(planner.sequence(), step.options)
     return plan_graphs(profiles, budget, reserve or step.ledger, step.dev, step.options, one_set=True)
 
 
