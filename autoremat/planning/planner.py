@@ -215,11 +215,12 @@ class CapturePlanner(Planner):
 
     lookup(fingerprint) -> Plan | None is asked when the first graph arrives (fingerprints exist only
     after tracing); a plan found is applied as the graphs are traced, or with apply_cached=False (eager)
-    swapped into the capture's code afterwards (`compile_with`). The first trace only profiles (`_capture`). Once `optimize` has returned
-    (`strict = False`), a graph identical to one already planned (an identical block, or a recompile
-    caused by a guard on Python state) reuses that plan, and a graph that no plan was made for (the
-    same input shape traced to another graph by such a recompile: new shapes get a pipeline of their
-    own, see remat_module.RematModule) is planned on its own rather than raising PlanMismatch.
+    swapped into the capture's code afterwards (`compile_with`). The first trace only profiles
+    (`_capture`). Once `optimize` has returned (`strict = False`), a graph identical to one already
+    planned (an identical block, or a recompile caused by a guard on Python state) reuses that plan, and
+    a graph that no plan was made for (the same input shape traced to another graph by such a recompile:
+    new shapes get a pipeline of their own, see remat_module.RematModule) is planned on its own rather
+    than raising PlanMismatch.
     """
 
     def __init__(self, *args: Any, lookup: Callable[[str], Plan | None] | None = None,
