@@ -252,6 +252,30 @@ def test_a_stale_entry_is_planned_again(tmp_path, compiler, caplog):
     assert traces == cold + (compiler == "inductor")
 
 
+def test_a_hit_that_cannot_be_swapped_in_is_planned_again(tmp_path, monkeypatch, caplog):
+    """Under eager a hit is compiled by swapping the plan into the captured code. If that raises, the capture
+    may be half changed: the entry is discarded, the step traced again without it and planned afresh."""
+    model, ex = _model()
+    good = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager",
+                              progress=False)
+    pipeline = importlib.import_module("autoremat.planning.pipeline")
+
+    def broken(*a, **k):
+        raise RuntimeError("swap failed")
+    monkeypatch.setattr(pipeline, "compile_with", broken)
+    again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False,
+                               compiler="eager", progress=False)
+    assert again.plan.solver["path"] != "cache"
+    assert [g.saved for g in again.plan.graphs] == [g.saved for g in good.plan.graphs]
+    assert any("could not be applied (RuntimeError: swap failed)" in r.getMessage() for r in caplog.records)
+    torch.manual_seed(1)  # dropout: same draws in both
+    ref = torch.autograd.grad(model(*ex), list(model.parameters()))
+    torch.manual_seed(1)
+    got = torch.autograd.grad(again(*ex), list(model.parameters()))
+    for g, r in zip(got, ref, strict=True):
+        assert_close_for(g, r, depth=batch_depth(ex))
+
+
 def test_cache_argument_is_checked():
     with pytest.raises(TypeError, match="cache must be"):
         PlanCache.open(3)
