@@ -30,6 +30,15 @@ def _no_solver(monkeypatch):
     monkeypatch.setattr(importlib.import_module("autoremat.planning.budget"), "smallest_peak", refuse)
 
 
+def _assert_eager_gradients(model, step, ex):
+    torch.manual_seed(1)  # dropout: same draws in both
+    ref = torch.autograd.grad(model(*ex), list(model.parameters()))
+    torch.manual_seed(1)
+    got = torch.autograd.grad(step(*ex), list(model.parameters()))
+    for g, r in zip(got, ref, strict=True):
+        assert_close_for(g, r, depth=batch_depth(ex))
+
+
 def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
     model, ex = _model()
     first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
@@ -41,12 +50,7 @@ def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
     assert second.plan.solver["solved_by"] == first.plan.solver["path"]
     assert second.plan.graphs[0].saved == first.plan.graphs[0].saved
     assert second.plan.activation_peak == first.plan.activation_peak
-    torch.manual_seed(1)  # dropout: same draws in both
-    ref = torch.autograd.grad(model(*ex), list(model.parameters()))
-    torch.manual_seed(1)
-    got = torch.autograd.grad(second(*ex), list(model.parameters()))
-    for g, r in zip(got, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    _assert_eager_gradients(model, second, ex)
 
 
 def test_key_covers_budget_and_options(tmp_path):
@@ -268,12 +272,7 @@ def test_a_hit_that_cannot_be_swapped_in_is_planned_again(tmp_path, monkeypatch,
     assert again.plan.solver["path"] != "cache"
     assert [g.saved for g in again.plan.graphs] == [g.saved for g in good.plan.graphs]
     assert any("could not be applied (RuntimeError: swap failed)" in r.getMessage() for r in caplog.records)
-    torch.manual_seed(1)  # dropout: same draws in both
-    ref = torch.autograd.grad(model(*ex), list(model.parameters()))
-    torch.manual_seed(1)
-    got = torch.autograd.grad(again(*ex), list(model.parameters()))
-    for g, r in zip(got, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    _assert_eager_gradients(model, again, ex)
 
 
 def test_cache_argument_is_checked():
