@@ -28,6 +28,7 @@ from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
+from autoremat.planning.collector import older_objects_set_aside
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
 from autoremat.planning.options import PlanOptions, TrainingStep, one_options
 from autoremat.planning.pipeline import build
@@ -187,7 +188,7 @@ def optimize(
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True (stages on stderr once planning passes 2 s) or False, got {progress!r}")
     started, compiling = time.perf_counter(), COMPILE_CLOCK.seconds
-    with stages_on_stderr(progress), pulse():
+    with stages_on_stderr(progress), pulse(), older_objects_set_aside():
         args, kwargs = _split_inputs(example_inputs)
         _check_signature(model, args, kwargs)
         _check_trainable(model, args, kwargs)

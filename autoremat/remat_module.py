@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from autoremat.planning.collector import older_objects_set_aside
 from autoremat.planning.plan import Plan
 from autoremat.planning.planner import Planner, describe, own_errors
 from autoremat.progress import pulse, stages_on_stderr
@@ -124,7 +125,7 @@ class RematModule(torch.nn.Module):
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
         log.warning("autoremat: new input shape (%s): planning it under the same budget", describe(args, kwargs))
-        with own_errors(), stages_on_stderr(self._progress), pulse():
+        with own_errors(), stages_on_stderr(self._progress), pulse(), older_objects_set_aside():
             plan, compiled, planner = self._plan_shape(args, kwargs)
         planner.done()
         plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")

@@ -32,6 +32,10 @@ runs after it in the process.
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --sizes 0 --models gated --variants eager
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --sizes 0 --models biased --variants inductor
 
+--gc ROUNDS plans each model at the loose budget and at its floor, with planning/collector.py's set-aside and
+without, alternating, and reports the times and the collector's seconds side by side.
+    PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --gc 3 --quick --sizes 0,1 --models gpt2,llama,bert
+
 Results: benchmarks/results/plan_time_cpu[_quick].{md,json}.
 """
 
@@ -39,10 +43,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -60,7 +66,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 import autoremat
 from autoremat.capture import aot as capture
 from autoremat.measure import measure_peak
-from autoremat.planning import planner, same_regions, verify
+from autoremat.planning import collector, planner, same_regions, verify
 from autoremat.planning.compilers import inductor_problem
 from autoremat.solve import ilp, solver
 from examples import models as ex
@@ -239,6 +245,85 @@ def cliff_report(rows: list[dict], variants: list[str], command: str) -> str:
                      for k in ("loose", "floor query", "at the floor", "5% below")]
             ratios = [f"{t[k] / t['loose']:.2f}x" if k in t else "-" for k in ("floor query", "at the floor", "5% below")]
             lines.append(f"| {r['model']} | {r['size']} | {v} | {runs['floor']} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+class CollectorClock:
+    """gc.callbacks: the seconds the garbage collector ran, and its full collections, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self.started = 0.0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self.started
+        self.full += info["generation"] == 2
+
+
+def run_gc(name: str, size: str, factory, rounds: int) -> dict:
+    """planning/collector.py's effect: plans at a loose budget and at the floor (compiler="eager"), with the
+    older objects set aside and without, alternating which goes first each round, in one process."""
+    global BUDGET_SHARE
+    torch.manual_seed(0)
+    model, inputs = factory()
+    BUDGET_SHARE, kept = CLIFF_LOOSE, BUDGET_SHARE
+    try:
+        budgets = {"loose": issue_budget(model, inputs)}
+    finally:
+        BUDGET_SHARE = kept
+    budgets["floor"] = timed_optimize(copy.deepcopy(model), inputs, 1, compiler="eager")["smallest_budget"]
+    row: dict = {"model": name, "size": size, "budgets": budgets, "runs": []}
+    for r in range(rounds):
+        for on in (True, False) if r % 2 == 0 else (False, True):
+            collector.SET_ASIDE = on
+            for label, budget in budgets.items():
+                clock = CollectorClock()
+                gc.callbacks.append(clock)
+                try:
+                    run = timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager")
+                finally:
+                    gc.callbacks.remove(clock)
+                    collector.SET_ASIDE = True
+                row["runs"].append({"round": r, "set_aside": on, "budget": label, "total_s": run["total_s"],
+                                    "gc_s": round(clock.seconds, 3), "full": clock.full,
+                                    "peak": run.get("predicted_peak"), "recompute_s": run.get("recompute_s")})
+        print(f"  {name} {size} round {r}: " + ", ".join(
+            f"{x['budget']} {'on' if x['set_aside'] else 'off'} {x['total_s']:.2f} s (gc {x['gc_s']:.2f} s)"
+            for x in row["runs"] if x["round"] == r), flush=True)
+    return row
+
+
+def gc_report(rows: list[dict], command: str) -> str:
+    lines = ["# Planning with older objects set aside from the garbage collector (issue 38)\n", f"`{command}`  ",
+             f"{platform.processor() or 'cpu'}, torch {torch.__version__}, Python {platform.python_version()}, "
+             "1 thread, on a shared machine.\n",
+             f"compiler=\"eager\". Loose: fixed bytes + {CLIFF_LOOSE} x eager's activation peak; floor: the floor "
+             "query's smallest budget. Medians over the rounds; on = planning/collector.py's set-aside (the default), "
+             "off = without it, alternating which runs first. gc s: seconds inside the collector per plan; full: "
+             "full collections over all rounds. Same plan: the predicted peak and recompute time agree on and off.\n",
+             "| model | size | budget | on s | off s | off / on | gc s on | gc s off | full on | full off "
+             "| same plan |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratios: dict[bool, list[float]] = {True: [], False: []}
+    for r in rows:
+        for label in r["budgets"]:
+            runs = {on: [x for x in r["runs"] if x["budget"] == label and x["set_aside"] == on] for on in (True, False)}
+            med = {on: statistics.median(x["total_s"] for x in runs[on]) for on in runs}
+            gcs = {on: statistics.median(x["gc_s"] for x in runs[on]) for on in runs}
+            full = {on: sum(x["full"] for x in runs[on]) for on in runs}
+            same = len({(x["peak"], x["recompute_s"]) for on in runs for x in runs[on]}) == 1
+            lines.append(f"| {r['model']} | {r['size']} | {label} | {med[True]:.2f} | {med[False]:.2f} | "
+                         f"{med[False] / med[True]:.2f}x | {gcs[True]:.2f} | {gcs[False]:.2f} | {full[True]} | "
+                         f"{full[False]} | {'yes' if same else 'NO'} |")
+        for on in (True, False):
+            per_round = [f["total_s"] / lo["total_s"] for lo in r["runs"] for f in r["runs"]
+                         if lo["budget"] == "loose" and f["budget"] == "floor" and lo["round"] == f["round"]
+                         and lo["set_aside"] == f["set_aside"] == on]
+            ratios[on].append((f"{r['model']} {r['size']}", statistics.median(per_round)))
+    lines += ["", "At the floor against the loose budget (median over rounds of the ratio within a round):", "",
+              "| model | on | off |", "|---|---|---|"]
+    lines += [f"| {m} | {a:.2f}x | {b:.2f}x |" for (m, a), (_, b) in zip(ratios[True], ratios[False])]
     return "\n".join(lines) + "\n"
 
 
@@ -468,6 +553,8 @@ def main() -> None:
     ap.add_argument("--depths", default=None, help="instead of the two sizes, these depths (e.g. 12,24,48)")
     ap.add_argument("--cliff", action="store_true", help="time a loose budget, the floor query, the floor and below "
                     "it; --variants names the compilers (eager, inductor)")
+    ap.add_argument("--gc", type=int, default=0, metavar="ROUNDS", help="plan at a loose budget and at the floor "
+                    "with the older objects set aside from the collector and without (planning/collector.py)")
     ap.add_argument("--out", default=None, help="results file stem (default plan_time_cpu[_quick])")
     ap.add_argument("--cold", action="store_true", help="every run, torch.compile's too, in a process and "
                     "Inductor cache of its own")
@@ -490,6 +577,16 @@ def main() -> None:
     rows = []
     command = "PYTHONPATH=.:benchmarks python benchmarks/plan_time.py " + " ".join(sys.argv[1:])
     stem = a.out or ("plan_time_cpu_depth" if depths else "plan_time_cpu_quick" if a.quick else "plan_time_cpu")
+    if a.gc:
+        stem = a.out or "plan_time_cpu_gc"
+        for name in a.models.split(","):
+            for i in sizes:
+                rows.append(run_gc(name, *table[name][i], a.gc))
+                text = gc_report(rows, command)
+                (RESULTS / f"{stem}.md").write_text(text)
+                (RESULTS / f"{stem}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print(text)
+        return
     if a.cliff:
         stem = a.out or "plan_time_cpu_cliff"
         for name in a.models.split(","):

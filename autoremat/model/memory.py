@@ -15,6 +15,7 @@ are not simulated here; they come from the ledger.
 
 from __future__ import annotations
 
+import bisect
 import math
 import weakref
 from collections import OrderedDict
@@ -56,7 +57,7 @@ class Schedule:
     written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
 
 
-@dataclass(slots=True)  # one per node of every simulated step: the solvers simulate thousands of steps
+@dataclass(slots=True)
 class Step:
     graph: int
     phase: str  # "forward" | "backward"
@@ -66,28 +67,46 @@ class Step:
 
 @dataclass
 class Timeline:
-    steps: list[Step] = field(default_factory=list)
+    """The live bytes at every step of a replay, as flat lists: the searches replay the whole step hundreds of
+    times per plan, and one object per step made the collector run twice as often (issue 38: 464 young
+    collections against 246 in a 2-layer GPT-2's plan at its floor). `steps` builds `Step`s for a reader."""
+
+    during: list[int] = field(default_factory=list)  # per step, in time order
+    nodes: list[str] = field(default_factory=list)  # the node each step runs
+    spans: list[tuple[int, int, str]] = field(default_factory=list)  # (first step, graph index, phase) per graph run
     boundary: int = 0  # live bytes between the last forward and the first backward graph
-    # simulate(limit=...) stopped at the first step over the limit: `steps` ends there, its peak is that step's
+    # simulate(limit=...) stopped at the first step over the limit: the steps end there, its peak is that step's
     cut_short: bool = False
-    # `simulate` fills these once the step is replayed: a search compares peaks many times per plan
     _peak_step: Step | None = field(default=None, repr=False, compare=False)
-    _done: bool = field(default=False, repr=False, compare=False)
+    _peak_index: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak(self) -> int:
-        step = self.peak_step
-        return step.during if step is not None else self.boundary
+        i = self.peak_index
+        return self.during[i] if i is not None else self.boundary
+
+    @property
+    def peak_index(self) -> int | None:
+        """The first step with the most live bytes (where a replay was cut short, its last: the one over)."""
+        if self._peak_index is None and self.during:
+            self._peak_index = self.during.index(max(self.during))
+        return self._peak_index
 
     @property
     def peak_step(self) -> Step | None:
-        if self._done:
-            return self._peak_step
-        return max(self.steps, key=lambda s: s.during, default=None)
+        if self._peak_step is None and self.peak_index is not None:
+            self._peak_step = self._step(self.peak_index)
+        return self._peak_step
 
-    def finish(self) -> None:
-        """The step is fully replayed: its peak step is found once, here."""
-        self._peak_step, self._done = max(self.steps, key=lambda s: s.during, default=None), True
+    @property
+    def steps(self) -> list[Step]:
+        """Every step as a `Step` (the peak's is `peak_step` itself)."""
+        peak = self.peak_index
+        return [self.peak_step if i == peak else self._step(i) for i in range(len(self.during))]
+
+    def _step(self, i: int) -> Step:
+        _, graph, phase = self.spans[bisect.bisect_right(self.spans, (i, math.inf)) - 1]
+        return Step(graph, phase, self.nodes[i], self.during[i])
 
 
 def _round(n: int, granularity: int) -> int:
@@ -196,9 +215,9 @@ def _weigh_orders(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
     for o in (order, other):
         copy = _Heap(heap.granularity)
         copy.refs, copy.size, copy.live, copy.scope = dict(heap.refs), dict(heap.size), heap.live, heap.scope
-        steps: list[Step] = []
-        _run(g, o, copy, held, inputs, "", steps, in_place=False)
-        trial.append(max((s.during for s in steps), default=0))
+        tl = Timeline()
+        _run(g, o, copy, held, inputs, "", tl, in_place=False)
+        trial.append(max(tl.during, default=0))
     return other if trial[1] < trial[0] else order
 
 
@@ -209,7 +228,7 @@ def _run(
     held: set[str],
     inputs: list[str],
     phase: str,
-    steps: list[Step],
+    tl: Timeline,
     reads: dict[str, tuple[str, ...]] | None = None,
     storage: dict[str, str] | None = None,
     in_place: bool = True,
@@ -250,6 +269,8 @@ def _run(
     for a, i in last_use.items():
         dies.setdefault(i, []).append(a)
     alive: set[str] = set()
+    tl.spans.append((len(tl.during), g.index, phase))
+    during_at, names = tl.during, tl.nodes
 
     def release(name: str) -> None:
         if name in alive and name not in held:
@@ -283,7 +304,8 @@ def _run(
             pinned[out] = storage[out]
             heap.add(pinned[out], 0)
         during = heap.live + _round(p.transient_bytes, heap.granularity) + _round(outs, heap.granularity)
-        steps.append(Step(g.index, phase, name, during))
+        during_at.append(during)
+        names.append(name)
         if during > limit:  # before the releases: the heap is left as it is while this node runs (live_at_peak)
             raise _OverLimit
         for a in dies.get(i, ()):
@@ -305,9 +327,6 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1, 
         _replay(graphs, granularity, limit, tl)
     except _OverLimit:
         tl.cut_short = True
-        tl._peak_step, tl._done = tl.steps[-1], True
-        return tl
-    tl.finish()
     return tl
 
 
@@ -352,7 +371,7 @@ def _replay(graphs: list[tuple[GraphProfile, Schedule]], granularity: int, limit
         heap.scope = scope
         # Values that cross into the backward, and forward outputs (held by the caller), stay.
         held = set(sched.saved) | set(g.fw_outputs)
-        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl.steps, limit=limit)
+        _run(g, _kernel_order(g, sched.forward, heap, held, []), heap, held, [], "forward", tl, limit=limit)
         saved_alive.append(list(sched.saved))
         release_at(scope)
     tl.boundary = heap.live
@@ -369,7 +388,7 @@ def _replay(graphs: list[tuple[GraphProfile, Schedule]], granularity: int, limit
         caller_held = set(g.fw_outputs) - passed_on[scope]
         held = set(g.grad_outputs) | caller_held | (set(tangents) if TANGENTS_HELD else set())
         order = _kernel_order(g, sched.backward, heap, held, saved + tangents)
-        _run(g, order, heap, held, saved + tangents, "backward", tl.steps, sched.reads, sched.storage, limit=limit)
+        _run(g, order, heap, held, saved + tangents, "backward", tl, sched.reads, sched.storage, limit=limit)
         for name in set(g.grad_outputs) | (set(tangents) if TANGENTS_HELD else set()):
             p = g.nodes[name]
             if p.kind in ("backward", "tangent") and p.storage and (scope, name) not in waiting:

@@ -20,7 +20,8 @@ from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import OUTPUTS
 from autoremat.planning import precision_plan
 from autoremat.planning.compilers import check_compiler
-from autoremat.solve.solver import DEFAULT_GAP, check_solver
+from autoremat.solve.lp import check_solver
+from autoremat.solve.solver import DEFAULT_GAP
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from autoremat.capture.regions import block_of
 from autoremat.model.lifetimes import Lifetimes
-from autoremat.model.memory import TANGENTS_HELD, _Heap, _run
+from autoremat.model.memory import TANGENTS_HELD, Timeline, _Heap, _run
 from autoremat.model.profile import GraphProfile
 from autoremat.model.schedule import forward_slots
 
@@ -44,18 +44,16 @@ def static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[i
     recomputed; also the core forward that runs then, and each forward-side node's slot in it
     (schedule.forward_slots)."""
     heap = _Heap(granularity)
-    steps: list = []
+    forward, backward = Timeline(), Timeline()
     core, slot = forward_slots(g)
     bw = [n for n, p in g.nodes.items() if p.kind == "backward"]
-    _run(g, core, heap, set(g.fw_outputs), [], "forward", steps)
-    fw_during = [s.during for s in steps]
+    _run(g, core, heap, set(g.fw_outputs), [], "forward", forward)
     tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
     for t in tangents:
         heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
-    steps = []
     held = set(g.grad_outputs) | set(g.fw_outputs) | (set(tangents) if TANGENTS_HELD else set())
-    _run(g, bw, heap, held, tangents, "backward", steps)
-    return fw_during, [s.during for s in steps], core, slot
+    _run(g, bw, heap, held, tangents, "backward", backward)
+    return forward.during, backward.during, core, slot
 
 
 def owned_size(g: GraphProfile, v: str, granularity: int) -> int:

@@ -35,6 +35,20 @@ Solver = pulp.LpSolver
 OPTIMAL, TIME_LIMIT, INFEASIBLE, NOT_SOLVED = "optimal", "time_limit", "infeasible", "not solved"
 
 
+# The ILP solvers a caller may name: HiGHS is the one solver (PuLP 4 no longer bundles CBC), and
+# "auto" stays accepted so that code written for the choice keeps working.
+SOLVERS = ("auto", "highs")
+
+
+def check_solver(name: str) -> None:
+    """A clear error for a solver name autoremat does not run."""
+    if name == "cbc":
+        raise ValueError("solver='cbc' is no longer supported: PuLP 4 does not bundle CBC, and autoremat "
+                         "solves with HiGHS (highspy, installed with autoremat); use solver='highs' or 'auto'")
+    if name not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {name!r}")
+
+
 def problem(name: str) -> Problem:
     """An empty minimisation problem."""
     return pulp.LpProblem(name, pulp.LpMinimize)
