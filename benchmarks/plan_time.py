@@ -206,7 +206,8 @@ CLIFF_LOOSE = 0.8  # --cliff: the loose budget's share of eager's activation pea
 
 def run_cliff(name: str, size: str, factory, variants: list[str]) -> dict:
     """Issue 38's cliff near the floor: per compiler, planning at a loose budget (fixed + CLIFF_LOOSE x eager's
-    activations), the floor query (budget=1), a plan at that floor, and a budget 5% below it (refused)."""
+    activations), at checkpointing's peak (fixed + the activations of every block checkpointed, measured), the
+    floor query (budget=1), a plan at that floor, and a budget 5% below it (refused)."""
     global BUDGET_SHARE
     torch.manual_seed(0)
     model, inputs = factory()
@@ -215,10 +216,12 @@ def run_cliff(name: str, size: str, factory, variants: list[str]) -> dict:
         loose = issue_budget(model, inputs)
     finally:
         BUDGET_SHARE = kept
-    row: dict = {"model": name, "size": size, "loose_budget": loose}
+    ckpt = checkpointing_budget(model, inputs)
+    row: dict = {"model": name, "size": size, "loose_budget": loose, "checkpointing_budget": ckpt}
     for v in variants:
         kw = {"compiler": v}
         runs = {"loose": timed_optimize(copy.deepcopy(model), inputs, loose, **kw),
+                "at checkpointing's peak": timed_optimize(copy.deepcopy(model), inputs, ckpt, **kw),
                 "floor query": timed_optimize(copy.deepcopy(model), inputs, 1, **kw)}
         floor = runs["floor query"].get("smallest_budget")
         if floor:
@@ -235,16 +238,20 @@ def cliff_report(rows: list[dict], variants: list[str], command: str) -> str:
              f"{platform.processor() or 'cpu'}, torch {torch.__version__}, 1 thread, on a shared machine.\n",
              f"Loose: fixed bytes + {CLIFF_LOOSE} x eager's activation peak. Floor query: budget=1 (refused; "
              "BudgetError.smallest_budget is the floor). Each run cold (dynamo reset, no remembered floor).\n",
-             "| model | size | compiler | floor | loose s | floor query s | at the floor s | 5% below s "
-             "| floor query / loose | at floor / loose | below / loose |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "At checkpointing's peak: fixed bytes + the measured activation peak of the model with every block "
+             "checkpointed (HF's own non-reentrant checkpointing), the budget column.\n",
+             "| model | size | compiler | checkpointing | floor | loose s | at ckpt s | floor query s | at the floor s "
+             "| 5% below s | ckpt / loose | floor query / loose | at floor / loose | below / loose |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    kinds = ("loose", "at checkpointing's peak", "floor query", "at the floor", "5% below")
     for r in rows:
         for v in variants:
             runs = r[v]
-            t = {k: runs[k]["total_s"] for k in ("loose", "floor query", "at the floor", "5% below") if k in runs}
-            cells = [f"{t[k]:.1f}" + (" (refused)" if "error" in runs[k] else "") if k in t else "-"
-                     for k in ("loose", "floor query", "at the floor", "5% below")]
-            ratios = [f"{t[k] / t['loose']:.2f}x" if k in t else "-" for k in ("floor query", "at the floor", "5% below")]
-            lines.append(f"| {r['model']} | {r['size']} | {v} | {runs['floor']} | " + " | ".join(cells + ratios) + " |")
+            t = {k: runs[k]["total_s"] for k in kinds if k in runs}
+            cells = [f"{t[k]:.1f}" + (" (refused)" if "error" in runs[k] else "") if k in t else "-" for k in kinds]
+            ratios = [f"{t[k] / t['loose']:.2f}x" if k in t else "-" for k in kinds[1:]]
+            lines.append(f"| {r['model']} | {r['size']} | {v} | {r.get('checkpointing_budget', '-')} | {runs['floor']} | "
+                         + " | ".join(cells + ratios) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -346,6 +353,18 @@ def first_call(model, inputs, backend: str) -> float:
     t = time.perf_counter()
     step(compiled, inputs)
     return time.perf_counter() - t
+
+
+def checkpointing_budget(model, inputs) -> int:
+    """Parameters + gradients + inputs + the activation peak (steady state) of `model` with every block
+    checkpointed: the budget at checkpointing's peak."""
+    from common import checkpoint_every_block
+    global BUDGET_SHARE
+    BUDGET_SHARE, kept = 1.0, BUDGET_SHARE
+    try:
+        return issue_budget(checkpoint_every_block(copy.deepcopy(model)), inputs)
+    finally:
+        BUDGET_SHARE = kept
 
 
 def issue_budget(model, inputs) -> int:
