@@ -219,19 +219,38 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
 
 
 def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):
-    """regions="auto" plans a roomy 2-block stack as one graph, and stores the plan under that graph's key. A
-    second run captures the cut step first (its key is not in the cache), then the one graph: that plan is
-    the hit. It used to be taken for a stale entry, discarded and planned again on every run."""
+    """regions="auto" plans a roomy 2-block stack as one graph, and stores the plan under that graph's key, and
+    beside it that this step was planned as one graph. A second run traces that form alone (one AOTAutograd
+    trace), whose plan is the hit: not the cut step first, whose key is not in the cache (issue 38). The plan
+    found there used to be taken for a stale entry, discarded and planned again on every run."""
+    torch.manual_seed(0)
+    model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
+    first, cold = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
+                                                         compiler="eager", progress=False))
+    assert first.num_graphs == 1 and any("one graph for the step" in n for n in first.plan.notes), first.plan.notes
+    _no_solver(monkeypatch)
+    second, hit = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
+                                                         compiler="eager", progress=False))
+    assert second.plan.solver["path"] == "cache" and second.num_graphs == 1
+    assert hit == 1 < cold, (hit, cold)
+    assert not [r for r in caplog.records if "cached plan" in r.getMessage()]
+    _assert_eager_gradients(model, second, ex)
+
+
+def test_a_remembered_one_graph_form_whose_plan_is_gone_is_captured_per_block(tmp_path):
+    """The step's form is only a hint: where the one graph's plan is no longer in the cache, the step is
+    captured per block and planned as a cold run plans it, to the same plan."""
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
     first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager",
                                progress=False)
-    assert first.num_graphs == 1 and any("one graph for the step" in n for n in first.plan.notes), first.plan.notes
-    _no_solver(monkeypatch)
-    second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager",
-                                progress=False)
-    assert second.plan.solver["path"] == "cache" and second.num_graphs == 1
-    assert not [r for r in caplog.records if "cached plan" in r.getMessage()]
+    plans = [p for p in tmp_path.glob("*.json") if "plan" in json.loads(p.read_text())]
+    assert len(plans) == 1 and first.num_graphs == 1
+    plans[0].unlink()
+    again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager",
+                               progress=False)
+    assert again.plan.solver["path"] != "cache" and again.num_graphs == 1
+    assert [g.saved for g in again.plan.graphs] == [g.saved for g in first.plan.graphs]
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])

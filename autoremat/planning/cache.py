@@ -123,7 +123,7 @@ class PlanCache:
     def step_key(model: torch.nn.Module, args: tuple, kwargs: dict, fields: dict[str, Any]) -> str:
         """A key for a step before it is traced: the model's class, its parameters' and buffers' names, shapes,
         dtypes and whether they train, the batch's shapes and dtypes, and `fields`. Two steps can share it
-        (the same shapes, other code), so it names no plan, only the chunk count to trace (`store_count`)."""
+        (the same shapes, other code), so it names no plan, only what to trace first (`store_count`, `store_form`)."""
         def describe(x: Any) -> Any:
             return [list(x.shape), str(x.dtype), x.device.type] if isinstance(x, torch.Tensor) else repr(x)
         blob = json.dumps({"model": type(model).__qualname__, "autoremat": _version(), "torch": torch.__version__,
@@ -134,27 +134,44 @@ class PlanCache:
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
     @staticmethod
-    def count_key(key: str) -> str:
-        """Where the loss region's chosen chunk count is kept for the step whose `step_key` is `key`."""
-        return hashlib.sha256(f"{key}/loss_chunks".encode()).hexdigest()[:32]
+    def note_key(key: str, what: str) -> str:
+        """Where what a plan of the step whose `step_key` is `key` chose (`what`) is kept."""
+        return hashlib.sha256(f"{key}/{what}".encode()).hexdigest()[:32]
 
     def store_count(self, key: str, chunks: int) -> None:
         """Remember that the step whose `step_key` is `key` was planned with its loss region in `chunks`
         pieces. That plan is stored under the chunked trace's own key, which is known only once the chunked
         step is traced: this lets a later run trace that count alone, not the whole step first and then
         every candidate."""
-        self._write(self.count_key(key), {"chunks": chunks, "autoremat": _version(), "torch": torch.__version__})
+        self._write(self.note_key(key, "loss_chunks"), {"chunks": chunks, **_made_with()})
 
     def load_count(self, key: str) -> int | None:
         """The chunk count `store_count` kept for `key`, or None (none, unreadable, or from other versions)."""
         def count_of(entry: dict) -> int:
-            if entry.get("autoremat") != _version() or entry.get("torch") != torch.__version__:
-                raise ValueError(f"entry was made with autoremat {entry.get('autoremat')}, torch {entry.get('torch')}")
-            chunks = entry["chunks"]
+            chunks = _check_made_with(entry)["chunks"]
             if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
                 raise ValueError(f"chunk count {chunks!r}")
             return chunks
-        return self._read(self.count_key(key), count_of)
+        return self._read(self.note_key(key, "loss_chunks"), count_of)
+
+    def store_form(self, key: str, regions: bool) -> None:
+        """Remember that regions="auto" planned the step whose `step_key` is `key` as one graph (regions=False),
+        or forget it (True: one graph per repeated block, which a step is captured as first anyway). A one-graph
+        plan is stored under the one graph's key: this lets a later run trace that form first, not the cut step
+        and then the one graph."""
+        if regions:
+            self.discard(self.note_key(key, "regions"))
+        else:
+            self._write(self.note_key(key, "regions"), {"regions": regions, **_made_with()})
+
+    def load_form(self, key: str) -> bool | None:
+        """The form `store_form` kept for `key`, or None (none, unreadable, or from other versions)."""
+        def form_of(entry: dict) -> bool:
+            regions = _check_made_with(entry)["regions"]
+            if not isinstance(regions, bool):
+                raise ValueError(f"regions {regions!r}")
+            return regions
+        return self._read(self.note_key(key, "regions"), form_of)
 
     def discard(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
@@ -163,3 +180,14 @@ class PlanCache:
         entries = sorted(self.root.glob("*.json"), key=lambda p: p.stat().st_mtime)
         for old in entries[:-MAX_ENTRIES]:
             old.unlink(missing_ok=True)
+
+
+def _made_with() -> dict[str, str]:
+    return {"autoremat": _version(), "torch": torch.__version__}
+
+
+def _check_made_with(entry: dict) -> dict:
+    """`entry`, if this autoremat and torch wrote it (what a step chose may differ under others)."""
+    if entry.get("autoremat") != _version() or entry.get("torch") != torch.__version__:
+        raise ValueError(f"entry was made with autoremat {entry.get('autoremat')}, torch {entry.get('torch')}")
+    return entry
