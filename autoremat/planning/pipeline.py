@@ -105,7 +105,8 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     if first is not None:
         loss.reports = list(first.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
     trace = _Tracer(step, budget, pre, store, fields)
-    form_key = store.step_key(step.model, step.args, step.kwargs, {**fields, "dtypes": dtypes}) if store else None
+    form_key = (store.step_key(step.model, step.args, step.kwargs, {**fields, "traced_dtypes": dtypes})
+                if store is not None and regions == "auto" else None)
     if first is not None and store is None:
         traced = Traced(first.planner, first.compiled, None, decision=first.decision)
     elif (hit := _remembered_form(step, trace, budget, form_key)) is not None:
@@ -151,7 +152,7 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     _describe(plan, planner, loss, chunks, chunks_note, regions_note, dtypes, options)
     if store is not None and store_key:
         store.store(store_key, plan, fields)
-        if regions == "auto":
+        if form_key is not None:
             store.store_form(form_key, planner.regions)  # kept only where one graph was planned
     return plan, compiled, planner
 
@@ -160,7 +161,7 @@ def _remembered_form(step: TrainingStep, trace: _Tracer, budget: int, form_key: 
     """regions="auto": build's result from the plan cache where the last plan of this step was one graph, that
     form traced alone (its plan is stored under the one graph's key); None where it was not, or its plan is
     not in the cache (a stale one is discarded: the step is then captured per block as usual)."""
-    if form_key is None or step.options.regions != "auto" or trace.store.load_form(form_key) is not False:
+    if form_key is None or trace.store.load_form(form_key) is not False:
         return None
     progress.info("the plan cache has a plan of this step as one graph: tracing that form")
     return _from_cache(step, trace(False), budget, trace)
