@@ -409,6 +409,11 @@ def models(quick: bool, depths: list[int] | None = None) -> dict:
         "gated": [("d32 4x64 V2048 eager gate", lambda: head_lm(4, 64, 2048, 32, bias=False, gate=True))],
         "biased": [("d32 4x64 V4096 biased head", lambda: head_lm(4, 64, 4096, 32, bias=True, gate=False))],
     }
+    # Issue 38's held-out shapes, one size each, never tuned on: its 6-layer encoder (hidden 128, dropout,
+    # 4 x 96 tokens) whose plans at checkpointing's peak took 682 s, and its small decoder (6 layers, hidden
+    # 256, 2 x 256 tokens), here as the Llama shape
+    heads["encoder6"] = [("6L d128 4x96 V2048", lambda: bert(4, 96, 6, 128, 4, 2048))]
+    heads["decoder6"] = [("6L d256 2x256 V4096", lambda: ex.llama(2, 256, 6, 256, 4, 4096))]
     return {**heads,
         "stack": [(f"{2 * n}L d128 4x64", lambda n=n: ex.transformer_stack(4, 64, 2 * n, 128, 4, 0.1)) for n in d],
         "gpt2": [(f"{n}L d64 2x64 V1024", lambda n=n: ex.gpt2(2, 64, n, 64, 4, 1024)) for n in d],

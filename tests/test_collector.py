@@ -11,7 +11,7 @@ import torch
 
 import autoremat
 from autoremat import progress
-from autoremat.planning.collector import older_objects_set_aside
+from autoremat.planning.collector import INTERPRETER_FROZEN, older_objects_set_aside
 
 
 class _Cycle:
@@ -19,19 +19,24 @@ class _Cycle:
         self.me = self
 
 
+def _handed_back() -> bool:
+    """Nothing frozen but the interpreter's own objects (Python 3.12 moves its immortal ones back on a collection)."""
+    return gc.get_freeze_count() <= INTERPRETER_FROZEN
+
+
 def test_objects_are_set_aside_inside_and_handed_back_after() -> None:
-    assert gc.get_freeze_count() == 0
+    assert _handed_back()
     with older_objects_set_aside():
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > INTERPRETER_FROZEN
         made = _Cycle()  # garbage made while planning is still collected
         gone = weakref.ref(made)
         del made
         gc.collect()
         assert gone() is None
-    assert gc.get_freeze_count() == 0
+    assert _handed_back()
     with pytest.raises(RuntimeError), older_objects_set_aside():
         raise RuntimeError("a plan that fails")
-    assert gc.get_freeze_count() == 0
+    assert _handed_back()
 
 
 def test_a_program_that_manages_the_collector_itself_is_left_alone() -> None:
@@ -46,7 +51,7 @@ def test_a_program_that_manages_the_collector_itself_is_left_alone() -> None:
     gc.disable()
     try:
         with older_objects_set_aside():
-            assert gc.get_freeze_count() == 0
+            assert _handed_back()
     finally:
         gc.enable()
 
@@ -72,13 +77,13 @@ def test_optimize_and_a_new_shape_plan_with_older_objects_set_aside() -> None:
     try:
         om = autoremat.optimize(model, budget="1GB", example_inputs=(torch.randn(4, 16),), compiler="eager",
                                 progress=False, cache=False)
-        assert gc.get_freeze_count() == 0
+        assert _handed_back()
         planned = len(seen.seen)
         om(torch.randn(6, 16)).sum().backward()  # a new input shape: planned again
     finally:
         logger.removeHandler(seen)
         logger.setLevel(level)
-    assert gc.get_freeze_count() == 0
+    assert _handed_back()
     captures = [frozen for message, frozen in seen.seen if message.startswith("capturing")]
     assert planned and len(seen.seen) > planned and len(captures) == 2, seen.seen
-    assert all(frozen > 0 for frozen in captures), seen.seen
+    assert all(frozen > INTERPRETER_FROZEN for frozen in captures), seen.seen
