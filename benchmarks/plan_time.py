@@ -208,14 +208,9 @@ def run_cliff(name: str, size: str, factory, variants: list[str]) -> dict:
     """Issue 38's cliff near the floor: per compiler, planning at a loose budget (fixed + CLIFF_LOOSE x eager's
     activations), at checkpointing's peak (fixed + the activations of every block checkpointed, measured), the
     floor query (budget=1), a plan at that floor, and a budget 5% below it (refused)."""
-    global BUDGET_SHARE
     torch.manual_seed(0)
     model, inputs = factory()
-    BUDGET_SHARE, kept = CLIFF_LOOSE, BUDGET_SHARE
-    try:
-        loose = issue_budget(model, inputs)
-    finally:
-        BUDGET_SHARE = kept
+    loose = issue_budget(model, inputs, CLIFF_LOOSE)
     ckpt = checkpointing_budget(model, inputs)
     row: dict = {"model": name, "size": size, "loose_budget": loose, "checkpointing_budget": ckpt}
     for v in variants:
@@ -272,14 +267,9 @@ class CollectorClock:
 def run_gc(name: str, size: str, factory, rounds: int) -> dict:
     """planning/collector.py's effect: plans at a loose budget and at the floor (compiler="eager"), with the
     older objects set aside and without, alternating which goes first each round, in one process."""
-    global BUDGET_SHARE
     torch.manual_seed(0)
     model, inputs = factory()
-    BUDGET_SHARE, kept = CLIFF_LOOSE, BUDGET_SHARE
-    try:
-        budgets = {"loose": issue_budget(model, inputs)}
-    finally:
-        BUDGET_SHARE = kept
+    budgets = {"loose": issue_budget(model, inputs, CLIFF_LOOSE)}
     budgets["floor"] = timed_optimize(copy.deepcopy(model), inputs, 1, compiler="eager")["smallest_budget"]
     row: dict = {"model": name, "size": size, "budgets": budgets, "runs": []}
     for r in range(rounds):
@@ -359,23 +349,18 @@ def checkpointing_budget(model, inputs) -> int:
     """Parameters + gradients + inputs + the activation peak (steady state) of `model` with every block
     checkpointed: the budget at checkpointing's peak."""
     from common import checkpoint_every_block
-    global BUDGET_SHARE
-    BUDGET_SHARE, kept = 1.0, BUDGET_SHARE
-    try:
-        return issue_budget(checkpoint_every_block(copy.deepcopy(model)), inputs)
-    finally:
-        BUDGET_SHARE = kept
+    return issue_budget(checkpoint_every_block(copy.deepcopy(model)), inputs, 1.0)
 
 
-def issue_budget(model, inputs) -> int:
-    """Parameters + gradients + inputs + BUDGET_SHARE x eager's activation peak (steady state)."""
+def issue_budget(model, inputs, share: float = BUDGET_SHARE) -> int:
+    """Parameters + gradients + inputs + `share` x eager's activation peak (steady state)."""
     step(model, inputs)  # .grad buffers exist, as in every micro-step after the first
     _, m = measure_peak(lambda: step(model, inputs), baseline_bytes=0)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     leaves = inputs.values() if isinstance(inputs, dict) else inputs
     ins = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
     model.zero_grad(set_to_none=True)
-    return 2 * params + ins + int(BUDGET_SHARE * m.delta_peak_bytes)
+    return 2 * params + ins + int(share * m.delta_peak_bytes)
 
 
 # --------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = _min_peak(model, _pick_solver(solver, mip_s, MIN_PEAK_GAP))  # no stop_at: in bytes
+            low = _min_peak(model, solver, mip_s)
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
@@ -293,13 +293,14 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
-    backend = _pick_solver(solver, max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit), MIN_PEAK_GAP)
+    min_peak_s = max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit)
+    solver_name = type(_pick_solver(solver, min_peak_s, MIN_PEAK_GAP)).__name__
     options = []
     status = "infeasible"
     for model in models:
         if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
             break  # one min-peak plan in hand; the rest of the time goes to the plans below
-        result = _min_peak(model, backend)
+        result = _min_peak(model, solver, min_peak_s)
         status = result.status
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
@@ -317,7 +318,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
             schedules, tl, cost = evaluate(graphs, cand, granularity)
         except ValueError:  # a candidate the schedule cannot run (a needed value nobody may recompute)
             continue
-        candidates.append(Decision(cand, schedules, tl, cost, status, path, solver=type(backend).__name__,
+        candidates.append(Decision(cand, schedules, tl, cost, status, path, solver=solver_name,
                                    granularity=granularity))
     if not candidates:
         return None
@@ -346,12 +347,12 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     return best
 
 
-def _min_peak(model: IlpModel, backend: lp.Solver) -> IlpResult:
-    """The model's min-peak solution at MIN_PEAK_GAP: solved once to optimality, then reused. A plan near the
-    floor asks twice: the calibration learns the rows' pessimism from it, then `smallest_peak` starts from it
-    (issue 38: 0.14 of the 1.1 s a 2-layer GPT-2's 4-chunk trace took to plan at its floor)."""
+def _min_peak(model: IlpModel, solver: str, time_limit: float) -> IlpResult:
+    """The model's min-peak solution at MIN_PEAK_GAP, within `time_limit` (no stop_at: its objective is bytes).
+    Solved once to optimality, then reused: near the floor the calibration asks for it to learn the rows'
+    pessimism, and `smallest_peak` asks again to start its search from it."""
     if model.min_peak is None:
-        result = model.solve(None, backend, min_peak=True)
+        result = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
         if result.status != lp.OPTIMAL:
             return result  # stopped on time: a later call with more time may do better
         model.min_peak = result
