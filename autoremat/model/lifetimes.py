@@ -72,6 +72,7 @@ def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
     first_read: dict[str, float] = {}
     start: dict[str, float] = {}
     last_read: dict[str, float] = {}
+    late: dict[str, float] = {}
     for v in reversed(fw):  # users come later in joint order, so they are done already
         fw_users = [w for w in users[v] if w in fw_pos]
         pass_through = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
@@ -84,8 +85,19 @@ def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
         inlined = {w for w in fw_users if nodes[w].fused}
         follows[v] = pass_through | same | inlined
         start[v] = min([first_read[v], *(start[w] for w in follows[v])])
-        later = ((last_read[w] if is_alias(w) else first_read[w]) for w in fw_users)
+        # The latest a recomputed v is computed at: where it is read, or else where the latest user that
+        # may drag it is computed. A saved input of v is read until then: a logits chunk saved for a
+        # recomputed `logits - logsumexp`, whose own reader is recomputed, is held to that reader's step.
+        late[v] = first_read[v] if first_read[v] != INF else max((late[w] for w in follows[v] if late[w] != INF),
+                                                                  default=INF)
+        later = ((last_read[w] if is_alias(w) else late[w]) for w in fw_users)
         last_read[v] = max([direct_last[v], *(t for t in later if t != INF)])
+    # A multi-output op recomputed for one of its outputs makes all of them then: a recomputed output that is
+    # read later (a layer norm's mean and rstd, read by its backward) is alive from the op's start.
+    for v in fw:
+        ins = nodes[v].inputs
+        if len(ins) == 1 and ins[0] in fw_pos and nodes[ins[0]].is_tuple:
+            start[v] = min(start[v], start[ins[0]])
     return Lifetimes(fw_pos, bw_pos, first_read, start, last_read, needed, follows)
 
 
