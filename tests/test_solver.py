@@ -489,3 +489,29 @@ def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, mon
     per_model = [m for m, min_peak in solved if min_peak]
     assert per_model and len(per_model) == len(set(per_model)), solved
     assert (d.peak, d.saved) == (floor.peak, floor.saved), (d.peak, d.path, floor.peak, floor.path)
+
+
+def test_greedys_plan_after_fewer_tries_is_the_plan_a_shorter_search_finds(stack):
+    """Every try of greedy's search is the same until the peak fits, so the plan a search toward a room held
+    after n tries is what a search of n tries finds: `solve` hands it to the smallest-peak search instead of
+    running that search again (issue 38: two greedy searches of one trace at its floor)."""
+    gp, _, lo = stack
+    for fewer in (0, 7, 40, 10**6):
+        full, early = heuristics.greedy_with([gp], lo // 2, 1, 300, fewer)
+        assert early == heuristics.greedy([gp], lo // 2, 1, max_tries=fewer), fewer
+        assert full == heuristics.greedy([gp], lo // 2, 1, max_tries=300)
+
+
+def test_a_plan_at_the_floor_runs_greedys_search_once(stack, monkeypatch):
+    """At the floor no ILP plan fits: greedy searches toward the room, and the smallest-peak search that follows
+    takes its plan after fewer tries from that search, with the same floor."""
+    gp, _, _ = stack
+    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
+    floor = solver.smallest_peak([gp])
+    searches = []
+    real = heuristics.greedy_with
+    monkeypatch.setattr(solver, "greedy", lambda *a, **k: pytest.fail("greedy's search ran a second time"))
+    monkeypatch.setattr(heuristics, "greedy_with", lambda *a, **k: searches.append(a) or real(*a, **k))
+    solver._floor_memo.clear()
+    d = solver.solve([gp], floor.peak)
+    assert len(searches) == 1 and d.peak == floor.peak, (searches, d.path)

@@ -38,9 +38,17 @@ def greedy(graphs: list[GraphProfile], room: int, granularity: int = 1, max_trie
     not grow. Stops as soon as the peak fits or after `max_tries` changes: a count, not a deadline,
     so a slower machine finds the same plan (each try simulates the whole step, 0.09 s on a 7B graph).
     """
+    return greedy_with(graphs, room, granularity, max_tries, max_tries)[0]
+
+
+def greedy_with(graphs: list[GraphProfile], room: int, granularity: int, max_tries: int,
+                fewer: int) -> tuple[list[set[str]], list[set[str]]]:
+    """`greedy`'s plan, and the plan it held after `fewer` tries (or at its end, if sooner): what
+    `greedy(graphs, r, granularity, fewer)` gives for any room r it did not fit, since every try is the same
+    until one fits. The smallest-peak search wants that one after a search toward the room found none."""
     saved = save_all(graphs)
     _, tl, _ = evaluate(graphs, saved, granularity)
-    peak = tl.peak
+    peak, early = tl.peak, None
     candidates = []
     for gi, g in enumerate(graphs):
         for v in saved[gi]:
@@ -48,6 +56,8 @@ def greedy(graphs: list[GraphProfile], room: int, granularity: int = 1, max_trie
             if not p.recompute_ban and p.nbytes:
                 candidates.append((p.nbytes / (p.time_s + 1e-9), gi, v))
     for tries, (_, gi, v) in enumerate(sorted(candidates, reverse=True)):
+        if tries == fewer:
+            early = saved
         if peak <= room or tries >= max_tries:
             break
         trial = [set(s) for s in saved]
@@ -61,7 +71,7 @@ def greedy(graphs: list[GraphProfile], room: int, granularity: int = 1, max_trie
             continue
         if tl.peak <= peak:
             saved, peak = trial, tl.peak
-    return saved
+    return saved, saved if early is None else early
 
 
 def checkpoint_blocks(graphs: list[GraphProfile]) -> list[set[str]]:

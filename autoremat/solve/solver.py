@@ -27,7 +27,7 @@ from collections import OrderedDict
 import pulp
 
 from autoremat.model.profile import GraphProfile
-from autoremat.solve import lp
+from autoremat.solve import heuristics, lp
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult
@@ -72,8 +72,8 @@ MIN_PEAK_GAP = 1e-3
 # ...and once one min-peak plan is in hand, no further model starts after this share of the limit:
 # the rest goes to checkpointing and greedy.
 MIN_PEAK_MODELS_SHARE = 1 / 2
-# Greedy's changes when it looks for the smallest peak (each simulates the whole step).
-MIN_PEAK_GREEDY_TRIES = 100
+# Greedy's changes toward the room, and when it looks for the smallest peak (each simulates the whole step).
+GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES = 300, 100
 
 
 def _pick_solver(name: str, time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> lp.Solver:
@@ -204,14 +204,14 @@ def solve(
     best = min(found, key=lambda d: (d.recompute_time_s, d.peak), default=None)
     status = best.status if best else (models[0].last_status if models else "time_limit")
     if best is None:
-        saved = greedy(graphs, room, granularity)
+        saved, fewer = heuristics.greedy_with(graphs, room, granularity, GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= room:
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
     if best is None:
         best = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
-                             models=models, room=room)
+                             models=models, room=room, greedy_plan=fewer)
         if best.peak > room:
             raise Infeasible(best, status)
         best.notes.append("the ILP found no plan within the activations' room; used the first plan of the "
@@ -224,9 +224,8 @@ def solve(
 
 
 def _has_twins(graphs: list[GraphProfile], model: IlpModel) -> bool:
-    """Whether some graph has identical blocks to share decisions between, read off a built model's
-    lifetimes. Without any (one block per region, or one layer) a shared model has the full one's variables
-    and rows, and would be solved again to the same answers."""
+    """Whether some graph has identical blocks to share decisions between (a built model's lifetimes): without
+    any, a shared model has the full one's variables and rows, and would be solved again to the same answers."""
     return any(block_twins(g, life) for g, life in zip(graphs, model.lifetimes))
 
 
@@ -277,7 +276,7 @@ def _remember_floor(key: tuple, d: Decision) -> None:
 
 
 def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None,
-                  room: int | None = None) -> Decision:
+                  room: int | None = None, greedy_plan: list[set[str]] | None = None) -> Decision:
     """The plan with the smallest simulated activation peak we can find; with `room`, the first plan
     the search reaches that fits it.
 
@@ -286,8 +285,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
     (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
 
-    `room` is for a caller that needs a plan within a budget (`solve`, when the ILP's rows saw none),
-    not the floor: after each stage, the fastest plan found that fits is returned, and the later stages
+    `room` is for a caller that needs a plan within a budget (`solve`, when the ILP's rows saw none, with
+    greedy's plan from its own search toward the room: `greedy_plan`), not the floor: after each stage, the fastest plan found that fits is returned, and the later stages
     (hundreds of simulations of the whole step: issue 38's cliff near the floor) are not run. Such a
     plan is not remembered as the floor. A floor query, and a room below every plan, search to the end.
     """
@@ -305,7 +304,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
-    options.append((greedy(graphs, 0, granularity, max_tries=MIN_PEAK_GREEDY_TRIES), "greedy"))
+    greedy_plan = greedy(graphs, 0, granularity, MIN_PEAK_GREEDY_TRIES) if greedy_plan is None else greedy_plan
+    options.append((greedy_plan, "greedy"))
     key = _floor_key(graphs, granularity)
     remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
     if remembered is not None:
