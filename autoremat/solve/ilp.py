@@ -103,8 +103,8 @@ class IlpModel:
         # it kept (what a later model's MIP must beat).
         self.last_status = "infeasible"
         self.best_objective: float | None = None
-        # Set by solver.py: the model's min-peak solution solved to optimality, which a later search reuses.
-        self.min_peak: IlpResult | None = None
+        # Set by solver.py: the model's min-peak solution and the seconds it was given, which a later search reuses.
+        self.min_peak: tuple[IlpResult, float] | None = None  # with the seconds it was given
         started = time.perf_counter()
         self._build(graphs, granularity)
         self.build_s = time.perf_counter() - started

@@ -64,7 +64,7 @@ MIN_MIP_S = 0.5
 NEXT_MODEL_MARGIN_S = 1.0
 # Calibration stops once a fitting plan leaves at most this share of the room unused.
 SLACK_STOP = 0.01
-# `smallest_peak`: each min-peak MIP gets this share of the time limit (but at least MIN_PEAK_MIP_S),
+# Each min-peak MIP (the calibration's, `smallest_peak`'s) gets this share of the time limit (at least MIN_PEAK_MIP_S),
 # at this relative gap (the peak is what BudgetError reports, so it is solved tighter than DEFAULT_GAP)...
 MIN_PEAK_MIP_SHARE = 1 / 4
 MIN_PEAK_MIP_S = 2.0
@@ -82,7 +82,7 @@ def _pick_solver(name: str, time_limit: float, gap: float, stop_at: tuple[float,
 
 
 def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline,
-                 stop_at: tuple[float, float] | None = None) -> Decision | None:
+                 stop_at: tuple[float, float] | None = None, min_peak_s: float = MIN_PEAK_MIP_S) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
     If the simulated plan overshoots, ask the ILP for that much less. If it undershoots, the rows
@@ -112,7 +112,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = _min_peak(model, solver, mip_s)
+            low = _min_peak(model, solver, min(mip_s, min_peak_s))
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
@@ -196,7 +196,8 @@ def solve(
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
         d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
-                         None if beat == float("inf") else (beat + MATCH, beat - LATER_MODEL_STEP_GAP))
+                         None if beat == float("inf") else (beat + MATCH, beat - LATER_MODEL_STEP_GAP),
+                         max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit))
         if d is not None:
             found.append(d)
         if models[-1].best_objective is not None:  # None where its plan is the min-peak one (bytes)
@@ -348,15 +349,14 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
 
 
 def _min_peak(model: IlpModel, solver: str, time_limit: float) -> IlpResult:
-    """The model's min-peak solution at MIN_PEAK_GAP, within `time_limit` (no stop_at: its objective is bytes).
-    Solved once to optimality, then reused: near the floor the calibration asks for it to learn the rows'
-    pessimism, and `smallest_peak` asks again to start its search from it."""
-    if model.min_peak is None:
-        result = model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True)
-        if result.status != lp.OPTIMAL:
-            return result  # stopped on time: a later call with more time may do better
-        model.min_peak = result
-    return model.min_peak
+    """The model's min-peak solution at MIN_PEAK_GAP within `time_limit` (no stop_at: its objective is bytes),
+    solved once: near the floor the calibration asks for it to learn the rows' pessimism, and `smallest_peak`
+    asks again to start its search from it. Solved again only for a caller with more time than a solve that
+    stopped on time had (single-threaded HiGHS finds nothing better in the same time)."""
+    cached = model.min_peak
+    if cached is None or (cached[0].status != lp.OPTIMAL and time_limit > cached[1]):
+        model.min_peak = (model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True), time_limit)
+    return model.min_peak[0]
 
 
 def _fastest_within(plans: list[Decision], room: int | None) -> Decision | None:
