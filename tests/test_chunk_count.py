@@ -122,6 +122,25 @@ def test_the_ilps_rows_bound_the_simulated_peak_of_each_plan_they_give(alternati
             assert simulated <= round(result.predicted_peak), (k, room, result.predicted_peak, simulated)
 
 
+def test_a_trace_that_cannot_beat_another_stops_at_its_bound(alternatives, monkeypatch) -> None:
+    """`trace_time(beat=...)`: the survey of chunk counts needs a count's time only where it beats the fastest
+    count so far. Against a time the trace beats, the answer is its time without `beat`; against one it cannot
+    beat, the MIP stops at a bound no lower than `beat` and no higher than its time (issue 38: GPT-2 small's
+    64-chunk MIP took 18 s to prove a time 0.6% above the 16-chunk one; stopped at its bound, 1.2 s)."""
+    graphs = alternatives[4]
+    least = IlpModel(graphs, 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
+    budget = math.ceil(least * 1.05)
+    exact = trace_time(graphs, budget, solver="highs", time_limit=30, gap=0)
+    ops = ops_once_time(graphs)
+    assert exact is not None and exact > ops, "no recomputation at this budget: this checks less than it says"
+    assert trace_time(graphs, budget, solver="highs", time_limit=30, gap=0, beat=2 * exact) == pytest.approx(exact)
+    beat, made, real = ops + 0.5 * (exact - ops), [], lp.highs
+    monkeypatch.setattr(lp, "highs", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    bounded = trace_time(graphs, budget, solver="highs", time_limit=30, gap=0, beat=beat)
+    assert made[-1].stopped_at is not None, "the MIP ended before its bound reached `beat`"
+    assert beat <= bounded <= exact * (1 + 1e-9), (beat, bounded, exact)
+
+
 def test_the_loss_region_nodes_are_tagged_through_aotautograd(alternatives) -> None:
     """The chunked loss's dynamo node carries LOSS_REGION_TAG; AOTAutograd copies it onto the joint nodes
     traced from it, forward and backward, except a sum of gradient contributions (it copies no meta onto

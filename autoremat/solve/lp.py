@@ -96,6 +96,7 @@ class HiGHS(pulp.HiGHS):
     is attached there."""
 
     stop_at = (float("-inf"), float("inf"))
+    stopped_at: float | None = None
 
     def createAndConfigureSolver(self, lp):  # noqa: N802 - PuLP's name
         super().createAndConfigureSolver(lp)
@@ -106,6 +107,7 @@ class HiGHS(pulp.HiGHS):
         objective, bound = self.stop_at
         if data_out.mip_primal_bound <= objective and data_out.mip_dual_bound >= bound:
             data_in.user_interrupt = True
+            self.stopped_at = data_out.mip_dual_bound  # the lower bound that ended it
 
 
 def solve(prob: Problem, solver: Solver) -> str:

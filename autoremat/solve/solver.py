@@ -32,6 +32,7 @@ from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult
 from autoremat.solve.ilp_data import block_twins
+from autoremat.solve.objective import TIE_BYTES
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.twice import recompute_twice, refine_further
 
@@ -49,8 +50,7 @@ DEFAULT_GAP = 0.01
 # step, the block-drag model found the full model's plan at once, then took 15,469 nodes (4.8 s) to
 # close its 1% relative gap, which on 9% of the step is 0.09% of it.
 LATER_MODEL_STEP_GAP = 0.002
-# Objectives this close are the same plan's, summed over other rows (float rounding, about 1e-10).
-MATCH = 1e-7
+MATCH = 1e-7  # objectives this close are the same plan's, summed over other rows (float rounding, about 1e-10)
 # Share of `time_limit` after which `solve` starts no new work: building a model and handing it to
 # the MIP solver cost time of their own (about a fifth of a solve on a GPT-2-small graph), so stop
 # starting early enough to end near the limit.
@@ -60,8 +60,7 @@ SOLVE_SHARE = 0.85
 MIP_SHARE = 0.7
 # Seconds below which a MIP is not started (and the least it is given): less rarely finds a plan.
 MIN_MIP_S = 0.5
-# Seconds kept free, besides twice the last model's build time, before building another model.
-NEXT_MODEL_MARGIN_S = 1.0
+NEXT_MODEL_MARGIN_S = 1.0  # seconds kept free, besides twice the last build's time, before building another model
 # Calibration stops once a fitting plan leaves at most this share of the room unused.
 SLACK_STOP = 0.01
 # Each min-peak MIP (the calibration's, `smallest_peak`'s) gets this share of the time limit (at least MIN_PEAK_MIP_S),
@@ -236,27 +235,28 @@ def ops_once_time(graphs: list[GraphProfile]) -> float:
 
 
 def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, solver: str = "auto",
-               time_limit: float = 10.0, gap: float = DEFAULT_GAP) -> float | None:
+               time_limit: float = 10.0, gap: float = DEFAULT_GAP, beat: float | None = None) -> float | None:
     """The least predicted step time of one trace under `room` bytes as the ILP's rows see it: its ops once
     (T0) plus the recomputation of the ILP's plan; None where the rows see no plan.
 
-    What alternative traces of a step (the loss region's chunk counts) are compared by. Each trace is
-    solved on its own: one joint ILP over all of them with a binary choice of trace gave the same answers
-    but took 3.8 to 6.3 s where the traces alone took 0.2 to 2.9 s together (1- and 2-layer GPT-2, BERT
-    and Llama, issue 38). The rows are not calibrated here: the caller plans the trace it picks in full.
+    What the loss region's chunk counts are compared by, each trace on its own (one joint ILP with a choice
+    of trace took 3.8 to 6.3 s where the traces alone took 0.2 to 2.9 s: issue 38). The rows are not
+    calibrated: the caller plans the trace it picks in full. With `beat` (another trace's least time), the MIP
+    stops once its bound shows this trace no faster, and returns that bound.
     """
-    model = IlpModel(graphs, granularity, block_drag=True, shared_blocks=True)
-    result = model.solve(room, _pick_solver(solver, time_limit, gap))
-    if result.saved is None:
-        return None
-    return ops_once_time(graphs) + (pulp.value(model.time_expr) or 0.0)
+    model, ops = IlpModel(graphs, granularity, block_drag=True, shared_blocks=True), ops_once_time(graphs)
+    # the objective's time share, plus the most its saved-bytes tie-break adds (objective.py)
+    stop = None if beat is None else (float("inf"), (beat - ops) / model.total_time + TIE_BYTES)
+    backend = _pick_solver(solver, time_limit, gap, stop)
+    result = model.solve(room, backend)
+    if getattr(backend, "stopped_at", None) is not None:
+        return ops + (backend.stopped_at - TIE_BYTES) * model.total_time
+    return None if result.saved is None else ops + (pulp.value(model.time_expr) or 0.0)
 
 
-# The smallest-peak plan found so far for each step, by its graphs' structure. The min-peak MIPs in
-# `smallest_peak` stop on time, so a later call on a busier machine can find a worse plan than the one
-# whose peak a BudgetError reported, and planning at exactly that floor would then be refused.
-# Remembering the best plan makes the floor a process reports reachable, and never rising, in it.
-# Bounded: the least recently used step is forgotten first.
+# The smallest-peak plan found so far for each step, by its graphs' structure: the min-peak MIPs stop on time,
+# so a later call on a busier machine could find a worse plan than the floor a BudgetError reported. Remembered,
+# the floor a process reports is reachable, and never rises, in it. The least recently used is forgotten first.
 FLOOR_MEMO_SIZE = 32
 _floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], str]] = OrderedDict()
 
