@@ -26,8 +26,6 @@ class Lifetimes:
     last_read: dict[str, float]  # last backward position at which v is read (upper bound)
     needed: set[str]  # forward-side values a backward node reads directly
     follows: dict[str, set[str]]  # users whose recomputation may drag v earlier (accounted in `start`)
-    # (user, step): a user read only through users recomputed with it reads v at that step, if it is recomputed
-    drag_reads: dict[str, list[tuple[str, float]]]
 
 
 def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
@@ -75,7 +73,6 @@ def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
     start: dict[str, float] = {}
     last_read: dict[str, float] = {}
     late: dict[str, float] = {}
-    drag_reads: dict[str, list[tuple[str, float]]] = {}
     for v in reversed(fw):  # users come later in joint order, so they are done already
         fw_users = [w for w in users[v] if w in fw_pos]
         pass_through = {w for w in fw_users if direct_first[w] == INF or is_alias(w) or nodes[v].is_tuple}
@@ -89,25 +86,19 @@ def lifetimes(g: GraphProfile, block_drag: bool = False) -> Lifetimes:
         follows[v] = pass_through | same | inlined
         start[v] = min([first_read[v], *(start[w] for w in follows[v])])
         # The latest a recomputed v is computed at: where it is read, or else where the latest user that
-        # may drag it is computed.
+        # may drag it is computed. A saved input of v is read until then: a logits chunk saved for a
+        # recomputed `logits - logsumexp`, whose own reader is recomputed, is held to that reader's step.
         late[v] = first_read[v] if first_read[v] != INF else max((late[w] for w in follows[v] if late[w] != INF),
                                                                   default=INF)
-        later = ((last_read[w] if is_alias(w) else first_read[w]) for w in fw_users)
+        later = ((last_read[w] if is_alias(w) else late[w]) for w in fw_users)
         last_read[v] = max([direct_last[v], *(t for t in later if t != INF)])
-        # A user read only through users it is recomputed with reads v later still, where it is recomputed:
-        # a logits chunk, saved, for a recomputed `logits - logsumexp` whose reader `exp` is recomputed too is
-        # read at `exp`'s step. Only such a plan holds v that long (ilp.py's drag rows).
-        # A view of v passes its users' such reads on to v, whose storage it is.
-        reads = [(w, late[w]) for w in fw_users if not is_alias(w) and first_read[w] == INF and late[w] != INF]
-        reads += [read for w in fw_users if is_alias(w) for read in drag_reads[w]]
-        drag_reads[v] = [(w, at) for w, at in reads if at > last_read[v]]
     # A multi-output op recomputed for one of its outputs makes all of them then: a recomputed output that is
     # read later (a layer norm's mean and rstd, read by its backward) is alive from the op's start.
     for v in fw:
         ins = nodes[v].inputs
         if len(ins) == 1 and ins[0] in fw_pos and nodes[ins[0]].is_tuple:
             start[v] = min(start[v], start[ins[0]])
-    return Lifetimes(fw_pos, bw_pos, first_read, start, last_read, needed, follows, drag_reads)
+    return Lifetimes(fw_pos, bw_pos, first_read, start, last_read, needed, follows)
 
 
 def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[tuple[int, int | None]]]:

@@ -5,8 +5,9 @@ in reverse. `solver.py` decides which models to build and solves them; this modu
 
 Data, per graph (computed by ilp_data.py, lifetimes.py and memory.py):
   F            forward-side nodes, in joint order; N in F those a backward node reads directly
-  in(v), t_v   v's forward-side inputs (parameters and step inputs are always there), its compute time
+  in(v)        v's forward-side inputs (parameters and step inputs are always there)
   size_v       bytes v owns, rounded up to the allocator's granularity (0 for a view or an output)
+  t_v          v's predicted compute time
   fw_t, bw_t   live bytes at forward / backward step t when nothing is saved or recomputed
                (`static_profile`); the forward runs only the core the outputs need
   die(v)       the last core-forward step that reads any alias of v's storage
@@ -39,11 +40,9 @@ Rows, one method of `IlpModel` per family:
   forward memory    (`_forward_memory`)   for each forward step t of graph g:
                     fw_t + sum_{die(v) < t} S_v + sum_{h<g} S^h + sum_{h<g} out_h <= cap
   backward memory   (`_backward_memory`)  for each backward step t of graph g:
-                    bw_t + sum_{last(v) >= t} S_v + sum_{first(v) <= t <= last(v)} R_v + drag holds
+                    bw_t + sum_{last(v) >= t} S_v + sum_{first(v) <= t <= last(v)} R_v
                          + sum_{h<g} S^h + sum_{h != g, still held} out_h + wait_g <= cap
                     where S^h = sum_v S_v over graph h (what an earlier graph saved stays alive)
-  drag holds        (`_drag_holds`)  size_v y past last(v) to where a user w that only users recomputed with
-                    it read is recomputed (Lifetimes.drag_reads), y >= s_v + r_w - 1 (and r_v + r_w - 1)
   dtype             (`_dtype`)  b_c + f_c <= 1;  pi_O <= b_c + f_c for c in O;
                     sig_v <= s_v, sig_v <= pi_O(v);  rho_v <= r_v, rho_v <= pi_O(v)
                     (the rows only gain from larger sig/rho, so these upper bounds are the product)
@@ -100,7 +99,8 @@ class IlpModel:
         self.shared_blocks = shared_blocks
         self.choices = choices  # per graph: the compute dtypes the ILP may choose (precision="auto")
         self.tolerance = tolerance
-        # Set by solver.py's calibration: the latest solve's status, the best plan's objective (for later models)
+        # Set by solver.py's calibration loop: the latest solve's status, and the objective of the best plan
+        # it kept (what a later model's MIP must beat).
         self.last_status = "infeasible"
         self.best_objective: float | None = None
         # Set by solver.py: the model's min-peak solution and the seconds it was given, which a later search reuses.
@@ -142,8 +142,7 @@ class IlpModel:
             saved_total.append(self._running(lp.zero(), graph_saved))
             self.bytes_expr += graph_saved + hinted_bytes(g, saved_bytes)  # PREFER_* marks: ties only
             fw_rows = self._forward_memory(g, life, saved_bytes, fw_static, core, slot)
-            drags = self._drag_holds(life, size, s, r, len(bw_static))
-            bw_rows = self._backward_memory(life, saved_bytes, recomputed_bytes, bw_static, drags)
+            bw_rows = self._backward_memory(life, saved_bytes, recomputed_bytes, bw_static)
             per_graph_rows.append((fw_rows, bw_rows))
         self._step_rows(per_graph_rows, saved_total, output_spans(graphs, granularity),
                         waiting_bytes(graphs, granularity))
@@ -246,6 +245,19 @@ class IlpModel:
                     out[v] = out[v] - half * prod
         return low
 
+    def chosen_dtypes(self) -> list[dict[str, str]]:
+        """Per graph, the castable calls the current solution runs in bf16 or fp16."""
+        out = []
+        for low in self.low:
+            pick = {}
+            for c, (b, f, _) in low.items():
+                if b is not None and (b.value() or 0) > 0.5:
+                    pick[c] = "bf16"
+                elif f is not None and (f.value() or 0) > 0.5:
+                    pick[c] = "fp16"
+            out.append(pick)
+        return out
+
     # -- the memory families -------------------------------------------------------------------
 
     def _forward_memory(self, g, life, saved_bytes, fw_static, fw_core, slot):
@@ -275,30 +287,11 @@ class IlpModel:
             rows.append((static, acc))
         return rows
 
-    def _drag_holds(self, life, size, s, r, steps: int) -> tuple[dict[int, list], dict[int, list]]:
-        """drag holds: the terms that start and end at each backward step. The rows only gain from a smaller y,
-        so y is the product of its two decisions."""
-        begin_at: dict[int, list] = {}
-        end_at: dict[int, list] = {}
-        for v, reads in life.drag_reads.items():
-            after = 0 if life.last_read[v] == -INF else int(life.last_read[v]) + 1
-            for w, read_at in reads:
-                end = min(int(read_at), steps - 1)
-                for var, begin in ((s.get(v), after), (r[v], max(after, int(life.start[v])))):
-                    if not size.get(v) or var is None or begin > end:
-                        continue
-                    y = lp.continuous(self.prob, f"y{len(self.prob.variables())}", 0, 1)
-                    self.prob += y >= var + r[w] - 1
-                    begin_at.setdefault(begin, []).append(size[v] * y)
-                    end_at.setdefault(end, []).append(size[v] * y)
-        return begin_at, end_at
-
-    def _backward_memory(self, life, saved_bytes, recomputed_bytes, bw_static, drags):
-        """backward memory: (bw_t, sum_{last(v) >= t} S_v + sum_{first(v) <= t <= last(v)} R_v + the drag
-        holds) per backward step t of one graph. A value the backward never reads costs only forward memory."""
+    def _backward_memory(self, life, saved_bytes, recomputed_bytes, bw_static):
+        """backward memory: (bw_t, sum_{last(v) >= t} S_v + sum_{first(v) <= t <= last(v)} R_v) per
+        backward step t of one graph. A value the backward never reads costs only forward memory."""
         starts: dict[int, list[str]] = {}
         ends: dict[int, list[str]] = {}
-        drag_begin, drag_end = drags
         held = lp.zero()
         for v in life.fw_pos:
             if v not in recomputed_bytes:
@@ -316,13 +309,12 @@ class IlpModel:
         rows = []
         acc = self._running(lp.zero(), held)
         for t, static in enumerate(bw_static):
-            if t in starts or t in drag_begin:
-                acc = self._running(acc, pulp.lpSum([*(recomputed_bytes[v] for v in starts.get(t, ())),
-                                                     *drag_begin.get(t, ())]))
+            if t in starts:
+                acc = self._running(acc, pulp.lpSum(recomputed_bytes[v] for v in starts[t]))
             rows.append((static, acc))
-            if t in ends or t in drag_end:
-                acc = self._running(acc, -pulp.lpSum([*(saved_bytes.get(v, 0) + recomputed_bytes.get(v, 0)
-                                                        for v in ends.get(t, ())), *drag_end.get(t, ())]))
+            if t in ends:
+                acc = self._running(acc, -pulp.lpSum(saved_bytes.get(v, 0) + recomputed_bytes.get(v, 0)
+                                                     for v in ends[t]))
         return rows
 
     def _step_rows(self, per_graph_rows, saved_total, spans, waiting) -> None:

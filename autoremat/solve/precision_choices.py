@@ -94,18 +94,3 @@ def dtype_choices(joint: fx.GraphModule, profile: GraphProfile, options: dict[st
     cast_time = {c: sum(device.op_time(0.0, 1.5 * b) * (2 if weight else 1) for b, weight in ins.values())
                  for c, ins in cast_bytes.items()}
     return DtypeChoices(options, owners, speedup, cast_time)
-
-
-def chosen_dtypes(low: list[dict[str, tuple]]) -> list[dict[str, str]]:
-    """Per graph, the castable calls a solved ILP (its `IlpModel.low`: call -> (b_c, f_c, b_c + f_c)) runs in
-    bf16 or fp16."""
-    out = []
-    for calls in low:
-        pick = {}
-        for c, (b, f, _) in calls.items():
-            if b is not None and (b.value() or 0) > 0.5:
-                pick[c] = "bf16"
-            elif f is not None and (f.value() or 0) > 0.5:
-                pick[c] = "fp16"
-        out.append(pick)
-    return out

@@ -33,7 +33,7 @@ from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, gree
 from autoremat.solve.ilp import IlpModel, IlpResult
 from autoremat.solve.ilp_data import block_twins
 from autoremat.solve.objective import TIE_BYTES
-from autoremat.solve.precision_choices import DtypeChoices, chosen_dtypes
+from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.twice import recompute_twice, refine_further
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
@@ -396,4 +396,4 @@ def choose_dtypes(
     result = model.solve(room, _pick_solver(solver, time_limit, gap))
     if result.saved is None:
         return None
-    return chosen_dtypes(model.low)
+    return model.chosen_dtypes()
