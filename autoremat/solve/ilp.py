@@ -104,7 +104,7 @@ class IlpModel:
         self.last_status = "infeasible"
         self.best_objective: float | None = None
         # Set by solver.py: the model's min-peak solution and the seconds it was given, which a later search reuses.
-        self.min_peak: tuple[IlpResult, float] | None = None  # with the seconds it was given
+        self.min_peak: tuple[IlpResult, float] | None = None
         started = time.perf_counter()
         self._build(graphs, granularity)
         self.build_s = time.perf_counter() - started
