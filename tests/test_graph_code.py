@@ -4,13 +4,15 @@
 f(x, w) = sin(cos(x * w)), with x and w both requiring gradients. Its backward reads cos(mul) (for
 sin's derivative), mul (for cos's) and x and w (for mul's), so PyTorch's default partition saves four
 tensors: x, w, mul and cos. A partition that saves only x and w recomputes mul and cos in the backward;
-one that also saves mul recomputes only cos.
+one that also saves mul recomputes only cos. The capture adds spare slots (empty tensors) after its four:
+max(SPARE_MIN, a quarter of 4) = 4 of them, so eight in all.
 """
 
 import pytest
 import torch
 import torch.fx as fx
 
+from autoremat.capture import graph_code
 from autoremat.capture.aot import aot_backend, default_split
 from autoremat.capture.graph_code import GraphCode
 from autoremat.torch_internals import extract_fwd_bwd_modules, tracing_like_dynamo
@@ -51,10 +53,28 @@ def eager(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.sin(torch.cos(x * w))
 
 
-def test_the_capture_saves_what_the_backward_reads():
+def test_the_capture_saves_what_the_backward_reads_and_spare_slots():
     _, code, _, _ = traced()
-    assert code.capture.outputs == 1 and code.capture.saved == 4  # x, w, mul, cos (module docstring)
+    assert graph_code.SPARE_MIN == 4 and graph_code.SPARE_SHARE == 0.25  # the docstring's count assumes these
+    assert code.capture.outputs == 1 and code.capture.saved == 4 + 4  # x, w, mul, cos and four spare
     assert code.capture.rest == ("tangents_1",)
+
+
+def test_the_spare_slots_take_what_the_capture_had_no_room_for():
+    # Four saved beside another partition need five slots (the last names the partition that ran): one
+    # more than the capture's own four, so without spare slots this is refused (the test below).
+    compiled, code, x, w = traced()
+    second = code.called_at(compiled.__wrapped__, 1)
+
+    def both(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return second(compiled(a, b)[0], b)[0]
+
+    expected = gradients(lambda a, b: eager(eager(a, b), b), x, w)
+    partitions = [saving(code, ["primals_1", "primals_2", "mul", "cos"]), saving(code, ["primals_1", "primals_2"])]
+    assert code.fits(partitions) is None
+    code.run(code.prepare(partitions), {0: 0, 1: 1})
+    assert [runner.saved for runner in code.runners] == [4, 2]
+    assert all(torch.equal(g, e) for g, e in zip(gradients(both, x, w), expected))
 
 
 def test_a_partition_saving_fewer_tensors_runs_behind_the_captured_function():
@@ -87,7 +107,9 @@ def test_places_sharing_a_code_each_run_their_own_partition():
     assert all(torch.equal(g, e) for g, e in zip(gradients(both, x, w), expected))
 
 
-def test_a_partition_saving_more_than_the_capture_has_room_for_is_refused():
+def test_a_partition_saving_more_than_the_capture_has_room_for_is_refused(monkeypatch):
+    monkeypatch.setattr(graph_code, "SPARE_MIN", 0)  # no spare slots: the capture's own four
+    monkeypatch.setattr(graph_code, "SPARE_SHARE", 0)
     _, code, _, _ = traced()
     four = saving(code, ["primals_1", "primals_2", "mul", "cos"])
     assert code.fits([four]) is None  # alone, four fit the capture's four slots

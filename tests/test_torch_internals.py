@@ -162,6 +162,42 @@ def test_handed_to_backward():
     assert seen[1] == "it saves symbolic sizes or non-tensors for the backward"
 
 
+def test_pad_saved_gives_aot_autograds_function_more_slots():
+    # sin(cos(x * w)) again: four saved, then three empty tensors the backward takes and never reads.
+    # AOTAutograd counts the partition's saved tensors after the partition returns, so its Function saves
+    # seven and hands them to the backward before the output's gradient, and the gradients are eager's.
+    def f(x, w):
+        return torch.sin(torch.cos(x * w))
+
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+    seen, handed = [], []
+
+    def record(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        fw, bw = ti.default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        ti.pad_saved(fw, bw, num_fwd_outputs, 3)
+        seen.append(ti.handed_to_backward(fw, bw, num_fwd_outputs))
+        return fw, bw
+
+    def backward_compiler(gm, example_inputs):
+        run = boxed_eager(gm)
+
+        def call(args):
+            handed.append([tuple(a.shape) for a in args])
+            return run(args)
+        ti.mark_boxed_call(call)
+        return call
+
+    compiled = torch.compile(f, backend=ti.aot_autograd(fw_compiler=boxed_eager, bw_compiler=backward_compiler,
+                                                        partition_fn=record), dynamic=False)
+    compiled(x, w).sum().backward()
+    assert seen == [(7, ("tangents_1",))]
+    assert handed == [[(4, 8), (8,), (4, 8), (4, 8), (0,), (0,), (0,), (4, 8)]]  # x, w, mul, cos, pads, tangent
+    got = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    f(x, w).sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
+
+
 def test_handed_to_backward_refuses_tensors_stashed_on_a_ctx():
     # A user autograd.Function that keeps x as `ctx.x` (not save_for_backward): AOTAutograd saves it apart,
     # without the version-counter check, and marks it so.

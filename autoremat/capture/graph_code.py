@@ -12,7 +12,8 @@ among its inputs, before the gradients of the outputs.
 
 So a plan that saves K tensors where the capture's partition saved N (K <= N) can run behind the same
 function: its forward returns its K saved tensors followed by N - K empty ones (no bytes), and its
-backward is given the first K. `GraphCode` is that indirection, one per AOTAutograd call of an eager
+backward is given the first K. A plan may save more than the capture's partition does, so the capture's
+own partition saves some empty tensors too, after its own (`spare_slots`), which gives N room to spare. `GraphCode` is that indirection, one per AOTAutograd call of an eager
 trace: it keeps a copy of the joint graph as it was partitioned, checks a plan's partitions against the
 capture's convention (`prepare`), and runs them from then on (`run`). Identical blocks call one such
 function (planning/same_regions.py), each from its own place (`called_at`), and a plan may save other
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -44,6 +46,7 @@ from autoremat.torch_internals import (
     copy_graph,
     handed_to_backward,
     mark_boxed_call,
+    pad_saved,
     set_boxed_codegen,
 )
 
@@ -89,6 +92,18 @@ def convention(fw: fx.GraphModule, bw: fx.GraphModule, outputs: int) -> Conventi
 
 Partition = tuple[fx.GraphModule, fx.GraphModule]
 
+# A plan may save more tensors than the capture's partition (which saves what the backward reads): two
+# small values kept where one large one was, or a layer norm's statistics beside its input (a plan near
+# checkpointing's peak of a 2-layer BERT saved 12 in a graph whose capture saved 11). Without a slot for
+# each, the step is traced again with the plan (issue 38: a second of that plan's five). Empty tensors are
+# free to save, so the capture saves SPARE_SHARE of its count more, at least SPARE_MIN.
+SPARE_SHARE, SPARE_MIN = 0.25, 4
+
+
+def spare_slots(saved: int) -> int:
+    """The empty slots added to a capture's partition that saves `saved` tensors."""
+    return max(SPARE_MIN, math.ceil(SPARE_SHARE * saved))
+
 
 class Runner(NamedTuple):
     """One partition swapped in: its forward and backward, run as Python, and how many tensors it saves."""
@@ -104,7 +119,8 @@ class GraphCode:
     `forward_compiler` and `backward_compiler` are the call's compilers; `partition` runs the partition
     callback on the joint graph and keeps a copy of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, spare: bool | int = True) -> None:
+        self.spare = spare  # slots added to the capture's: True, `spare_slots` of its count; or how many
         self.cg: CapturedGraph | None = None  # a copy of the joint graph as it was partitioned
         self.capture: Convention | str = "not partitioned"  # the capture's convention, or why there is none
         self.runners: list[Runner] = []  # the partitions swapped in (none: the capture's runs)
@@ -112,10 +128,15 @@ class GraphCode:
         self.calling = threading.local()  # .position: the graph index of the call running in this thread
 
     def partition(self, on_joint: Callable, cg: CapturedGraph) -> Partition:
-        """`on_joint(cg)` (the partition callback's answer), a copy of the joint graph kept from before it."""
+        """`on_joint(cg)` (the partition callback's answer) with spare slots (`spare_slots`), a copy of the
+        joint graph kept from before it."""
         self.cg = dataclasses.replace(cg, joint=fx.GraphModule(cg.joint, copy_graph(cg.joint.graph)))
         fw, bw = on_joint(cg)
-        self.capture = convention(fw, bw, cg.num_fwd_outputs)
+        capture = convention(fw, bw, cg.num_fwd_outputs)
+        if isinstance(capture, Convention) and self.spare:
+            pad_saved(fw, bw, cg.num_fwd_outputs, spare_slots(capture.saved) if self.spare is True else self.spare)
+            capture = convention(fw, bw, cg.num_fwd_outputs)
+        self.capture = capture
         return fw, bw
 
     def captured(self, index: int, links: RegionLinks | None) -> CapturedGraph:

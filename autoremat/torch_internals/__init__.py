@@ -17,6 +17,8 @@ AOTAutograd (joint graphs, partitioning):
                                outputs and reach the backward by position, as its first inputs, through
                                ctx.save_for_backward (capture/graph_code.py swaps a plan's partition in
                                behind a captured Function, relying on it)
+  pad_saved                    the same convention: empty tensors added to what a partition saves give the
+                               Function more slots, so a plan saving more than the capture still fits
   set_boxed_codegen            torch.fx.graph._BoxedCodeGen: generated code takes one list and clears
                                it, so saved tensors die after their last use (capture.boxed_eager)
   copy_graph                   fx.Graph's `_tracer_cls` and `_codegen`: a copy of a graph that shares its
@@ -152,6 +154,7 @@ from autoremat.torch_internals.aot import (
     meta_python_kernels_hidden,
     mutated_input_indices,
     out_kernel_copies,
+    pad_saved,
     set_boxed_codegen,
     tagged,
     tree_flatten,
@@ -259,6 +262,7 @@ __all__ = [
     "is_tangent",
     "is_traceable_wrapper_subclass",
     "mark_boxed_call",
+    "pad_saved",
     "meta_python_kernels_hidden",
     "mutated_input_indices",
     "out_kernel_copies",

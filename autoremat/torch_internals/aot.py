@@ -15,7 +15,7 @@ from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_part
 from torch.fx.experimental.proxy_tensor import is_sym_node
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "pad_saved", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -54,6 +54,39 @@ def handed_to_backward(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: 
     if len(inputs) < len(saved):
         return "its backward takes fewer inputs than the forward saves"
     return len(saved), tuple(n.name for n in inputs[len(saved):])
+
+
+def pad_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, count: int) -> None:
+    """Make the partition (fw, bw), of handed_to_backward's plain form, save `count` more tensors after its
+    own: empty ones the forward makes (no bytes) and the backward takes as inputs and never reads. The
+    Function AOTAutograd builds around the partition then has that many more slots for saved tensors."""
+    out = fw.graph.output_node()
+    values = list(out.args[0])
+    vals = [n.meta.get("val") for n in fw.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    fake_mode = next((v.fake_mode for v in vals if hasattr(v, "fake_mode")), None)
+    device = vals[0].device if vals else torch.device("cpu")
+    pads = []
+    with fw.graph.inserting_before(out):
+        for _ in range(count):
+            pad = fw.graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
+                                         {"dtype": torch.float32, "device": device})
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                pad.meta["val"] = torch.empty(0, device=device)
+            pads.append(pad)
+    out.args = ((*values, *pads),)
+    saved = len(values) - num_fwd_outputs
+    inputs = list(bw.graph.find_nodes(op="placeholder"))
+    last = inputs[saved - 1] if saved else None  # the backward's inputs: the saved tensors, then the rest
+    for pad in pads:
+        taken = bw.graph.placeholder(f"{pad.name}_slot")
+        taken.meta["val"] = pad.meta["val"]
+        if last is not None:
+            last.append(taken)
+        elif inputs:
+            inputs[0].prepend(taken)
+        last = taken
+    fw.recompile()
+    bw.recompile()
 
 
 def set_boxed_codegen(gm: fx.GraphModule) -> None:
