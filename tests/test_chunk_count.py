@@ -1,5 +1,5 @@
 """The loss region's chunk count (autoremat.planning.loss_region): each count's trace solved by its own ILP
-(`solver.trace_time`: ops once plus the recomputation of its plan), more chunks traced only while they pay.
+(`rows_time.trace_time`: ops once plus the recomputation of its plan), more chunks traced only while they pay.
 
 The planner must let the ILP choose: more chunks as the budget shrinks, none when memory is plentiful.
 """
@@ -20,7 +20,7 @@ from autoremat.planning.planner import CapturePlanner, compile_and_trace
 from autoremat.solve import lp
 from autoremat.solve import solver as solver_module
 from autoremat.solve.ilp import IlpModel
-from autoremat.solve.solver import ops_once_time, trace_time
+from autoremat.solve.rows_time import ops_once_time, trace_time
 from examples.models import gpt2
 from tests.models import HeadLM
 
@@ -393,3 +393,83 @@ def test_the_largest_chunked_trace_bounds_a_larger_count_op_by_op(alternatives) 
     assert base[4] < least <= base[16] and "4-chunk trace" in how, (least, base)
     step.compiler = "inductor"
     assert traces.least_base_time(16) is None
+
+
+@pytest.fixture(scope="module")
+def two_layers() -> tuple[dict[int, list], LossOption]:
+    """A 2-layer GPT-2 (d 64, 4 x 64 tokens, vocabulary 1,024) traced with its loss in 4 and 16 chunks: most
+    of what its plans recompute near the floor is in the blocks, outside the loss region."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, ex = gpt2(batch=4, seq=64, n_layer=2, n_embd=64, vocab=1024, dropout=0.0)
+    out = {}
+    for k in (4, 16):
+        planner = CapturePlanner(None, device="cpu", optimizer=None, pre_pass=LossOption("loss", k).pre_pass())
+        compile_and_trace(copy.deepcopy(model), planner, "eager", (), ex)
+        out[k] = planner.profiles
+    return out, LossOption("loss", 4, [LC.Report(sites=1, rewritten=0, rows=4 * 64, vocab=1024)])
+
+
+EXACT = {"solver": "highs", "time_limit": 30, "gap": 0}
+
+
+def _four_chunks(graphs: dict[int, list], loss: LossOption):
+    from types import SimpleNamespace
+
+    from autoremat.planning.loss_region import Candidate
+
+    return Candidate(SimpleNamespace(profiles=graphs[4]), None, loss)
+
+
+def test_no_count_recomputes_less_outside_the_loss_region_than_its_rows_with_the_region_free(two_layers) -> None:
+    """more_chunks.least_outside: the 4-chunk trace with its loss region costing nothing (`region_free`) is a
+    relaxation of every count's rows, so what its rows must recompute bounds each count's from below: ops once
+    plus that bound is at most `trace_time` of the 4- and the 16-chunk trace, at five rooms from the 16-chunk
+    rows' least peak to the peak of saving everything."""
+    from autoremat.planning.more_chunks import least_outside
+
+    graphs, loss = two_layers
+    four = _four_chunks(graphs, loss)
+    least = IlpModel(graphs[16], 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
+    everything = solver_module.evaluate(graphs[4], solver_module.save_all(graphs[4]))[1].peak
+    bounds = []
+    for i in range(5):
+        room = math.ceil(least + (everything - least) * i / 4)
+        bounds.append(least_outside(four, room, float("inf"), 1, EXACT))
+        for k, g in graphs.items():
+            time_s = trace_time(g, room, **EXACT)
+            assert time_s is None or ops_once_time(g) + bounds[-1] <= time_s * (1 + 1e-9), (k, room, bounds[-1])
+    assert bounds[0] > 0, "nothing recomputed outside the region at the least room: this checks less than it says"
+
+
+def test_a_count_the_rows_outside_the_region_rule_out_is_not_traced(two_layers, monkeypatch) -> None:
+    """At the 16-chunk rows' least peak the 4-chunk plan takes T4; 16 chunks with nothing recomputed take at
+    least least16 < T4 (so ops alone do not end the survey), but no count recomputes less than R outside the
+    loss region, and least16 + R >= T4: the 16-chunk trace is never made (issue 38: on a 2-layer BERT it was
+    1.1 s of a 5.4 s plan, made only to lose)."""
+    from types import SimpleNamespace
+
+    from autoremat.model.devices import get_device
+    from autoremat.planning import loss_region
+    from autoremat.planning.more_chunks import least_outside
+
+    graphs, loss = two_layers
+    room = math.ceil(IlpModel(graphs[16], 1, block_drag=True, shared_blocks=True)
+                     .solve(None, solver(), min_peak=True).predicted_peak)
+    dev = get_device("cpu")
+    step = SimpleNamespace(compiler="eager", dev=dev, ledger=SimpleNamespace(room=lambda budget: budget),
+                           options=SimpleNamespace(solving=lambda: dict(EXACT)))
+    traces = loss_region.Traces(step, _four_chunks(graphs, loss), room, [])
+    traces.counts = [4, 16]
+    traces.traced[4], traces.base_time[4] = _four_chunks(graphs, loss), ops_once_time(graphs[4])
+    four_time, least16 = trace_time(graphs[4], room, **EXACT), traces.least_base_time(16)[0]
+    outside = least_outside(_four_chunks(graphs, loss), room, float("inf"), dev.alloc_granularity, EXACT)
+    assert least16 < four_time <= least16 + outside, (least16, four_time, outside)  # the case this checks
+
+    def no_trace(*a, **k):
+        raise AssertionError("the 16-chunk trace was made")
+    monkeypatch.setattr(loss_region, "_trace", no_trace)
+    table: dict = {}
+    fastest, _ = loss_region._survey(traces, room, step, table, {})
+    assert fastest == {4: pytest.approx(four_time)}, fastest
+    assert table[16].startswith("not traced: no faster than fewer chunks (ops once at least"), table[16]

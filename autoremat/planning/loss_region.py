@@ -3,7 +3,7 @@
 The loss rewrite (autoremat.passes.loss_chunks) turns the output projection + cross-entropy into k
 chunks of token rows; each k is a trace of its own (the dynamo graph the first trace kept, rewritten and
 traced by AOTAutograd again: planning.dynamo_graphs). The counts (loss_chunks.CANDIDATES) are traced
-in increasing order, and each trace's ILP (`solver.trace_time`) gives its least predicted step time
+in increasing order, and each trace's ILP (`rows_time.trace_time`) gives its least predicted step time
 under the budget: its ops once (more chunks, more and smaller kernels) plus the recomputation its plan
 adds (more chunks, more memory freed). Where the ILP's rows see no plan for a count (they bound the
 exact simulator conservatively, and near the floor see no room that it has), that count is planned in
@@ -41,7 +41,7 @@ from autoremat.planning.planner import (
 )
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
-from autoremat.solve.solver import ops_once_time, trace_time
+from autoremat.solve.rows_time import ops_once_time, trace_time
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ class Traces:
         self.counts = loss_chunks.candidates(first.loss.rows())
         self.traced: dict[int, Candidate] = {1: first}
         self.base_time: dict[int, float] = {1: ops_once_time(first.planner.profiles)}
+        self.outside_s: tuple[float, float] | None = None  # (least_outside's bound, the at_least it was given)
 
     def __getitem__(self, k: int) -> Candidate:
         if k not in self.traced:
@@ -102,6 +103,13 @@ class Traces:
                                     f"chunk count {self.counts.index(k) + 1} of {len(self.counts)}")
             self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
         return self.traced[k]
+
+    def least_outside(self, room: int, at_least: float, granularity: int, opts: dict) -> float:
+        """more_chunks.least_outside on the first chunked trace, solved again only to reach a higher at_least."""
+        if self.outside_s is None or self.outside_s[0] < at_least and self.outside_s[1] < at_least:
+            first = self.traced[min(c for c in self.traced if c > 1)]
+            self.outside_s = (more_chunks.least_outside(first, room, at_least, granularity, opts), at_least)
+        return self.outside_s[0]
 
     def least_base_time(self, k: int) -> tuple[float, str] | None:
         """A lower bound of count k's time with nothing recomputed, without tracing it, and how it was found;
@@ -222,10 +230,18 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     fastest: dict[int, float] = {}
     falling: tuple[int, int] | None = None  # (floor, count) of the lowest floor so far, while none fits
     for k in traces.counts:
-        if fastest and (least := traces.least_base_time(k)) and least[0] >= min(fastest.values()):
-            table[k] = (f"not traced: no faster than fewer chunks even with nothing recomputed (at least "
-                        f"{1e3 * least[0]:.3f} ms, {least[1]})")
-            break
+        if fastest and (least := traces.least_base_time(k)):
+            best = min(fastest.values())
+            if least[0] >= best:
+                table[k] = (f"not traced: no faster than fewer chunks even with nothing recomputed (at least "
+                            f"{1e3 * least[0]:.3f} ms, {least[1]})")
+                break
+            outside = traces.least_outside(room, best - least[0], dev.alloc_granularity, opts)
+            if least[0] + outside >= best:
+                table[k] = (f"not traced: no faster than fewer chunks (ops once at least {1e3 * least[0]:.3f} ms, "
+                            f"{least[1]}; the ILP's rows recompute at least {1e3 * outside:.3f} ms outside the "
+                            "loss region at any count)")
+                break
         profiles = traces[k].planner.profiles
         table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
         if fastest and traces.base_time[k] >= min(fastest.values()):

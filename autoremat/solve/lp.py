@@ -17,6 +17,7 @@ and expressions, bounds set through `lowBound` / `upBound`) reads the same on bo
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 
@@ -100,8 +101,16 @@ class HiGHS(pulp.HiGHS):
 
     def createAndConfigureSolver(self, lp):  # noqa: N802 - PuLP's name
         super().createAndConfigureSolver(lp)
+        self._highs = lp.solverModel
         lp.solverModel.setCallback(self._interrupt, None)
         lp.solverModel.startCallback(highspy.cb.HighsCallbackType.kCallbackMipInterrupt)
+
+    def dual_bound(self) -> float | None:
+        """The MIP's lower bound on the objective when it ended: no solution lies below it. None before a
+        solve, or where HiGHS reports none."""
+        highs_model = getattr(self, "_highs", None)
+        bound = None if highs_model is None else highs_model.getInfo().mip_dual_bound
+        return bound if bound is not None and math.isfinite(bound) else None
 
     def _interrupt(self, callback_type, message, data_out, data_in, user_data) -> None:
         objective, bound = self.stop_at

@@ -24,21 +24,18 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-import pulp
-
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import heuristics, lp
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult
 from autoremat.solve.ilp_data import block_twins
-from autoremat.solve.objective import TIE_BYTES
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.twice import recompute_twice, refine_further
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
-           "choose_dtypes", "evaluate", "greedy", "lower_peak", "ops_once_time", "save_all", "smallest_peak", "solve",
-           "spend_slack", "trace_time"]
+           "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
+           "spend_slack"]
 
 # Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
 # the same objective (benchmarks/solver_scale.py).
@@ -227,31 +224,6 @@ def _has_twins(graphs: list[GraphProfile], model: IlpModel) -> bool:
     """Whether some graph has identical blocks to share decisions between (a built model's lifetimes): without
     any, a shared model has the full one's variables and rows, and would be solved again to the same answers."""
     return any(block_twins(g, life) for g, life in zip(graphs, model.lifetimes))
-
-
-def ops_once_time(graphs: list[GraphProfile]) -> float:
-    """T0: the predicted time of every op of `graphs` run once (no recomputation)."""
-    return sum(p.time_s for g in graphs for p in g.nodes.values())
-
-
-def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, solver: str = "auto",
-               time_limit: float = 10.0, gap: float = DEFAULT_GAP, beat: float | None = None) -> float | None:
-    """The least predicted step time of one trace under `room` bytes as the ILP's rows see it: its ops once
-    (T0) plus the recomputation of the ILP's plan; None where the rows see no plan.
-
-    What the loss region's chunk counts are compared by, each trace on its own (one joint ILP with a choice
-    of trace took 3.8 to 6.3 s where the traces alone took 0.2 to 2.9 s: issue 38). The rows are not
-    calibrated: the caller plans the trace it picks in full. With `beat` (another trace's least time), the MIP
-    stops once its bound shows this trace no faster, and returns that bound.
-    """
-    model, ops = IlpModel(graphs, granularity, block_drag=True, shared_blocks=True), ops_once_time(graphs)
-    # the objective's time share, plus the most its saved-bytes tie-break adds (objective.py)
-    stop = None if beat is None else (float("inf"), (beat - ops) / model.total_time + TIE_BYTES)
-    backend = _pick_solver(solver, time_limit, gap, stop)
-    result = model.solve(room, backend)
-    if getattr(backend, "stopped_at", None) is not None:
-        return ops + (backend.stopped_at - TIE_BYTES) * model.total_time
-    return None if result.saved is None else ops + (pulp.value(model.time_expr) or 0.0)
 
 
 # The smallest-peak plan found so far for each step, by its graphs' structure: the min-peak MIPs stop on time,

@@ -85,8 +85,7 @@ def pad_saved(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int, coun
         elif inputs:
             inputs[0].prepend(taken)
         last = taken
-    fw.recompile()
-    bw.recompile()
+    # Not recompiled here: AOTAutograd hands both to their compilers, which generate the code (boxed_eager)
 
 
 def set_boxed_codegen(gm: fx.GraphModule) -> None:
