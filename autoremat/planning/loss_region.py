@@ -220,7 +220,8 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     fits, one that does not ends the survey (its floor is above one a smaller count reached: by the same
     argument, more chunks cannot lower it); so does a count whose plan in full peaks where more chunks shrink
     nothing (`floor_outside` where it does not fit, `binds_outside` where it does). Tracing stops at
-    the first count no faster than a smaller one, or that could not be even with nothing recomputed: each
+    the first count no faster than a smaller one, or that could not be even with nothing recomputed in the
+    region (`least_base_time` plus `Traces.least_outside`, what every count recomputes outside it): each
     count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
     no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
     planned in full).

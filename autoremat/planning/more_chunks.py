@@ -20,6 +20,8 @@ if TYPE_CHECKING:
     from autoremat.planning.loss_region import Candidate
 
 OUTSIDE = "plan's peak holds nothing sized by the chunk's rows, which is all more chunks shrink"
+# least_outside's MIP gets this share of the time limit: it only spares a trace, a few seconds at most
+OUTSIDE_SHARE = 1 / 4
 
 
 def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
@@ -124,7 +126,7 @@ def region_free(candidate: Candidate) -> list[GraphProfile]:
 
     A chunk count changes only those values; everything else is the same op on the same bytes at any count.
     So the ILP's rows of this copy need at most the recomputation any count's rows need (a lower bound:
-    loss_region.Traces.outside). A value freed that was not the region's only frees more."""
+    loss_region.Traces.least_outside). A value freed that was not the region's only frees more."""
     rows, k = candidate.loss.rows(), candidate.loss.chunks or 1
     size = -(-rows // k)
     sizes = {size, rows - (k - 1) * size}
@@ -152,7 +154,9 @@ def least_outside(candidate: Candidate, room: int, at_least: float, granularity:
     region."""
     free = region_free(candidate)
     ops = ops_once_time(free)
-    return least_time(free, room, at_least=ops + at_least, granularity=granularity, **opts) - ops
+    limit = OUTSIDE_SHARE * opts.get("time_limit", 10.0)
+    return least_time(free, room, at_least=ops + at_least, granularity=granularity,
+                      **{**opts, "time_limit": limit}) - ops
 
 
 def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev) -> float | None:

@@ -98,6 +98,8 @@ class HiGHS(pulp.HiGHS):
 
     stop_at = (float("-inf"), float("inf"))
     stopped_at: float | None = None
+    give_up_below = float("-inf")  # also stop once a solution's objective is below this (`gave_up`)
+    gave_up = False
 
     def createAndConfigureSolver(self, lp):  # noqa: N802 - PuLP's name
         super().createAndConfigureSolver(lp)
@@ -117,6 +119,8 @@ class HiGHS(pulp.HiGHS):
         if data_out.mip_primal_bound <= objective and data_out.mip_dual_bound >= bound:
             data_in.user_interrupt = True
             self.stopped_at = data_out.mip_dual_bound  # the lower bound that ended it
+        elif data_out.mip_primal_bound < self.give_up_below:
+            data_in.user_interrupt = self.gave_up = True
 
 
 def solve(prob: Problem, solver: Solver) -> str:

@@ -39,10 +39,12 @@ def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, s
 def least_time(graphs: list[GraphProfile], room: int, *, at_least: float, granularity: int = 1,
                solver: str = "auto", time_limit: float = 10.0, gap: float = 0.01) -> float:
     """A lower bound of `trace_time(graphs, room)`: T0 plus the least recomputation the MIP has proved its rows
-    need. It stops once that reaches `at_least` (all the caller needs to know); T0 alone where the MIP proved
-    nothing (no plan, or no bound by its time limit)."""
+    need. The caller only asks whether it reaches `at_least`: the MIP stops once its bound does, or once it
+    holds a plan below it (then no bound can reach it). T0 alone where the MIP proved nothing (no plan, or no
+    bound by its time limit)."""
     model, ops = _model(graphs, granularity), ops_once_time(graphs)
     backend = _backend(solver, time_limit, gap, _objective_of(model, at_least - ops))
+    backend.give_up_below = (at_least - ops) / model.total_time  # a plan's objective is at least its time's share
     result = model.solve(room, backend)
     bound = backend.stopped_at
     if bound is None and result.saved is not None:

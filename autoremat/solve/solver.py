@@ -72,6 +72,11 @@ MIN_PEAK_MODELS_SHARE = 1 / 2
 GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES = 300, 100
 
 
+def min_peak_seconds(time_limit: float) -> float:
+    """What one min-peak MIP may take under `time_limit`."""
+    return max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit)
+
+
 def _pick_solver(name: str, time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> lp.Solver:
     lp.check_solver(name)
     return lp.highs(time_limit, gap, stop_at)
@@ -193,7 +198,7 @@ def solve(
         models.append(IlpModel(graphs, granularity, block_drag, shared))
         d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
                          None if beat == float("inf") else (beat + MATCH, beat - LATER_MODEL_STEP_GAP),
-                         max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit))
+                         min_peak_seconds(time_limit))
         if d is not None:
             found.append(d)
         if models[-1].best_objective is not None:  # None where its plan is the min-peak one (bytes)
@@ -265,7 +270,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     """
     start = time.perf_counter()
     models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
-    min_peak_s = max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit)
+    min_peak_s = min_peak_seconds(time_limit)
     solver_name = type(_pick_solver(solver, min_peak_s, MIN_PEAK_GAP)).__name__
     options = []
     status = "infeasible"
