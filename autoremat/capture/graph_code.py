@@ -13,9 +13,10 @@ among its inputs, before the gradients of the outputs.
 So a plan that saves K tensors where the capture's partition saved N (K <= N) can run behind the same
 function: its forward returns its K saved tensors followed by N - K empty ones (no bytes), and its
 backward is given the first K. A plan may save more than the capture's partition does, so the capture's
-own partition saves some empty tensors too, after its own (`spare_slots`), which gives N room to spare. `GraphCode` is that indirection, one per AOTAutograd call of an eager
-trace: it keeps a copy of the joint graph as it was partitioned, checks a plan's partitions against the
-capture's convention (`prepare`), and runs them from then on (`run`). Identical blocks call one such
+own partition saves some empty tensors too, after its own (`spare_slots`): N has room to spare.
+`GraphCode` is that indirection, one per AOTAutograd call of an eager trace: it keeps a copy of the joint
+graph as it was partitioned, checks a plan's partitions against the capture's convention (`prepare`), and
+runs them from then on (`run`). Identical blocks call one such
 function (planning/same_regions.py), each from its own place (`called_at`), and a plan may save other
 values in each: then the forward runs the partition of the place calling it and names it in its last
 saved slot (an empty tensor whose second size is the partition's number), which the backward reads.
@@ -119,8 +120,7 @@ class GraphCode:
     `forward_compiler` and `backward_compiler` are the call's compilers; `partition` runs the partition
     callback on the joint graph and keeps a copy of it."""
 
-    def __init__(self, spare: bool | int = True) -> None:
-        self.spare = spare  # slots added to the capture's: True, `spare_slots` of its count; or how many
+    def __init__(self) -> None:
         self.cg: CapturedGraph | None = None  # a copy of the joint graph as it was partitioned
         self.capture: Convention | str = "not partitioned"  # the capture's convention, or why there is none
         self.runners: list[Runner] = []  # the partitions swapped in (none: the capture's runs)
@@ -133,8 +133,8 @@ class GraphCode:
         self.cg = dataclasses.replace(cg, joint=fx.GraphModule(cg.joint, copy_graph(cg.joint.graph)))
         fw, bw = on_joint(cg)
         capture = convention(fw, bw, cg.num_fwd_outputs)
-        if isinstance(capture, Convention) and self.spare:
-            pad_saved(fw, bw, cg.num_fwd_outputs, spare_slots(capture.saved) if self.spare is True else self.spare)
+        if isinstance(capture, Convention) and spare_slots(capture.saved):
+            pad_saved(fw, bw, cg.num_fwd_outputs, spare_slots(capture.saved))
             capture = convention(fw, bw, cg.num_fwd_outputs)
         self.capture = capture
         return fw, bw
