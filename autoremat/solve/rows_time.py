@@ -8,6 +8,8 @@ are not calibrated against the exact simulator: the caller plans the trace it pi
 
 from __future__ import annotations
 
+import math
+
 import pulp
 
 from autoremat.model.profile import GraphProfile
@@ -40,11 +42,13 @@ def least_time(graphs: list[GraphProfile], room: int, *, at_least: float, granul
                solver: str = "auto", time_limit: float = 10.0, gap: float = 0.01) -> float:
     """A lower bound of `trace_time(graphs, room)`: T0 plus the least recomputation the MIP has proved its rows
     need. The caller only asks whether it reaches `at_least`: the MIP stops once its bound does, or once it
-    holds a plan below it (then no bound can reach it). T0 alone where the MIP proved nothing (no plan, or no
-    bound by its time limit)."""
+    holds a plan below it (then no bound can reach it). An infinite `at_least` asks for the bound itself: the
+    MIP runs to its gap or time limit. T0 alone where the MIP proved nothing (no plan, or no bound by its time
+    limit)."""
     model, ops = _model(graphs, granularity), ops_once_time(graphs)
     backend = _backend(solver, time_limit, gap, _objective_of(model, at_least - ops))
-    backend.give_up_below = (at_least - ops) / model.total_time  # a plan's objective is at least its time's share
+    if math.isfinite(at_least):
+        backend.give_up_below = (at_least - ops) / model.total_time  # a plan's objective is at least its time's share
     result = model.solve(room, backend)
     bound = backend.stopped_at
     if bound is None and result.saved is not None:
