@@ -16,10 +16,10 @@ backward is given the first K. A plan may save more than the capture's partition
 own partition saves some empty tensors too, after its own (`spare_slots`): N has room to spare.
 `GraphCode` is that indirection, one per AOTAutograd call of an eager trace: it keeps a copy of the joint
 graph as it was partitioned, checks a plan's partitions against the capture's convention (`prepare`), and
-runs them from then on (`run`). Identical blocks call one such
-function (planning/same_regions.py), each from its own place (`called_at`), and a plan may save other
-values in each: then the forward runs the partition of the place calling it and names it in its last
-saved slot (an empty tensor whose second size is the partition's number), which the backward reads.
+runs them from then on (`run`). Identical blocks call one such function (planning/same_regions.py), each
+from its own place (`called_at`), and a plan may save other values in each: then the forward runs the
+partition of the place calling it and names it in its last saved slot (an empty tensor whose second size is
+the partition's number), which the backward reads.
 
 What this relies on, and where it is refused (the planner then traces the step again,
 planning/planned_in_place.py):
@@ -133,9 +133,9 @@ class GraphCode:
         self.cg = dataclasses.replace(cg, joint=fx.GraphModule(cg.joint, copy_graph(cg.joint.graph)))
         fw, bw = on_joint(cg)
         capture = convention(fw, bw, cg.num_fwd_outputs)
-        if isinstance(capture, Convention) and spare_slots(capture.saved):
-            pad_saved(fw, bw, cg.num_fwd_outputs, spare_slots(capture.saved))
-            capture = convention(fw, bw, cg.num_fwd_outputs)
+        if isinstance(capture, Convention) and (spare := spare_slots(capture.saved)):
+            pad_saved(fw, bw, cg.num_fwd_outputs, spare)
+            capture = dataclasses.replace(capture, saved=capture.saved + spare)
         self.capture = capture
         return fw, bw
 

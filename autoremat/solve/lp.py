@@ -75,6 +75,12 @@ def of(var: Variable) -> Expression:
     return pulp.lpSum([var])
 
 
+def named(name: str, time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> Solver:
+    """The solver `name` ("auto" or "highs": `check_solver`) as `highs` configures it."""
+    check_solver(name)
+    return highs(time_limit, gap, stop_at)
+
+
 def highs(time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> Solver:
     """HiGHS through highspy, single-threaded (plans must not depend on the machine's core count),
     silent, stopping at `time_limit` seconds or the relative `gap`; with `stop_at` = (objective, bound),

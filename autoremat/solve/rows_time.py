@@ -16,6 +16,7 @@ from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.ilp import IlpModel
 from autoremat.solve.objective import TIE_BYTES
+from autoremat.solve.solver import DEFAULT_GAP
 
 __all__ = ["least_time", "ops_once_time", "trace_time"]
 
@@ -26,7 +27,7 @@ def ops_once_time(graphs: list[GraphProfile]) -> float:
 
 
 def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, solver: str = "auto",
-               time_limit: float = 10.0, gap: float = 0.01, beat: float | None = None) -> float | None:
+               time_limit: float = 10.0, gap: float = DEFAULT_GAP, beat: float | None = None) -> float | None:
     """The least predicted step time of one trace under `room` bytes as the ILP's rows see it: T0 plus the
     recomputation of the ILP's plan; None where the rows see no plan. With `beat` (another trace's least
     time), the MIP stops once its bound shows this trace no faster, and returns that bound."""
@@ -39,7 +40,7 @@ def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, s
 
 
 def least_time(graphs: list[GraphProfile], room: int, *, at_least: float, granularity: int = 1,
-               solver: str = "auto", time_limit: float = 10.0, gap: float = 0.01) -> float:
+               solver: str = "auto", time_limit: float = 10.0, gap: float = DEFAULT_GAP) -> float:
     """A lower bound of `trace_time(graphs, room)`: T0 plus the least recomputation the MIP has proved its rows
     need. The caller only asks whether it reaches `at_least`: the MIP stops once its bound does, or once it
     holds a plan below it (then no bound can reach it). An infinite `at_least` asks for the bound itself: the
@@ -61,8 +62,7 @@ def _model(graphs: list[GraphProfile], granularity: int) -> IlpModel:
 
 
 def _backend(solver: str, time_limit: float, gap: float, stop_bound: float | None) -> lp.Solver:
-    lp.check_solver(solver)
-    return lp.highs(time_limit, gap, None if stop_bound is None else (float("inf"), stop_bound))
+    return lp.named(solver, time_limit, gap, None if stop_bound is None else (float("inf"), stop_bound))
 
 
 # The objective (objective.py) is the recomputation's share of the step's ops plus at most TIE_BYTES for the

@@ -77,9 +77,7 @@ def min_peak_seconds(time_limit: float) -> float:
     return max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit)
 
 
-def _pick_solver(name: str, time_limit: float, gap: float, stop_at: tuple[float, float] | None = None) -> lp.Solver:
-    lp.check_solver(name)
-    return lp.highs(time_limit, gap, stop_at)
+_pick_solver = lp.named
 
 
 def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline,
