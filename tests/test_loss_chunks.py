@@ -95,7 +95,119 @@ def test_chunked_loss_matches_eager(form: str, reduction: str, smoothing: float)
         assert_close_for(g, r, depth=d)
 
 
-@pytest.mark.parametrize("case", ["class weight", "reduction none", "classes in dim 1", "logits used twice"])
+class Between(nn.Module):
+    """A vocabulary projection, then row-local ops the way HF families write them, then the loss; the logits
+    (in their last form) are returned beside it, as a causal LM returns them."""
+
+    def __init__(self, form: str, d: int = 16, vocab: int = 96) -> None:
+        super().__init__()
+        self.form, self.vocab = form, vocab
+        self.trunk = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.column = nn.Parameter(torch.randn(vocab) * 0.1)  # a learned per-vocabulary bias
+        self.register_buffer("banned", (torch.arange(vocab) % 7 == 0).view(1, 1, vocab))  # a vocabulary mask
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.head(torch.tanh(self.trunk(x)))
+        if self.form == "softcap":  # Gemma-2's final_logit_softcapping
+            logits = torch.tanh(logits / 3.0) * 3.0
+        elif self.form == "scale":  # Cohere's logit_scale
+            logits = logits * 0.25
+        elif self.form == "divide":  # Granite's logits_scaling
+            logits = logits / 4.0
+        elif self.form == "contiguous":  # OPT: the returned logits and the loss share one .contiguous()
+            logits = logits.contiguous()
+        elif self.form == "bias and mask":
+            logits = (logits + self.column).masked_fill(self.banned, -1e4)
+        elif self.form == "scale after the cast":
+            logits = logits.float() * 2.0
+        loss = F.cross_entropy(logits.float().view(-1, self.vocab), y.view(-1))
+        return loss, logits
+
+
+@pytest.mark.parametrize("outputs", ["all", "loss"])
+@pytest.mark.parametrize("form", ["softcap", "scale", "divide", "contiguous", "bias and mask", "scale after the cast"])
+def test_row_local_ops_between_projection_and_loss_are_chunked(form: str, outputs: str) -> None:
+    """The loss region is found by what the ops between the projection and the loss compute: each acts on
+    every row alone (pointwise, with operands that are the same for every row), so it is applied to each
+    chunk's logits and the loss and gradients are eager's; the returned logits are eager's too."""
+    torch.manual_seed(0)
+    model = Between(form)
+    x, y = inputs()
+    model.zero_grad(set_to_none=True)
+    ref_loss, ref_logits = model(x, y)
+    ref_loss.backward()
+    ref_grads = [p.grad for p in model.parameters()]
+    fn, report = compiled_with(model, chunks=4, outputs=outputs)
+    model.zero_grad(set_to_none=True)
+    loss, logits = fn(x, y)
+    loss.backward()
+    assert report.rewritten == 1 and not report.skipped, report
+    assert report.logits_kept == (outputs == "all"), report
+    d = depth(x.shape[0] * x.shape[1], model.vocab, x.shape[-1])
+    assert_close_for(loss.detach(), ref_loss.detach(), depth=d)
+    if outputs == "all":
+        assert_close_for(logits.detach(), ref_logits.detach(), depth=d)
+    else:
+        assert logits is None
+    for p, r in zip(model.parameters(), ref_grads):
+        assert (p.grad is None) == (r is None)
+        if r is not None:
+            assert_close_for(p.grad, r, depth=d)
+
+
+def test_logits_read_by_a_second_term_are_kept_and_the_loss_chunked() -> None:
+    """A view of the logits that also feeds another term of the loss: the cross-entropy is chunked, and the
+    other reader gets the whole logits, computed once more after the chunks."""
+    class Twice(Head):
+        def forward(self, x, y):
+            logits = self.head(torch.tanh(self.trunk(x))).view(-1, self.vocab)
+            return F.cross_entropy(logits, y.view(-1)) + logits.square().mean()
+
+    torch.manual_seed(0)
+    model = Twice("view")
+    x, y = inputs()
+    ref_loss, ref_grads = loss_and_grads(model, model, x, y)
+    fn, report = compiled_with(model, chunks=4)
+    loss, grads = loss_and_grads(fn, model, x, y)
+    assert report.rewritten == 1 and report.logits_kept == 1, report
+    d = depth(x.shape[0] * x.shape[1], model.vocab, x.shape[-1])
+    assert_close_for(loss, ref_loss, depth=d)
+    for g, r in zip(grads, ref_grads):
+        assert_close_for(g, r, depth=d)
+
+
+@pytest.mark.parametrize("case", ["per-row scale", "dropout", "softmax"])
+def test_ops_that_are_not_row_local_pointwise_leave_the_loss_whole(case: str) -> None:
+    """An op between the projection and the loss that reads other rows' values, draws random numbers or is not
+    pointwise by its schema is not applied per chunk: the loss is left as the model wrote it, with the reason."""
+    class Other(Head):
+        def forward(self, x, y):
+            h = torch.tanh(self.trunk(x))
+            logits = self.head(h)
+            if case == "per-row scale":  # an operand that differs from row to row
+                logits = logits * h.sum(-1, keepdim=True).sigmoid()
+            elif case == "dropout":
+                logits = F.dropout(logits, 0.1)
+            else:
+                logits = logits.softmax(-1)
+            return F.cross_entropy(logits.view(-1, self.vocab), y.view(-1))
+
+    torch.manual_seed(0)
+    model = Other("view")
+    x, y = inputs()
+    fn, report = compiled_with(model, chunks=4)
+    torch.manual_seed(1)
+    got = fn(x, y).detach()
+    torch.manual_seed(1)
+    ref = model(x, y).detach()
+    assert report.rewritten == 0 and report.sites == 0, report
+    assert "pointwise" in report.skipped[0], report.skipped
+    if case != "dropout":  # dropout's mask is drawn by the compiled graph's own order of draws
+        assert_close_for(got, ref, depth=2)
+
+
+@pytest.mark.parametrize("case", ["class weight", "reduction none", "classes in dim 1"])
 def test_unrecognised_patterns_are_left_alone(case: str) -> None:
     torch.manual_seed(0)
     x, y = inputs()
@@ -103,14 +215,8 @@ def test_unrecognised_patterns_are_left_alone(case: str) -> None:
         model = Head("view", weight=torch.rand(96))
     elif case == "reduction none":
         model = Head("view", reduction="none")
-    elif case == "classes in dim 1":
-        model = Head("ncl")
     else:
-        class Twice(Head):
-            def forward(self, x, y):
-                logits = self.head(torch.tanh(self.trunk(x))).view(-1, self.vocab)
-                return F.cross_entropy(logits, y.view(-1)) + logits.square().mean()  # logits feed a second term
-        model = Twice("view")
+        model = Head("ncl")
 
     def run(fn):
         out = fn(x, y)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from autoremat.passes.fused_linear_loss import fused_linear_cross_entropy
 from autoremat.passes.fused_loss import fused_cross_entropy
-from autoremat.torch_internals import C_NN_LINEAR, LOSS_CHUNK_TAG, LOSS_REGION_TAG, annotate
+from autoremat.torch_internals import C_NN_LINEAR, LOSS_CHUNK_TAG, LOSS_REGION_TAG, OpOverload, annotate, aten_ops_of
 
 OUTPUTS = ("all", "loss")
 CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss whole (outputs="all")
@@ -60,10 +60,13 @@ _CE_SIGNATURE = inspect.signature(F.cross_entropy)
 
 def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                           *, proj: str, chunks: int, ignore_index: int, reduction: str, label_smoothing: float,
-                          dtype: torch.dtype | None) -> torch.Tensor:
-    """cross_entropy(proj(h).to(dtype), target) for h [N, d], computed over `chunks` pieces of rows.
+                          dtype: torch.dtype | None, head: Callable | None = None,
+                          head_args: tuple = ()) -> torch.Tensor:
+    """cross_entropy(head(proj(h)).to(dtype), target) for h [N, d], computed over `chunks` pieces of rows.
 
-    Per chunk: z = h_i W^T (+ bias), or h_i @ weight for proj="matmul"; its rows' loss is
+    Per chunk: z = h_i W^T (+ bias), or h_i @ weight for proj="matmul", then `head(z, *head_args)`: the
+    model's row-local ops between its projection and its loss (a scale, a softcap, casts), which act on
+    each row alone and so give the same rows whether applied to the whole logits or to a chunk; its rows' loss is
     logsumexp(z) - (1 - s) z[y] - s mean(z) (s: label smoothing), zero where y == ignore_index. The
     pieces are summed in order, and for reduction="mean" divided by the number of rows not ignored,
     as nll_loss does.
@@ -74,6 +77,7 @@ def chunked_cross_entropy(h: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     for i, (h_i, y_i) in enumerate(zip(h.split(size), target.split(size))):
         with annotate({LOSS_CHUNK_TAG: i + 1}):  # the planner tells a chunk's nodes from the shared ones
             z = F.linear(h_i, weight, bias) if proj == "linear" else torch.matmul(h_i, weight)
+            z = z if head is None else head(z, *head_args)
             z = z if dtype is None else z.to(dtype)
             valid = y_i != ignore_index
             picked = z.gather(1, torch.where(valid, y_i, 0).unsqueeze(1)).squeeze(1)
@@ -101,6 +105,7 @@ class Site:
     label_smoothing: float
     rows: int
     vocab: int
+    pointwise: list[fx.Node] = field(default_factory=list)  # the chain's pointwise ops (a scale, a softcap)
 
 
 @dataclass
@@ -201,25 +206,94 @@ def _match(ce: fx.Node, sites: list[Site]) -> str:
         return "not a [tokens, classes] input with integer class targets"
     chain, cur = [], a["input"]
     while isinstance(cur, fx.Node) and _proj_kind(cur) is None:
-        if len(cur.users) != 1 or not cur.args:
-            return f"the logits pass through {cur.name}, which has other uses"
-        ok = (_cast_dtype(cur) is not None or (cur.op == "call_method" and cur.target == "contiguous")
-              or (cur.op == "call_method" and cur.target in _RESHAPES) or (cur.op == "call_function" and cur.target
-                                                                           is torch.reshape)
-              or (cur.op == "call_function" and cur.target is operator.getitem and _value(cur.args[0]) is not None
-                  and _row_slice(cur.args[1], _value(cur.args[0]).dim())))
-        src, out = _value(cur.args[0]), _value(cur)
-        if not ok or src is None or out is None or src.dim() < 1 or src.shape[-1] != out.shape[-1]:
-            return f"the logits pass through {cur.name} ({cur.target}), which is not a cast, slice or row view"
+        if not cur.args:
+            return f"no linear or matmul producing the logits ({cur.name} has no input)"
+        src = cur.args[0] if _row_step(cur) else _pointwise_source(cur)
+        if src is None:
+            return (f"the logits pass through {cur.name} ({cur.target}), which is neither a cast, a row view or "
+                    f"slice, nor a pointwise op with column-constant operands")
         chain.insert(0, cur)
-        cur = cur.args[0]
+        cur = src
     if not isinstance(cur, fx.Node):
         return "no linear or matmul producing the logits"
     if _value(cur.args[0]) is None or _value(cur.args[0]).shape[:-1] != _value(cur).shape[:-1]:
         return "the projection's input is not [..., d]"
+    head = [n for n in chain if _pointwise_source(n) is not None and not _row_step(n)]
+    if head and any(_reads_node(e, cur) for n in head for e in _operands(n)[1]):
+        return "a pointwise op after the projection reads the logits through another path"
     sites.append(Site(ce, cur, _proj_kind(cur), chain, a["target"], int(a["ignore_index"]), a["reduction"],
-                      float(a["label_smoothing"]), x.shape[0], x.shape[1]))
+                      float(a["label_smoothing"]), x.shape[0], x.shape[1], pointwise=head))
     return ""
+
+
+def _row_step(n: fx.Node) -> bool:
+    """A cast, `.contiguous()`, a view that keeps the last dimension, or a slice of the token dimensions:
+    each keeps every row's vocabulary whole, so it applies to the hidden states' rows instead."""
+    ok = (_cast_dtype(n) is not None or (n.op == "call_method" and n.target in ("contiguous", *_RESHAPES))
+          or (n.op == "call_function" and n.target is torch.reshape)
+          or (n.op == "call_function" and n.target is operator.getitem and _value(n.args[0]) is not None
+              and _row_slice(n.args[1], _value(n.args[0]).dim())))
+    src, out = _value(n.args[0]), _value(n)
+    return ok and src is not None and out is not None and src.dim() >= 1 and src.shape[-1] == out.shape[-1]
+
+
+def _operands(n: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
+    """A node's tensor operands split into those shaped like its output and the others."""
+    out = _value(n)
+    nodes = _flat_nodes(n)
+    same = [a for a in nodes if _value(a) is not None and out is not None and _value(a).shape == out.shape]
+    return same, [a for a in nodes if a not in same]
+
+
+def _flat_nodes(n: fx.Node) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(a) or a)
+    return list(dict.fromkeys(found))
+
+
+def _pointwise_source(n: fx.Node) -> fx.Node | None:
+    """The logits operand of `n` when `n` acts on each element of the logits alone: every ATen op it runs is
+    tagged pointwise by its schema and none draws random numbers, and every other tensor operand is the same
+    for every row (shaped [..., 1, V] or [..., 1, 1], or a scalar tensor). Such an op gives a chunk of rows
+    the values it gives those rows of the whole logits: a scale, a softcap, a bias or a vocabulary mask.
+    None for anything else."""
+    out = _value(n)
+    if n.op not in ("call_function", "call_method") or out is None or not out.is_floating_point():
+        return None
+    same, others = _operands(n)
+    if len(same) != 1 or any(not isinstance(d, int) for d in out.shape):
+        return None
+    for e in others:
+        v = _value(e)
+        if v is None or any(d != 1 for d in v.shape[:-1]) or (v.dim() and v.shape[-1] not in (1, out.shape[-1])):
+            return None
+    nodes = same + others
+    ops = aten_ops_of(lambda *ts: _call(n, dict(zip(nodes, ts))), [_value(a) for a in nodes])
+    if not ops or not all(isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags
+                          and torch.Tag.nondeterministic_seeded not in op.tags for op in ops):
+        return None
+    return same[0]
+
+
+def _call(n: fx.Node, env: dict[fx.Node, object]) -> object:
+    """Run a dynamo graph's node on the values `env` gives its operands."""
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env[a])
+    if n.op == "call_method":
+        return getattr(args[0], n.target)(*args[1:], **kwargs)
+    return n.target(*args, **kwargs)
+
+
+def _reads_node(n: fx.Node, target: fx.Node) -> bool:
+    """Whether `target` is among `n`'s inputs, at any depth."""
+    seen, todo = set(), [n]
+    while todo:
+        m = todo.pop()
+        if m is target:
+            return True
+        if m not in seen:
+            seen.add(m)
+            todo.extend(m.all_input_nodes)
+    return False
 
 
 def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Report | None = None) -> int:
@@ -240,7 +314,7 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     for s in sites:
         report.rows, report.vocab = max(report.rows, s.rows), max(report.vocab, s.vocab)
     if chunks <= 1 and outputs == "all":
-        return sum(_fuse(gm.graph, s, report) for s in sites if _low_logits(s))
+        return sum(_fuse(gm.graph, s, report) for s in sites if _low_logits(s) and not s.pointwise)
     if not sites:
         return 0
     graph = gm.graph
@@ -261,8 +335,13 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
             casts = [_cast_dtype(n) for n in s.chain if _cast_dtype(n) is not None]
             cast = casts[-1] if casts else None  # the logits' dtype as the loss saw them
             kw = {"ignore_index": s.ignore_index, "reduction": s.reduction, "label_smoothing": s.label_smoothing}
+            if s.pointwise:  # the casts and pointwise ops, in the model's order, applied to each chunk's logits
+                head, head_args = _head_module(gm, s)
+                kw |= {"head": head, "head_args": head_args}
+                cast = None
             others = [u for u in s.proj.users if u.op != "output" and u not in s.chain]
-            if outputs == "loss" and s.kind == "linear" and bias is None and _low_logits(s) and not others:
+            if (outputs == "loss" and s.kind == "linear" and bias is None and _low_logits(s) and not others
+                    and not s.pointwise):
                 # one fused op over the master weight (passes/fused_linear_loss.py)
                 master = weight.args[0] if isinstance(weight, fx.Node) and _cast_dtype(weight) is not None else weight
                 new = graph.call_function(fused_linear_cross_entropy, (h, master, s.target), kw)
@@ -270,13 +349,15 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
             else:
                 new = graph.call_function(chunked_cross_entropy, (h, weight, bias, s.target), {
                     **kw, "proj": s.kind, "chunks": min(chunks, s.rows), "dtype": cast})
-        _replace_loss(graph, s, new)
+        logits = [s.proj, *s.chain]  # every form of the logits: the model may return any of them
         if outputs == "loss":
             out = graph.find_nodes(op="output")[0]
-            out.args = fx.node.map_arg(out.args, lambda a, p=s.proj: None if a is p else a)
+            out.args = fx.node.map_arg(out.args, lambda a, forms=logits: None if a in forms else a)
+        _replace_loss(graph, s, new)
         if s.proj.users:
             report.logits_kept += 1
-            _project_after(graph, s.proj, new)
+            alive = set(graph.nodes)
+            _project_after(graph, [n for n in logits if n in alive], new)
         else:
             weight = _linear_args(s.proj)[0] if s.kind == "linear" else None
             graph.erase_node(s.proj)
@@ -288,18 +369,53 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
     return len(sites)
 
 
-def _project_after(graph: fx.Graph, proj: fx.Node, loss: fx.Node) -> None:
-    """Move the kept logits' projection from before the chunked loss to just after it (outputs="all").
+def _project_after(graph: fx.Graph, kept: list[fx.Node], loss: fx.Node) -> None:
+    """Move the kept logits (the projection and the forms of it still read, in order) from before the
+    chunked loss to just after it (outputs="all").
 
     Why: autograd runs the ready backward node created last first, so the logits output's backward (its
     tangent, tokens x vocabulary, read by two matmuls into grad h and grad W) then runs before the chunks'
-    backward and its tangent dies there. Left before the loss, that backward ran after all the chunks and the
-    tangent stayed live through them: a whole tokens x vocabulary tensor at the loss region's peak (issue #40:
-    2 MiB of a 19.09 MiB floor), though a loop that only calls loss.backward() hands the logits no gradient
-    (the tangent is autograd's zeros). Left where it is when one of its readers comes before the loss."""
+    backward and its tangent dies there. Left before the loss, that backward would run after all the chunks
+    and the tangent would stay live through them: a whole tokens x vocabulary tensor at the loss region's
+    peak, though a loop that only calls loss.backward() hands the logits no gradient (the tangent is
+    autograd's zeros). Left where they are when one of their readers comes before the loss."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    if all(order[u] > order[loss] for u in proj.users):
-        loss.append(proj)
+    readers = [u for n in kept for u in n.users if u not in kept]
+    if all(order[u] > order[loss] for u in readers):
+        at = loss
+        for n in kept:
+            at.append(n)
+            at = n
+
+
+def _head_module(gm: fx.GraphModule, s: Site) -> tuple[fx.Node, tuple[fx.Node, ...]]:
+    """The site's casts and pointwise ops as a module of their own, `head(z, *operands)`, held by `gm`, for
+    `chunked_cross_entropy` to apply to each chunk's logits; returns its node and its other operands.
+
+    An operand shaped [..., 1, V] is read as [V]: the same for every row, it broadcasts over a chunk's
+    [rows, V] as it did over the whole logits (a [1] or scalar operand is left as it is)."""
+    graph = fx.Graph()
+    z = graph.placeholder("z")
+    steps = [n for n in s.chain if n in s.pointwise or _cast_dtype(n) is not None]
+    operands = list(dict.fromkeys(e for n in s.pointwise for e in _operands(n)[1]))
+    env: dict[fx.Node, fx.Node] = {}
+    for i, e in enumerate(operands):
+        p = graph.placeholder(f"operand_{i}")
+        env[e] = graph.call_method("reshape", (p, (-1,))) if _value(e).dim() > 1 else p
+    current = z
+    for n in steps:
+        if n not in s.pointwise:
+            current = graph.call_method("to", (current, _cast_dtype(n)))
+            continue
+        src = _pointwise_source(n)
+        current = graph.node_copy(n, lambda a, src=src, cur=current: cur if a is src else env[a])
+        current.meta = {}
+    graph.output(current)
+    name = f"autoremat_loss_head_{sum(1 for m in gm.graph.nodes if m.op == 'get_attr')}"
+    while hasattr(gm, name):
+        name += "_"
+    gm.add_submodule(name, fx.GraphModule(torch.nn.Module(), graph))
+    return gm.graph.get_attr(name), tuple(operands)
 
 
 def _replace_loss(graph: fx.Graph, s: Site, new: fx.Node) -> None:

@@ -32,6 +32,8 @@ AOTAutograd (joint graphs, partitioning):
   mutated_input_indices        the output node's meta["desc"]: the class name InputMutationAOTOutput
                                and its `mutated_input.idx`, which forward outputs are input mutations
   is_sym_node                  torch.fx.experimental.proxy_tensor: symbolic-size nodes are saved apart
+  aten_ops_of                  torch.fx.experimental.proxy_tensor.make_fx on meta tensors, outside dynamo's fake
+                               mode: the ATen ops a dynamo graph's node runs, so a pass can read their schema tags
   LOSS_REGION_TAG, tagged      a key the loss-chunk pass puts in its node's meta["custom"]: AOTAutograd copies
                                "custom" onto the joint nodes traced from it, and onto their backward nodes by
                                seq_nr, so the profile knows the chunked loss region's nodes
@@ -140,6 +142,7 @@ from autoremat.torch_internals.aot import (
     annotate,
     aot_autograd,
     arg_tree_leaves,
+    aten_ops_of,
     composite_with_meta_kernel,
     copy_graph,
     default_partition,
@@ -258,6 +261,7 @@ __all__ = [
     "is_inductor_error",
     "is_mutable_op",
     "is_primal",
+    "aten_ops_of",
     "is_sym_node",
     "is_tangent",
     "is_traceable_wrapper_subclass",

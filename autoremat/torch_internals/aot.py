@@ -12,10 +12,11 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
-from torch.fx.experimental.proxy_tensor import is_sym_node
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "pad_saved", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "aten_ops_of", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "pad_saved", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -213,3 +214,16 @@ def meta_python_kernels_hidden(ops: tuple[OpOverload, ...]) -> Iterator[None]:
         for op, kernel in hidden:
             op.py_kernels[torch._C.DispatchKey.Meta] = kernel
             op._dispatch_cache.clear()
+
+
+def aten_ops_of(fn: Callable, values: list[torch.Tensor]) -> list[OpOverload] | None:
+    """The ATen ops `fn(*tensors)` runs, traced on meta tensors shaped like `values`; None if it cannot be
+    traced so (data-dependent control flow, an op without a meta kernel). Runs outside any fake mode, so it
+    can be called from a dynamo backend while dynamo's fake mode is active."""
+    metas = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") for v in values]
+    try:
+        with unset_fake_temporarily():
+            graph = make_fx(fn)(*metas).graph
+    except Exception:  # noqa: BLE001 - any failure to trace means "not known", never a wrong answer
+        return None
+    return [n.target for n in graph.nodes if n.op == "call_function"]
