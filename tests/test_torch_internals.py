@@ -269,6 +269,39 @@ def test_op_overloads_and_mutability():
     assert isinstance(torch.ops.aten.add.Tensor, ti.OpOverload)
     assert isinstance(torch.ops.aten.add, ti.OpOverloadPacket)
     assert ti.is_mutable_op(torch.ops.aten.add_.Tensor) and not ti.is_mutable_op(torch.ops.aten.add.Tensor)
+    assert ti.schema_effects(torch.ops.aten.add_.Tensor) == (["self"], [], False)
+    assert ti.schema_effects(torch.ops.aten.view.default) == ([], ["self", "return 0"], False)
+    assert ti.schema_effects(torch.ops.aten.bernoulli.p) == ([], [], True)
+    assert ti.schema_effects(torch.ops.aten.add.Tensor) == ([], [], False)
+
+
+@torch.library.custom_op("autoremat_ti::bump", mutates_args=("count",))
+def _bump(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    count.add_(1)
+    return x * 2
+
+
+_bump.register_fake(lambda x, count: torch.empty_like(x))
+
+
+class _Bumps(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(4))
+
+    def forward(self, x):
+        return self.lin(_bump(x, self.count)).sum()
+
+
+def test_functionalized_mutations_and_effects_name_the_op_they_wrap():
+    joint = capture(_Bumps(), (torch.randn(2, 4),))[0].joint
+    wrapped = [ti.functionalized_mutation(n.target, n.args) for n in joint.graph.nodes if n.op == "call_function"]
+    assert torch.ops.autoremat_ti.bump.default in wrapped, joint.graph
+    assert ti.functionalized_mutation(torch.ops.aten.add.Tensor, ()) is None
+    assert ti.effectful_op(torch.ops.aten.add.Tensor, ()) is None
+    assert ti.effectful_op(torch.ops.higher_order.with_effects, (None, torch.ops.aten.add.Tensor)) is \
+        torch.ops.aten.add.Tensor
 
 
 def test_out_kernel_copies_names_the_out_overloads_that_allocate_their_result():

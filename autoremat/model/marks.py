@@ -60,8 +60,9 @@ def must_marks(g: GraphProfile) -> MustMarks:
     MUST_SAVE on a view applies to the storage it views (autoremat saves storages: schedule._handed_over);
     on a view of a parameter or an input it needs nothing (those are always there). Two marks cannot be
     honoured and are dropped with a reason: MUST_RECOMPUTE on a value autoremat never recomputes (a random
-    draw would draw again, a custom op, ...: `NodeProfile.recompute_ban`), and MUST_SAVE on a value Inductor
-    fuses into its readers (it is never written out). A storage marked both ways is saved.
+    draw would draw again, a custom op that mutates or aliases, ...: `NodeProfile.recompute_ban`), and
+    MUST_SAVE on a value Inductor fuses into its readers (it is never written out). A storage marked both
+    ways is saved.
     """
     known = g.__dict__.get(_KNOWN)
     if known is not None:

@@ -38,16 +38,20 @@ from autoremat.torch_internals import (
     OpOverload,
     StorageWeakRef,
     arg_tree_leaves,
+    effectful_op,
+    functionalized_mutation,
     is_mutable_op,
     is_primal,
     is_tangent,
     mutated_input_indices,
+    schema_effects,
     tagged,
     tree_map,
 )
 
-# Namespaces whose ops we know to be pure functions of their inputs.
-PURE_NAMESPACES = {"aten", "prims", "autoremat"}  # autoremat ops: pure unless tagged random
+# Namespaces of torch's and autoremat's own ops. An op of any other namespace is a custom op
+# (torch.library): recomputed when its schema is functional (recompute_ban), named in the plan's notes.
+PURE_NAMESPACES = {"aten", "prims", "autoremat"}
 # Ops that are never worth saving: recomputing them costs nothing (metadata only).
 _VIEW_COST = 0.0
 
@@ -65,6 +69,8 @@ class NodeProfile:
     bytes_moved: float = 0.0
     time_s: float = 0.0
     recompute_ban: str = ""  # why this node may not be recomputed ("" = it may)
+    # a custom op with no FLOP formula: time_s is the roofline of the bytes it moves, a stated estimate (_price)
+    time_from_bytes: bool = False
     module: str = ""  # nn.Module path, from nn_module_stack
     dtype: str = ""
     shape: tuple[int, ...] = ()
@@ -151,7 +157,12 @@ def module_path_of(node: fx.Node) -> str:
 
 
 def recompute_ban(node: fx.Node) -> str:
-    """Why `node` must not be recomputed in the backward, or "" when recomputing it is safe."""
+    """Why `node` must not be recomputed in the backward, or "" when recomputing it is safe.
+
+    An op is judged by its schema and tags, whatever library registered it: one that declares no write
+    and no alias, takes no Generator and is not tagged `nondeterministic_seeded` is a function of its
+    inputs, so recomputing it gives the forward's value. Its bytes come from its fake kernel (the
+    node's "val"), as for any op."""
     t = node.target
     if t is operator.getitem:
         return ""
@@ -159,20 +170,46 @@ def recompute_ban(node: fx.Node) -> str:
         return "random op: recomputing it would draw fresh randomness (its draw is replayed instead)"
     if is_replay(t):
         return ""  # replays a saved generator state: the same draw every time
+    wrapped = functionalized_mutation(t, node.args)
+    if wrapped is not None:  # functionalization's form of a call that writes its arguments
+        writes = schema_effects(wrapped)[0]
+        return f"custom op {wrapped} mutates {', '.join(writes) or 'an input'}: recomputing it would write again"
+    wrapped = effectful_op(t, node.args)
+    if wrapped is not None:
+        return f"custom op {wrapped} has declared side effects: recomputing it would repeat them"
     if not isinstance(t, OpOverload):
-        return f"unsupported op {t!r} (not an ATen op): saved, never recomputed"
+        return f"unsupported op {_target_name(node)} (no schema: a higher-order op or a Python function)"
     ns = t.namespace
     if ns in ("_c10d_functional", "c10d_functional", "c10d", "_dtensor"):
         return "collective: recomputing it would communicate again"
-    if ns not in PURE_NAMESPACES:
-        return f"custom op {t}: saved, never recomputed"
-    if _is_random(t):
-        return "random op: recomputing it would draw fresh randomness"
-    if is_mutable_op(t):
-        return "mutates an input"
+    writes, aliases, generator = schema_effects(t)
+    custom = ns not in PURE_NAMESPACES
+    if _is_random(t) or generator:
+        why = "tagged nondeterministic_seeded" if _is_random(t) else "takes a Generator"
+        return (f"custom op {t} is random ({why}): recomputing it would draw fresh randomness" if custom
+                else "random op: recomputing it would draw fresh randomness")
+    if writes or is_mutable_op(t):
+        return (f"custom op {t} mutates {', '.join(writes) or 'an input'}: recomputing it would write again"
+                if custom else "mutates an input")
+    if custom and aliases:
+        # A view's storage is its input's; a fake kernel need not say so, and a copy made in the
+        # backward would be a new tensor, not that view.
+        return f"custom op {t} aliases {', '.join(aliases)}: its output is not a buffer of its own"
+    if custom and node.meta.get("val") is None:
+        return f"custom op {t} has no fake kernel: the bytes of its output are unknown"
+    if custom and not _tensors(node.meta.get("val")):
+        return f"custom op {t} returns no tensor: nothing of it to save or recompute"
     if torch.Tag.nondeterministic_bitwise in t.tags and "index_put" in t.name():
         return "nondeterministic: recomputation may differ bitwise"
     return ""
+
+
+def is_custom_op(node: fx.Node) -> bool:
+    """A call of an op registered outside torch and autoremat (torch.library: transformers, flash-attn, ...)."""
+    t = node.target
+    if functionalized_mutation(t, node.args) is not None or effectful_op(t, node.args) is not None:
+        return True
+    return isinstance(t, OpOverload) and t.namespace not in PURE_NAMESPACES
 
 
 def recomputes_without_buffers(node: fx.Node) -> bool:
@@ -316,6 +353,10 @@ def _price(n: fx.Node, prof: NodeProfile, val: object, dev: DeviceSpec) -> None:
     prof.flops = flops if matmul else float(sum(t.numel() for t in _tensors(val)))
     prof.bytes_moved = float(moved)
     prof.time_s = dev.op_time(prof.flops, prof.bytes_moved, dtype=dtype, matmul=matmul)
+    # No op is timed on real tensors here: a custom op without a FLOP formula (register_flop_formula) is
+    # priced as an elementwise op, by the bytes it reads and writes at the device's memory bandwidth. That
+    # is a floor for a compute-bound kernel (a grouped matmul), so the plan's notes name such ops.
+    prof.time_from_bytes = not matmul and is_custom_op(n)
     if is_draw(n.target) or is_replay(n.target) or _is_random(n.target):
         prof.time_s += _drawn_elements(val) * dev.random_draw_s_per_element
         prof.transient_bytes += draw_scratch(n)

@@ -238,12 +238,19 @@ def _solver_notes(decision: Decision) -> list[str]:
 
 
 def _unsupported_notes(profiles: list[GraphProfile]) -> list[str]:
-    """Ops autoremat cannot recompute (custom, non-ATen): always saved. Say which, so nobody wonders."""
-    ops = sorted({p.target for g in profiles for p in g.nodes.values()
-                  if p.kind == "forward" and p.recompute_ban.startswith(("custom op", "unsupported op"))})
-    if not ops:
-        return []
-    return [f"{len(ops)} custom or unsupported op(s) are always saved, never recomputed: {', '.join(ops)}"]
+    """The custom and unsupported ops the plan always saves, each with why (model/profile.recompute_ban),
+    and the custom ops it may recompute whose time is an estimate from their bytes."""
+    forward = [p for g in profiles for p in g.nodes.values() if p.kind == "forward"]
+    saved = sorted({p.recompute_ban for p in forward if p.recompute_ban.startswith(("custom op", "unsupported op"))})
+    notes = []
+    if saved:
+        notes.append(f"{len(saved)} custom or unsupported op(s) are always saved, never recomputed: {'; '.join(saved)}")
+    estimated = sorted({p.target for p in forward if p.time_from_bytes and not p.recompute_ban})
+    if estimated:
+        notes.append(f"{len(estimated)} custom op(s) may be recomputed, timed by the bytes they move at the device's "
+                     f"memory bandwidth (no FLOP formula; torch.utils.flop_counter.register_flop_formula gives "
+                     f"one): {', '.join(estimated)}")
+    return notes
 
 
 def _mark_notes(profiles: list[GraphProfile]) -> list[str]:

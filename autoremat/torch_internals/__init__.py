@@ -43,6 +43,12 @@ AOTAutograd (joint graphs, partitioning):
 Dispatcher and ops:
   OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
   is_mutable_op                OpOverload._schema.is_mutable
+  schema_effects               OpOverload._schema's arguments and returns: their alias_info (is_write) and
+                               types, what an op declares it writes, aliases, or draws from a Generator
+  functionalized_mutation      torch.ops.higher_order.auto_functionalized(_v2): how a mutating op appears
+                               in a functionalized joint graph, the op as its first argument
+  effectful_op                 torch.ops.higher_order.with_effects: an op with declared side effects, the
+                               op as its second argument (after the effect token)
   out_kernel_copies            torch._C._dispatch_has_kernel_for_dispatch_key: an out= overload whose only
                                kernel is the generated CompositeExplicitAutograd wrapper (mul.Scalar_out)
                                runs the functional op and copies its result into `out` (passes/reuse.py)
@@ -146,7 +152,9 @@ from autoremat.torch_internals.aot import (
     composite_with_meta_kernel,
     copy_graph,
     default_partition,
+    effectful_op,
     extract_fwd_bwd_modules,
+    functionalized_mutation,
     handed_to_backward,
     is_mutable_op,
     is_primal,
@@ -158,6 +166,7 @@ from autoremat.torch_internals.aot import (
     mutated_input_indices,
     out_kernel_copies,
     pad_saved,
+    schema_effects,
     set_boxed_codegen,
     tagged,
     tree_flatten,
@@ -260,6 +269,9 @@ __all__ = [
     "is_dynamo_error",
     "is_inductor_error",
     "is_mutable_op",
+    "effectful_op",
+    "functionalized_mutation",
+    "schema_effects",
     "is_primal",
     "aten_ops_of",
     "is_sym_node",

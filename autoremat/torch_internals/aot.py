@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "aten_ops_of", "composite_with_meta_kernel", "copy_graph", "default_partition", "extract_fwd_bwd_modules", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "pad_saved", "mutated_input_indices", "out_kernel_copies", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "aten_ops_of", "composite_with_meta_kernel", "copy_graph", "default_partition", "effectful_op", "extract_fwd_bwd_modules", "functionalized_mutation", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "pad_saved", "schema_effects", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -186,6 +186,42 @@ tree_map = torch.utils._pytree.tree_map
 
 def is_mutable_op(op: OpOverload) -> bool:
     return bool(op._schema.is_mutable)
+
+
+def schema_effects(op: OpOverload) -> tuple[list[str], list[str], bool]:
+    """What `op`'s schema declares beyond a pure function: the arguments it writes (`Tensor(a!)`), the
+    arguments and returns that alias another value without a write (`Tensor(a)`, a view), and whether it
+    takes a Generator (it draws random numbers from it)."""
+    schema = op._schema
+    writes = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    aliases = [a.name for a in schema.arguments if a.alias_info is not None and not a.alias_info.is_write]
+    aliases += [r.name or f"return {i}" for i, r in enumerate(schema.returns)
+                if r.alias_info is not None and not r.alias_info.is_write]
+    generator = any("Generator" in str(a.type) for a in schema.arguments)
+    return writes, aliases, generator
+
+
+# Functionalization turns a call of an op that mutates its arguments into one of these higher-order ops,
+# whose first argument is that op (`auto_functionalized(op, **kwargs)`): the graph stays functional, the
+# runtime still writes the mutated arguments back.
+_FUNCTIONALIZED = tuple(getattr(torch.ops.higher_order, name) for name in ("auto_functionalized", "auto_functionalized_v2")
+                        if hasattr(torch.ops.higher_order, name))
+# A call of an op registered as having side effects, ordered by an effect token (`with_effects(token, op, ...)`).
+_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
+
+
+def functionalized_mutation(target: object, args: tuple) -> OpOverload | None:
+    """The mutating op a functionalized call (`auto_functionalized`) wraps, or None for any other target."""
+    if target in _FUNCTIONALIZED and args and isinstance(args[0], OpOverload):
+        return args[0]
+    return None
+
+
+def effectful_op(target: object, args: tuple) -> OpOverload | None:
+    """The op a `with_effects` call (an op with declared side effects) wraps, or None for any other target."""
+    if _WITH_EFFECTS is not None and target is _WITH_EFFECTS and len(args) > 1 and isinstance(args[1], OpOverload):
+        return args[1]
+    return None
 
 
 def out_kernel_copies(op: OpOverload) -> bool:
