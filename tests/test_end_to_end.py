@@ -177,6 +177,24 @@ def test_budget_errors_name_the_smallest_budget():
         autoremat.optimize(model, budget="20 gb", example_inputs=ex, compiler="eager")
 
 
+def test_budget_errors_name_what_is_live_at_the_floor_plans_peak():
+    """Where the floor is above the budget, the refusal names the largest tensors the memory model holds at
+    the most memory-frugal plan's peak, with the op that allocated each, its module and its bytes."""
+    model, ex = models.mlp(batch=8, width=32, depth=2)
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, compiler="eager")
+    e = err.value
+    live = e.at_peak
+    assert 0 < len(live) <= 5
+    assert [t.nbytes for t in live] == sorted((t.nbytes for t in live), reverse=True)
+    assert sum(t.nbytes for t in live) <= e.frugal.peak
+    # the largest is a (32-wide, batch 8) fp32 activation or gradient of one of the mlp's Linear layers
+    top = live[0]
+    assert top.op.startswith("aten.") and top.module.startswith("layers.") and top.nbytes >= 8 * 32 * 4, top
+    assert "Largest tensors live at that plan's peak" in str(e)
+    assert f"{top.op} in {top.module}" in str(e) and f"({top.nbytes} bytes)" in str(e)
+
+
 def test_plan_round_trips_and_reapplies(tmp_path):
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=64, seq=16)
