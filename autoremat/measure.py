@@ -26,6 +26,9 @@ or
     with PeakMeter(baseline_objs=(model, x)) as meter:
         train_step(model, x)
     print(meter.result.peak_bytes)
+
+It also holds the one measure of how far two sets of gradients differ (`grad_rel_err`, and per parameter
+`param_rel_errs`), which the tests, the benchmarks and the precision check all use.
 """
 
 from __future__ import annotations
@@ -335,3 +338,70 @@ def measure_peak(
     assert meter.result is not None
     return out, meter.result
 
+
+# --------------------------------------------------------------------------------------------
+# gradient error
+
+# A parameter whose gradient is zero in exact arithmetic (an attention key bias: softmax ignores a constant
+# added to every key) is computed as rounding noise, ~1e-9 where others are ~0.3, and two roundings of zero
+# differ by O(1) relative: a per-parameter ratio against its own norm reads that noise as a large error.
+# Per parameter, each gradient is therefore measured against at least this share of the largest parameter
+# gradient's norm: sqrt(fp32 eps) ~ 3.5e-4, far above the rounding of the sums involved, far below any
+# real error in a parameter that matters.
+GRAD_NOISE_FLOOR = torch.finfo(torch.float32).eps ** 0.5
+
+
+def _grad_pairs(g, ref) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+    """(name, g, ref) for each parameter, or None if the two name or count different parameters. Accepts
+    {name: tensor} mappings, sequences of tensors (in the same order), or single tensors."""
+    if isinstance(g, torch.Tensor) and isinstance(ref, torch.Tensor):
+        g, ref = {"": g}, {"": ref}
+    if not isinstance(g, dict):
+        g = {str(i): t for i, t in enumerate(g)}
+    if not isinstance(ref, dict):
+        ref = {str(i): t for i, t in enumerate(ref)}
+    if set(g) != set(ref) or any(g[n].shape != r.shape for n, r in ref.items()):
+        return None
+    return [(n, g[n].detach(), r.detach()) for n, r in ref.items()]
+
+
+def _norms(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
+    """(||a - r||, ||r||) in float64, one parameter converted at a time."""
+    a, r = a.double(), r.to(a.device).double()
+    return (a - r).norm().item(), r.norm().item()
+
+
+def grad_rel_err(g, ref) -> float:
+    """||g - ref|| / ||ref|| over all the gradients together, as one concatenated vector (in float64).
+
+    `g` and `ref` are {name: gradient} (or sequences of gradients in one order, or two tensors). A parameter
+    whose true gradient is zero adds only its rounding noise to the numerator, next to every other
+    gradient's norm in the denominator, so it cannot dominate; an error in any parameter that carries a
+    share of the gradient shows in proportion to that share. inf if the parameter sets differ; 0 for two
+    all-zero sets, inf if only the reference is all zero."""
+    pairs = _grad_pairs(g, ref)
+    if pairs is None:
+        return float("inf")
+    num = den = 0.0
+    for _, a, r in pairs:
+        d, s = _norms(a, r)
+        num, den = num + d * d, den + s * s
+    num, den = num ** 0.5, den ** 0.5
+    return num / den if den else (0.0 if num == 0 else float("inf"))
+
+
+def param_rel_errs(g, ref, floor: float = GRAD_NOISE_FLOOR) -> dict[str, float]:
+    """Per parameter, ||g_p - ref_p|| / max(||ref_p||, floor * max_q ||ref_q||): each parameter's own
+    relative error, except that a gradient smaller than `floor` times the largest one is measured against
+    that floor (GRAD_NOISE_FLOOR says why). Names a parameter that went wrong, where `grad_rel_err` gives
+    one number. Empty if the parameter sets differ."""
+    pairs = _grad_pairs(g, ref)
+    if pairs is None:
+        return {}
+    norms = {n: _norms(a, r) for n, a, r in pairs}
+    least = floor * max((s for _, s in norms.values()), default=0.0)
+    out = {}
+    for n, (d, s) in norms.items():
+        s = max(s, least)
+        out[n] = d / s if s else (0.0 if d == 0 else float("inf"))
+    return out

@@ -14,8 +14,9 @@ The measured step is `out = model(**batch); out.loss.backward()` with `out` held
 after a warm-up step (every .grad exists). Per row: allocated = torch.cuda.max_memory_allocated over that
 step (stats reset just before it; on CPU autoremat.measure's allocator-event peak), reserved =
 max_memory_reserved (empty_cache before that step), step time (median of --steps) and its ratio to eager,
-checkpointing and torch.compile, gradient error = max over parameters of ||g - g_eager|| / ||g_eager||
-(common.max_rel_err; same seed before each step), planning seconds. A row whose allocated peak
+checkpointing and torch.compile, gradient error = ||g - g_eager|| / ||g_eager|| over all parameters together
+(common.grad_rel_err; same seed before each step) beside the checkpoint row's own (the device's noise floor),
+planning seconds. A row whose allocated peak
 exceeds its budget gets the largest blocks live at the measured peak (CUDA memory history; on CPU the
 profiler's allocation events) set against the memory model's live set at its predicted peak
 (live_at_peak.py), so one run names the culprit.
@@ -299,15 +300,6 @@ def free(dev):
     empty_cache(dev)
 
 
-def grad_errors(g: dict, ref: dict) -> tuple[float, str]:
-    """common.max_rel_err, and the parameter where it is reached."""
-    worst = common.max_rel_err(g, ref)
-    if set(g) != set(ref) or not ref:
-        return worst, "parameter sets differ"
-    per = {n: common.max_rel_err({n: g[n]}, {n: r}) for n, r in ref.items()}
-    return worst, max(per, key=per.get)
-
-
 def frame_where(frames: list[dict]) -> str:
     """The innermost frame in generated code (FX, Inductor) or outside torch, with its source line."""
     def interesting(fn: str) -> bool:
@@ -561,7 +553,7 @@ class Run:
             g = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
             if spec["method"] == "eager":
                 self.ref[spec["model"]] = g
-            row["grad_err"], row["grad_err_param"] = grad_errors(g, self.ref.get(spec["model"], {}))
+            row.update(common.grad_errors(g, self.ref.get(spec["model"], {})))
             row["status"] = "ok"
             over = row.get("budget") is not None and row["allocated"] > row["budget"]
             if spec["method"] == "autoremat" and (over or a.dump == "all"):
@@ -637,12 +629,19 @@ class Run:
             return format(x / scale, spec) if x is not None else ""
         b = r.get("budget")
         if r.get("status") != "ok":
-            return [f(b, ".1f", MiB), r.get("status", "pending"), *[""] * 8, f(r.get("plan_s"), ".0f")]
+            return [f(b, ".1f", MiB), r.get("status", "pending"), *[""] * 9, f(r.get("plan_s"), ".0f")]
         ratios = [f(r["step_s"] / t, ".3f") if t else "" for t in
                   (self.baseline_time(r["model"], k) for k in ("eager", "checkpoint", "compile"))]
         return [f(b, ".1f", MiB), f(r["allocated"], ".1f", MiB), f(b and r["allocated"] / b, ".3f"),
                 f(r.get("predicted_peak"), ".1f", MiB), f(r.get("reserved"), ".1f", MiB),
-                f(r["step_s"] * 1e3, ".1f"), *ratios, f"{r['grad_err']:.1e}", f(r.get("plan_s"), ".0f")]
+                f(r["step_s"] * 1e3, ".1f"), *ratios, f"{r['grad_rel_err']:.1e}",
+                f(self.noise_floor(r["model"]), ".1e"), f(r.get("plan_s"), ".0f")]
+
+    def noise_floor(self, model: str) -> float | None:
+        """The model's checkpoint row's own gradient error against eager: it recomputes the same mathematics,
+        so its error is the rounding noise any exact method shows on this device."""
+        r = self.by_id(CKPT[model])
+        return r["grad_rel_err"] if r and r.get("status") == "ok" else None
 
     def line(self, r: dict) -> str:
         c = self.cells(r)
@@ -650,13 +649,14 @@ class Run:
             return f"{r['id']}: {c[1]}" + (f" (budget {c[0]} MiB)" if c[0] else "")
         return (f"{r['id']}: budget {c[0] or '-'} MiB, allocated {c[1]} MiB ({c[2] or '-'}), predicted {c[3] or '-'}, "
                 f"reserved {c[4] or '-'}, step {c[5]} ms (x{c[6]} eager, x{c[7] or '-'} ckpt, x{c[8] or '-'} compile), "
-                f"grad err {c[9]}, plan {c[10] or '-'} s")
+                f"grad err {c[9]} (checkpoint's {c[10] or '-'}), plan {c[11] or '-'} s")
 
     def write(self) -> None:
         a, dev = self.a, self.dev
         head = ("| row | setting | budget (MiB) | allocated (MiB) | allocated / budget | predicted (MiB) | "
-                "reserved (MiB) | step (ms) | vs eager | vs checkpoint | vs torch.compile | grad err | plan (s) |")
-        lines = [head, "|" + "---|" * 13]
+                "reserved (MiB) | step (ms) | vs eager | vs checkpoint | vs torch.compile | grad err | checkpoint's "
+                "grad err | plan (s) |")
+        lines = [head, "|" + "---|" * 14]
         for r in self.rows + [dict(id=p, setting="", status="pending (not reached: the process ended first)")
                               for p in self.pending]:
             lines.append(f"| {r['id']} | {r.get('setting', '')} | " + " | ".join(self.cells(r)) + " |")
@@ -675,9 +675,10 @@ class Run:
                  "max_memory_reserved over it (empty_cache before it)" if dev.type == "cuda" else
                  "autoremat.measure's allocator-event peak (profiler) + what the model, grads and batch hold") +
                 f". Step time: median of {a.steps}; ratios to the same model's eager, checkpoint (GPT-2: "
-                "autocast(bf16) + checkpoint) and torch.compile rows. grad err: max over parameters of "
-                "||g - g_eager|| / ||g_eager|| against fp32 eager, same seed before each step "
-                "(common.max_rel_err); torch.compile's Inductor draws dropout masks with its own generator, so "
+                "autocast(bf16) + checkpoint) and torch.compile rows. grad err: ||g - g_eager|| / ||g_eager|| "
+                "over all parameters together against fp32 eager, same seed before each step "
+                "(common.grad_rel_err); checkpoint's grad err: the same model's checkpoint row's, the noise "
+                "floor of this device (GPT-2's under autocast); torch.compile's Inductor draws dropout masks with its own generator, so "
                 "its error on the dropout models (BERT, GPT-2) is expected. plan: seconds of autoremat.optimize "
                 "(capture, solve, compile, verify).",
                 "", "Models:", models, "", *lines, "",

@@ -48,7 +48,7 @@ sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pi
 from common import paired_times  # noqa: E402  # benchmarks/common/ (this script's folder is on sys.path)
 
 import autoremat  # noqa: E402
-from autoremat.measure import live_tensor_bytes, measure_peak  # noqa: E402
+from autoremat.measure import grad_rel_err, live_tensor_bytes, measure_peak  # noqa: E402
 from examples.models import loss_of, transformer_stack  # noqa: E402
 
 MiB = 2**20
@@ -79,10 +79,7 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
                       for p in model.parameters() if p.requires_grad])
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    den = b.double().norm().item()
-    num = (a.double() - b.double()).norm().item()
-    return num / den if den else num
+rel = grad_rel_err  # ||x - ref|| / ||ref||, of the loss as of the concatenated gradients
 
 
 def make_step(fn, ex: tuple, autocast_on: torch.device | None = None):

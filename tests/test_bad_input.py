@@ -9,7 +9,7 @@ import torch.nn as nn
 
 import autoremat
 from examples import models
-from tests.tolerances import assert_close_for, batch_depth
+from tests.tolerances import assert_grads_close, batch_depth
 
 
 def _mlp():
@@ -72,8 +72,8 @@ def _grads(model, fn, x):
 
 
 def _assert_same_grads(model, om, x):
-    for g, r in zip(_grads(model, om, x), _grads(model, model, x), strict=True):
-        assert_close_for(g, r, depth=batch_depth(x))
+    assert_grads_close([(g, r) for g, r in zip(_grads(model, om, x), _grads(model, model, x), strict=True)],
+                       depth=batch_depth(x))
 
 
 class DataDependent(nn.Module):

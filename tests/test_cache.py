@@ -13,7 +13,7 @@ from autoremat.planning.cache import PlanCache
 from autoremat.planning.compilers import inductor_problem
 from autoremat.planning.planner import trace_step
 from examples import models
-from tests.tolerances import assert_close_for, batch_depth
+from tests.tolerances import assert_grads_close, batch_depth
 
 
 def _model():
@@ -35,8 +35,7 @@ def _assert_eager_gradients(model, step, ex):
     ref = torch.autograd.grad(model(*ex), list(model.parameters()))
     torch.manual_seed(1)
     got = torch.autograd.grad(step(*ex), list(model.parameters()))
-    for g, r in zip(got, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(got, ref, strict=True)], depth=batch_depth(ex))
 
 
 def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
@@ -214,8 +213,7 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
         torch.manual_seed(1)  # dropout: same draws in both
         step(*ex).backward()
         grads.append([p.grad for p in model.parameters()])
-    for g, r in zip(grads[1], grads[0], strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(grads[1], grads[0], strict=True)], depth=batch_depth(ex))
 
 
 def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):

@@ -24,7 +24,7 @@ import torch.nn as nn
 import autoremat
 from autoremat.planning.compilers import choose_compiler, inductor_problem
 from autoremat.torch_internals import inductor_cpp_compiler
-from tests.tolerances import assert_close_for
+from tests.tolerances import assert_grads_close
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -83,8 +83,7 @@ def test_auto_uses_inductor_where_the_cpu_probe_passes() -> None:
     assert (c["requested"], c["used"]) == ("auto", "inductor"), c
     assert 0 < c["inductor_compile_s"] <= c["planning_s"], c
     om(*ex).sum().backward()
-    for p, r in zip(model.parameters(), ref, strict=True):
-        assert_close_for(p.grad, r, depth=3)
+    assert_grads_close([(p.grad, r) for p, r in zip(model.parameters(), ref, strict=True)], depth=3)
     assert "Inductor's compilers" in om.plan.summary()
 
 
@@ -100,8 +99,7 @@ def test_the_backend_defaults_to_auto_and_chooses_at_its_first_graph() -> None:
     torch.compile(model, backend=be)(*ex).sum().backward()
     c = be.planner.compiler
     assert (c.requested, c.used) == ("auto", "eager" if problem else "inductor"), c
-    for p, r in zip(model.parameters(), ref, strict=True):
-        assert_close_for(p.grad, r, depth=3)
+    assert_grads_close([(p.grad, r) for p, r in zip(model.parameters(), ref, strict=True)], depth=3)
 
 
 def test_auto_falls_back_to_eager_once_when_no_cpp_compiler_works(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from autoremat.planning import dynamo_graphs
 from autoremat.planning.options import PlanOptions
 from autoremat.planning.planner import CapturePlanner, compile_and_trace, own_errors
 from examples.models import gpt2
-from tests.tolerances import assert_close_for, batch_depth
+from tests.tolerances import assert_grads_close, batch_depth
 
 
 def _planner(k: int | None, keep: bool = False) -> CapturePlanner:
@@ -91,5 +91,5 @@ def test_planning_the_chunk_counts_and_compiling_the_plan_run_dynamo_once():
     twin = copy.deepcopy(model)
     om(**ex).loss.backward()
     twin(**ex).loss.backward()
-    for (name, a), b in zip(om.model.named_parameters(), twin.parameters()):
-        assert_close_for(a.grad, b.grad, depth=batch_depth(ex), msg=name)
+    assert_grads_close([(a.grad, b.grad, name) for (name, a), b in zip(om.model.named_parameters(), twin.parameters())],
+                       depth=batch_depth(ex))

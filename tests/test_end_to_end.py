@@ -9,7 +9,7 @@ import autoremat
 from autoremat.measure import measure_peak
 from examples import models
 from tests.budgets import budget_range
-from tests.tolerances import assert_close_for, batch_depth
+from tests.tolerances import assert_close_for, assert_grads_close, batch_depth
 
 MODELS = ["mlp", "transformer_stack", "convnet", "dict_output", "gpt2", "llama"]
 SIZES = {"mlp": {"batch": 1024}}  # at batch 64 the MLP's peak is its gradients: nothing to recompute
@@ -46,8 +46,7 @@ def test_budgets_hold_and_gradients_are_exact(name):
         model.load_state_dict(state)  # planning must not have moved buffers; reset anyway for the reference
         loss, grads = _grads(model, ex, om)
         assert_close_for(loss, ref_loss, depth=batch_depth(ex))
-        for g, r in zip(grads, ref, strict=True):
-            assert_close_for(g, r, depth=batch_depth(ex))
+        assert_grads_close([(g, r) for g, r in zip(grads, ref, strict=True)], depth=batch_depth(ex))
 
         def step(om=om):
             torch.manual_seed(1)
@@ -72,8 +71,7 @@ def test_dropout_is_never_recomputed_with_fresh_randomness():
     om = autoremat.optimize(model, budget=lo + (hi - lo) // 20, example_inputs=ex, compiler="eager")
     assert om.plan.graphs[0].recomputed, "a tight budget should recompute something"
     _, grads = _grads(model, ex, om)
-    for g, r in zip(grads, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(grads, ref, strict=True)], depth=batch_depth(ex))
 
 
 def test_pytorch_memory_budget_gets_dropout_wrong():
@@ -125,8 +123,7 @@ def test_batchnorm_outputs_are_recomputed_exactly_and_stats_update_once():
     model.load_state_dict(before)
     _, grads = _grads(model, ex, om)
     _, ref = _grads(eager, ex, eager)
-    for g, r in zip(grads, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(grads, ref, strict=True)], depth=batch_depth(ex))
     for (k, v), (_, e) in zip(model.state_dict().items(), eager.state_dict().items()):
         if v.is_floating_point():
             assert_close_for(v, e, depth=batch_depth(ex), msg=k)
@@ -143,8 +140,7 @@ def test_frozen_parameters_get_no_gradient():
     om = autoremat.optimize(model, budget=10**12, example_inputs=ex, compiler="eager")
     _, grads = _grads(model, ex, om)
     assert all(p.grad is None for p in model.blocks[0].parameters())
-    for g, r in zip(grads, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(grads, ref, strict=True)], depth=batch_depth(ex))
 
 
 def test_graph_breaks_are_planned_jointly():
@@ -166,8 +162,7 @@ def test_graph_breaks_are_planned_jointly():
     assert om.num_graphs == 2
     assert any("jointly" in n for n in om.plan.notes)
     _, grads = _grads(model, ex, om)
-    for g, r in zip(grads, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(grads, ref, strict=True)], depth=batch_depth(ex))
 
 
 def test_budget_errors_name_the_smallest_budget():
@@ -180,6 +175,24 @@ def test_budget_errors_name_the_smallest_budget():
     assert om.plan.predicted_peak <= err.value.smallest_budget
     with pytest.raises(ValueError, match="20GB"):
         autoremat.optimize(model, budget="20 gb", example_inputs=ex, compiler="eager")
+
+
+def test_budget_errors_name_what_is_live_at_the_floor_plans_peak():
+    """Where the floor is above the budget, the refusal names the largest tensors the memory model holds at
+    the most memory-frugal plan's peak, with the op that allocated each, its module and its bytes."""
+    model, ex = models.mlp(batch=8, width=32, depth=2)
+    with pytest.raises(autoremat.BudgetError) as err:
+        autoremat.optimize(model, budget="1KB", example_inputs=ex, compiler="eager")
+    e = err.value
+    live = e.at_peak
+    assert 0 < len(live) <= 5
+    assert [t.nbytes for t in live] == sorted((t.nbytes for t in live), reverse=True)
+    assert sum(t.nbytes for t in live) <= e.frugal.peak
+    # the largest is a (32-wide, batch 8) fp32 activation or gradient of one of the mlp's Linear layers
+    top = live[0]
+    assert top.op.startswith("aten.") and top.module.startswith("layers.") and top.nbytes >= 8 * 32 * 4, top
+    assert "Largest tensors live at that plan's peak" in str(e)
+    assert f"{top.op} in {top.module}" in str(e) and f"({top.nbytes} bytes)" in str(e)
 
 
 def test_plan_round_trips_and_reapplies(tmp_path):
@@ -206,8 +219,7 @@ def test_backend_face():
     be = autoremat.backend(budget="1GB", compiler="eager")  # the default ("auto") is tests/test_compilers.py's
     cm = torch.compile(model, backend=be)
     _, grads = _grads(model, ex, cm)
-    for g, r in zip(grads, ref, strict=True):
-        assert_close_for(g, r, depth=batch_depth(ex))
+    assert_grads_close([(g, r) for g, r in zip(grads, ref, strict=True)], depth=batch_depth(ex))
     assert be.planner.combined_plan.graphs
 
 

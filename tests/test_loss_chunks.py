@@ -22,7 +22,7 @@ from autoremat.measure import allocation_deltas, measure_peak
 from autoremat.passes import loss_chunks as LC
 from autoremat.planning.plan import Plan
 from examples.models import gpt2
-from tests.tolerances import assert_close_for
+from tests.tolerances import assert_close_for, assert_grads_close
 
 
 class Head(nn.Module):
@@ -91,8 +91,7 @@ def test_chunked_loss_matches_eager(form: str, reduction: str, smoothing: float)
     assert report.rewritten == 1, report
     d = depth(x.shape[0] * x.shape[1], model.vocab, x.shape[-1])
     assert_close_for(loss, ref_loss, depth=d)
-    for g, r in zip(grads, ref_grads):
-        assert_close_for(g, r, depth=d)
+    assert_grads_close([(g, r) for g, r in zip(grads, ref_grads)], depth=d)
 
 
 class Between(nn.Module):
@@ -247,8 +246,7 @@ def test_hf_gpt2_loss_and_gradients_exact(outputs: str, sum_reduction: bool) -> 
     assert report.rewritten == 1, report
     d = depth(32, 300, 32 * 4 * 2)
     assert_close_for(loss, ref_loss, depth=d)
-    for g, r in zip(grads, ref_grads):
-        assert_close_for(g, r, depth=d)
+    assert_grads_close([(g, r) for g, r in zip(grads, ref_grads)], depth=d)
     logits = fn(**ex).logits
     if outputs == "loss":
         assert logits is None

@@ -19,7 +19,7 @@ from autoremat.planning.plan import Plan
 from autoremat.solve import solver
 from examples import models
 from tests.budgets import seeded_grads
-from tests.tolerances import assert_close_for
+from tests.tolerances import assert_close_for, assert_grads_close
 
 
 def _stack():
@@ -73,10 +73,9 @@ def test_gradients_equal_eagers_with_dropout():
     model, ex = _stack()
     om = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     grads = seeded_grads(model, (model, om), ex)
-    for g, r in zip(*grads, strict=True):
-        # the same ops and random draws; the residual stream's gradient, fed by two graphs, is summed
-        # by autograd in its own order: reduction-order tolerance over the tokens a weight sums
-        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    # the same ops and random draws; the residual stream's gradient, fed by two graphs, is summed
+    # by autograd in its own order: reduction-order tolerance over the tokens a weight sums
+    assert_grads_close([(g, r) for g, r in zip(*grads, strict=True)], depth=ex[0][..., 0].numel())
     model.zero_grad(set_to_none=True)
 
 
@@ -137,8 +136,7 @@ def test_autograd_grad_with_respect_to_parameters_needs_release_grads_off():
     torch.manual_seed(1)
     got = torch.autograd.grad(models.loss_of(om(*ex)), params)
     assert all(p.grad is None for p in params)
-    for g, r in zip(got, ref, strict=True):
-        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    assert_grads_close([(g, r) for g, r in zip(got, ref, strict=True)], depth=ex[0][..., 0].numel())
     released = autoremat.optimize(model, budget=10**9, example_inputs=ex, regions=True, compiler="eager")
     with pytest.raises(RuntimeError, match=r"release_grads=False"):
         torch.autograd.grad(models.loss_of(released(*ex)), params)
@@ -269,8 +267,8 @@ def test_auto_is_one_graph_only_where_it_costs_less_time():
     roomy = autoremat.optimize(model, budget=10**9, example_inputs=ex, compiler="eager")
     assert roomy.plan.regions is False and roomy.num_graphs == 1, roomy.plan.notes
     assert any("one graph for the step, not 5" in n for n in roomy.plan.notes), roomy.plan.notes
-    for g, r in zip(*seeded_grads(model, (model, roomy), ex), strict=True):
-        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    assert_grads_close([(g, r) for g, r in zip(*seeded_grads(model, (model, roomy), ex), strict=True)],
+                       depth=ex[0][..., 0].numel())
     model.zero_grad(set_to_none=True)
 
     # A budget where the cut step saves everything and one graph could not: one graph holds every
@@ -300,8 +298,8 @@ def test_auto_is_one_graph_only_where_it_costs_less_time():
     assert one.plan.regions is False and one.num_graphs == 1, one.plan.notes
     assert one.plan.recompute_time_s > 0 and one.plan.predicted_peak <= between
     assert any("less than the 4000.000 ms of the 4 AOTAutograd calls" in n for n in one.plan.notes), one.plan.notes
-    for g, r in zip(*seeded_grads(model, (model, one), ex), strict=True):
-        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    assert_grads_close([(g, r) for g, r in zip(*seeded_grads(model, (model, one), ex), strict=True)],
+                       depth=ex[0][..., 0].numel())
     model.zero_grad(set_to_none=True)
 
     with pytest.raises(autoremat.BudgetError) as err:

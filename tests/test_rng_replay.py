@@ -13,7 +13,7 @@ from autoremat.model.schedule import make_schedule
 from autoremat.passes import decompositions, rng_replay
 from examples import models
 from tests.budgets import budget_range
-from tests.tolerances import assert_close_for
+from tests.tolerances import assert_grads_close
 
 
 def _stack(dropout: float = 0.1):
@@ -66,8 +66,8 @@ def test_masks_are_replayed_and_match_eagers_draws(mask_path):
     after_eager = _step(model, ex)
     # one draw per dropout in the forward, none in the backward: the stream ends where eager's does
     assert torch.equal(after_planned, after_eager)
-    for g, p in zip(grads, model.parameters(), strict=True):
-        assert_close_for(g, p.grad, depth=ex[0][..., 0].numel())
+    assert_grads_close([(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True)],
+                       depth=ex[0][..., 0].numel())
     model.zero_grad(set_to_none=True)
 
 

@@ -15,7 +15,7 @@ from autoremat.measure import measure_peak
 from autoremat.model.cuts import MARK, base, cut_backward
 from examples import models
 from tests.budgets import seeded_grads
-from tests.tolerances import assert_close_for
+from tests.tolerances import assert_grads_close
 
 SEED_BYTES = 16  # `.backward()`'s scalar seed and the loss: allocated outside the plan's graphs
 
@@ -48,8 +48,7 @@ def test_a_backward_pointwise_op_writes_into_its_dying_input(monkeypatch):
     om = autoremat.optimize(model, budget=floor, example_inputs=ex, optimizer=None, outputs="loss", verify=False,
                             compiler="eager")
     (got, want), peak = _grads_and_peak(model, ex, om)
-    for g, r in zip(got, want, strict=True):
-        assert_close_for(g, r, depth=512)
+    assert_grads_close([(g, r) for g, r in zip(got, want, strict=True)], depth=512)
     assert abs(om.plan.predicted_peak - peak) <= SEED_BYTES
 
     # with every backward op allocating its own output, the smallest budget is higher: by most of the
@@ -72,8 +71,8 @@ def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(mon
     cuts = [c for g in om.plan.graphs for c in g.again]
     assert cuts, "the floor's plan recomputes nothing twice"
     (got, want), peak = _grads_and_peak(model, ex, om)
-    for g, r in zip(got, want, strict=True):  # the same ops and random draws (dropout replayed from its state)
-        assert_close_for(g, r, depth=ex[0][..., 0].numel())
+    # the same ops and random draws (dropout replayed from its state)
+    assert_grads_close([(g, r) for g, r in zip(got, want, strict=True)], depth=ex[0][..., 0].numel())
     assert abs(om.plan.predicted_peak - peak) <= SEED_BYTES
 
     # without the search for cuts the smallest budget is higher

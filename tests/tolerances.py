@@ -78,3 +78,18 @@ def as_accurate_with_extra_roundings(err: float, reference_err: float, depth: in
     if depth < 1 or extra < 0:
         raise ValueError(f"depth must be >= 1 and extra >= 0, got {depth}, {extra}")
     return err <= reference_err * (depth + extra) / depth + 2 * eps(dtype)
+
+
+def assert_grads_close(pairs, *, depth: int, dtype: torch.dtype | None = None) -> None:
+    """assert_close_for over a model's gradients, given as (actual, expected) or (actual, expected, name)
+    pairs, with atol scaled by the largest magnitude over all the expected gradients, not each tensor's
+    own. A parameter whose true gradient is zero (an attention key bias: softmax ignores a constant added
+    to every key) is computed as rounding noise of the other gradients' size times eps, and two roundings
+    of zero differ by O(1) relative to themselves: against its own scale that noise would read as an
+    error. Against the largest gradient it is within the rounding of the sums it came from, as the module
+    docstring's bound says; a real error (a wrong or dropped term) is still O(1) of that scale."""
+    pairs = [tuple(p) for p in pairs]
+    scale = max((e.detach().abs().max().item() for _, e, *_ in pairs if e.numel()), default=0.0)
+    for a, e, *name in pairs:
+        rtol, atol = tol(dtype or e.dtype, depth, scale)
+        torch.testing.assert_close(a, e, rtol=rtol, atol=atol, msg=name[0] if name else None)

@@ -146,7 +146,8 @@ def neither_fits(under_inductor: BudgetError, under_eager: BudgetError) -> Budge
     asked = f"budget {_bytes(budget)}" if budget else "the budget"
     head = (f"{asked} fits under neither compiler compiler='auto' may use: the smallest budget is {_bytes(a)} "
             f"under Inductor, {_bytes(b)} under eager.\n")
-    return BudgetError(head + str(best), best.ledger, best.smallest_budget, best.peak_step, measured=best.measured)
+    return BudgetError(head + str(best), best.ledger, best.smallest_budget, best.peak_step, measured=best.measured,
+                       at_peak=best.at_peak)
 
 
 def inductor_failure(e: BaseException) -> str | None:

@@ -389,7 +389,7 @@ def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
     first, _, rest = str(e).partition("\n")
     raise BudgetError(f"{first} (the loss region chunked into {k} piece(s), the lowest floor of the chunk "
                       f"counts planned: {', '.join(map(str, sorted(refused)))})\n{rest}", e.ledger,
-                      e.smallest_budget, e.peak_step, measured=e.measured) from None
+                      e.smallest_budget, e.peak_step, measured=e.measured, at_peak=e.at_peak) from None
 
 
 def _record(plan, table: dict, how: str):

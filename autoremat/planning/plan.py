@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from autoremat.model.cuts import base
 from autoremat.model.ledger import Ledger
 from autoremat.model.marks import mark_counts, must_marks
-from autoremat.model.memory import Schedule, Timeline
+from autoremat.model.memory import Schedule, Timeline, live_at_peak
 from autoremat.model.profile import GraphProfile
 from autoremat.passes.loss_chunks import describe as describe_loss
 from autoremat.solve.decision import Decision, evaluate
@@ -315,11 +316,52 @@ def _version() -> str:
         return "0+local"
 
 
+@dataclass(frozen=True)
+class LiveTensor:
+    """A tensor live at a plan's peak, as the memory model holds it: the op that allocated it, the module that
+    op ran in (nn_module_stack; "" outside any), its bytes (rounded up to the allocator's granularity), and
+    its node's kind: "forward", "backward", "recomputed" (a forward value the backward computes again), or
+    what the step starts with ("param", "input", "tangent")."""
+
+    op: str
+    module: str
+    nbytes: int
+    phase: str
+    node: str
+
+    def __str__(self) -> str:
+        where = f" in {self.module}" if self.module else ""
+        return f"{format_bytes(self.nbytes)} ({self.nbytes} bytes) {self.op}{where} ({self.phase}, node {self.node})"
+
+
+TOP_AT_PEAK = 5  # the tensors a refusal names: enough to show what holds the memory, few enough to read
+
+
+def live_at_floor(profiles: list[GraphProfile], frugal: Decision, top: int = TOP_AT_PEAK) -> list[LiveTensor]:
+    """The `top` largest tensors live at the peak of the most memory-frugal plan found, largest first."""
+    live = live_at_peak(list(zip(profiles, frugal.schedules)), frugal.granularity, frugal.peak)
+    # a value the plan recomputes is live at a backward peak as its recomputed copy; at a forward peak, as the
+    # forward's own, which the backward does not keep
+    step = frugal.timeline.peak_step
+    in_backward = step is not None and step.phase == "backward"
+    recomputed = {id(g): set(sc.recomputed) if in_backward else set() for g, sc in zip(profiles, frugal.schedules)}
+    out = []
+    for g, name, nbytes in sorted(live, key=lambda t: -t[2])[:top]:
+        p = g.nodes.get(name) or g.nodes.get(base(name))
+        kind = p.kind if p is not None else "?"
+        if kind == "forward" and base(name) in recomputed[id(g)]:
+            kind = "recomputed"
+        out.append(LiveTensor(op=p.target if p is not None else "?", module=p.module if p is not None else "",
+                              nbytes=nbytes, phase=kind, node=name))
+    return out
+
+
 class BudgetError(ValueError):
-    """The budget is below the smallest one any plan fits in; says which budget would fit."""
+    """The budget is below the smallest one any plan fits in; says which budget would fit, and where the
+    memory model found the floor, which tensors are live at that plan's peak (`at_peak`, largest first)."""
 
     def __init__(self, message: str, ledger: Ledger, smallest_budget: int | None, peak_step=None,
-                 measured: bool = False) -> None:
+                 measured: bool = False, at_peak: list[LiveTensor] | None = None) -> None:
         super().__init__(message)
         self.ledger = ledger
         self.smallest_budget = smallest_budget
@@ -328,11 +370,13 @@ class BudgetError(ValueError):
         # the memory model alone.
         self.measured = measured
         self.frugal = None  # from_infeasible: the most memory-frugal plan found (a solve.Decision), if any
+        self.at_peak: list[LiveTensor] = list(at_peak or [])
 
     @classmethod
     def from_infeasible(cls, budget, ledger: Ledger, error, profiles, device) -> BudgetError:
         smallest = getattr(error, "smallest", None)
         ledger.budget = budget
+        at_peak: list[LiveTensor] = []
         if smallest is not None:
             ledger.activations = smallest.peak
             # A little room for what no graph holds: autograd's loss and seed-gradient scalars.
@@ -343,12 +387,19 @@ class BudgetError(ValueError):
             if ledger.after_backward > smallest.peak:
                 why += (f"; optimizer.step()'s temporaries ({format_bytes(ledger.optimizer_step)}, after the "
                         "backward) set the floor: a fused optimizer (fused=True) allocates none")
+            at_peak = live_at_floor(profiles, smallest)
         else:
             need = None
             why = (f"the fixed parts alone ({format_bytes(ledger.fixed)}) exceed it; more than "
                    f"{format_bytes(ledger.fixed)} is needed before any activation")
         msg = (f"budget {format_bytes(budget)} ({budget} bytes) is too small for this training step on "
                f"{device.name}: {why}.\n{ledger.format()}")
-        refused = cls(msg, ledger, need, smallest.timeline.peak_step if smallest is not None else None)
+        if at_peak:
+            step = smallest.timeline.peak_step
+            when = f" (graph {step.graph}'s {step.phase}, at {step.node})" if step is not None else ""
+            msg += (f"\nLargest tensors live at that plan's peak{when}:\n"
+                    + "\n".join(f"  {t}" for t in at_peak))
+        refused = cls(msg, ledger, need, smallest.timeline.peak_step if smallest is not None else None,
+                      at_peak=at_peak)
         refused.frugal = smallest  # the most memory-frugal plan found (solve.Decision): what sets its peak
         return refused

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from autoremat.measure import grad_rel_err
 from autoremat.planning import precision_plan
 from autoremat.planning.options import TrainingStep
 from autoremat.planning.pipeline import build
@@ -205,13 +206,10 @@ def precision_errors(model, compiled, args, kwargs, where) -> dict[str, float]:
                                for p in params])
             return loss.detach().double(), grads
 
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        den = b.norm().item()
-        return (a - b).norm().item() / den if den else float((a - b).norm().item())
-
     progress.info("measuring the precision errors against fp32 and autocast")
     ref_loss, ref_grads = run(model)
     ac_loss, ac_grads = run(model, autocast=True)
     loss, grads = run(compiled)
+    rel = grad_rel_err  # ||x - ref|| / ||ref||, of the loss as of the concatenated gradients
     return {"loss_rel_err": rel(loss, ref_loss), "grad_rel_err": rel(grads, ref_grads),
             "autocast_loss_rel_err": rel(ac_loss, ref_loss), "autocast_grad_rel_err": rel(ac_grads, ref_grads)}

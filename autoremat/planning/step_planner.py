@@ -192,7 +192,7 @@ class StepPlanner(Planner):
                 f"budget {format_bytes(limit)} ({limit} bytes) was not met on a real step: it measured "
                 f"{format_bytes(ledger.fixed - gap + activations)} against a prediction of "
                 f"{format_bytes(ledger.fixed - gap + predicted)}, and with the difference reserved no plan fits "
-                f"({str(e).splitlines()[0]})", e.ledger, e.smallest_budget, measured=True)
+                f"({str(e).splitlines()[0]})", e.ledger, e.smallest_budget, measured=True, at_peak=e.at_peak)
             return
         plan.notes.append(f"re-planned after a real step measured {gap} B over the prediction")
         self.step_plans.append(plan)

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.append(str(REPO))  # for `examples`; appended so that PYTHONPATH can pick another autoremat
 
 import autoremat  # noqa: E402
+from autoremat.measure import GRAD_NOISE_FLOOR, grad_rel_err, param_rel_errs  # noqa: E402, F401
 from examples.models import loss_of  # noqa: E402
 
 MiB = 2**20
@@ -73,24 +74,15 @@ def zero(model: torch.nn.Module) -> None:
         p.grad = None
 
 
-# A parameter whose gradient is zero in exact arithmetic (an attention key bias: softmax ignores a constant
-# added to every key) is computed as rounding noise, ~1e-9 where others are ~0.3, and two roundings of zero
-# differ by O(1) relative. Each gradient is therefore measured against at least this share of the whole
-# model's gradient norm: sqrt(fp32 eps), far above rounding of the sums involved, far below any real error.
-NOISE_FLOOR = torch.finfo(torch.float32).eps ** 0.5
-
-
-def max_rel_err(g: dict, ref: dict) -> float:
-    """max over parameters of ||g - ref|| / max(||ref||, NOISE_FLOOR * ||ref of the whole model||)."""
-    if set(g) != set(ref):
-        return float("inf")
-    total = sum(r.double().norm().item() ** 2 for r in ref.values()) ** 0.5
-    worst = 0.0
-    for n, r in ref.items():
-        d = (g[n].double() - r.double()).norm().item()
-        s = max(r.double().norm().item(), NOISE_FLOOR * total)
-        worst = max(worst, d / s if s > 0 else (0.0 if d == 0 else float("inf")))
-    return worst
+def grad_errors(g: dict, ref: dict) -> dict:
+    """The gradient error fields of a row against the reference `ref` (autoremat.measure says why these):
+    grad_rel_err, ||g - ref|| / ||ref|| over all parameters together; worst_param_rel_err and worst_param,
+    the largest per-parameter error with its denominator floored at GRAD_NOISE_FLOOR x the largest gradient's
+    norm, and where it is reached."""
+    per = param_rel_errs(g, ref)
+    worst = max(per, key=per.get) if per else None
+    return dict(grad_rel_err=grad_rel_err(g, ref), worst_param_rel_err=per[worst] if per else float("inf"),
+                worst_param=worst if per else "parameter sets differ")
 
 
 # --------------------------------------------------------------------------------------------
