@@ -7,7 +7,7 @@ shows them on stderr, but only once planning has run for `AFTER_S` seconds, so q
 nothing, and only when the user has not configured logging: a logging setup of their own (a
 handler anywhere up the logger tree, e.g. `logging.basicConfig`) decides what they see instead.
 
-No stage stays silent for long (issue 38: a 128 s gap in a GPT run read as a hang): while anyone
+No stage stays silent for long (a long silence on a deep model reads as a hang): while anyone
 listens, `pulse()` repeats the current stage every `PULSE_S` seconds without a new one, with the
 seconds spent in it and how far along it is (`along`: what the running stage last said of its
 progress through `planner.along`, e.g. the graphs traced so far).
@@ -26,7 +26,7 @@ from autoremat.planning import planner
 
 LOGGER = "autoremat.progress"
 AFTER_S = 2.0  # planning shorter than this prints nothing
-PULSE_S = 3.0  # a stage silent this long is repeated (issue 38: none over 5 s; on a loaded CPU, 4 s gave 5.4)
+PULSE_S = 3.0  # a stage silent this long is repeated: below 5 s between lines even when a loaded CPU delays the pulse
 _muted = 0  # > 0 inside `muted()`: the stages of inner planning runs are not shown
 
 

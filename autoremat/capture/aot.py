@@ -123,7 +123,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     `compiler` is "eager" (run the FX graphs as Python, no C compiler needed) or "inductor".
     trace_only: the graphs are traced and profiled as `compiler` would see them (its decompositions and
     passes) but run as Python: a trace that is only profiled, never run as the step, does not pay for
-    Inductor compiling its forward (issue 38: seconds per graph).
+    Inductor compiling its forward, seconds per graph.
     `pre_pass(index, gm, example_inputs)` sees (and may rewrite) each dynamo graph before
     AOTAutograd traces it: the precision stage casts there.
     same: a region identical to one compiled before reuses its code instead of being traced (regions only).

@@ -2,9 +2,9 @@
 autograd.Function AOTAutograd built while capturing, instead of tracing the step a second time.
 
 The graphs of a step are planned jointly, so each is first traced and run with PyTorch's default
-partition (`capture.aot.default_split`), and once the plan is known the step used to be traced again
-through AOTAutograd with the plan's partition (issue 38: that second trace was most of the compile
-stage, 0.7 to 2.2 s of the quick models' plans). Under compiler="eager" the plan's forward and backward
+partition (`capture.aot.default_split`), and once the plan is known the step could be traced again
+through AOTAutograd with the plan's partition; that second trace would be most of the compile stage
+(benchmarks/plan_time.py --quick times the stages). Under compiler="eager" the plan's forward and backward
 are Python code (`boxed_eager`), and AOTAutograd's autograd.Function only fixes how they are called
 (`torch_internals.handed_to_backward`): the forward returns its outputs, then the tensors it saves; the
 Function puts those through `ctx.save_for_backward` and hands them to the backward by position, first
@@ -62,8 +62,8 @@ def boxed_eager(gm: fx.GraphModule, example_inputs: Any = None) -> Callable:
 
     The generated code takes one list, unpacks it and clears it, so each input (above all the
     tensors saved for backward) is freed after its last use instead of when the call returns.
-    Without this a compiled step measured 259 MiB against 221 MiB eager on a 12-block
-    transformer; with it, 221 MiB.
+    Without it a compiled step holds every saved tensor to the end of the backward and peaks above eager;
+    with it, where eager does (benchmarks/remat_vs_peers.py's eager and autoremat rows on the transformer stack).
     """
     set_boxed_codegen(gm)
     gm.recompile()
@@ -95,8 +95,8 @@ Partition = tuple[fx.GraphModule, fx.GraphModule]
 
 # A plan may save more tensors than the capture's partition (which saves what the backward reads): two
 # small values kept where one large one was, or a layer norm's statistics beside its input (a plan near
-# checkpointing's peak of a 2-layer BERT saved 12 in a graph whose capture saved 11). Without a slot for
-# each, the step is traced again with the plan (issue 38: a second of that plan's five). Empty tensors are
+# checkpointing's peak can save one more than the capture did). Without a slot for each, the step is traced
+# again with the plan, a large share of the plan's time (planned_in_place.py). Empty tensors are
 # free to save, so the capture saves SPARE_SHARE of its count more, at least SPARE_MIN.
 SPARE_SHARE, SPARE_MIN = 0.25, 4
 

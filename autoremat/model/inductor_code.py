@@ -41,14 +41,15 @@ def _expanded(val: object) -> bool:
 
 def sdpa_dense_copies(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: DeviceSpec) -> None:
     """An expanded argument of an attention kernel under Inductor: copied densely, or kept as a view only when
-    its base is a buffer of its own (issue 36).
+    its base is a buffer of its own.
 
     Inductor's `sdpa_constraint` gives the kernel its arguments in a dense layout. On a CPU it copies every
-    expanded one; measured: an additive mask broadcast from (2, 1, 128, 128) to 8 heads cost a 1 MiB copy the
-    plan did not have. On CUDA it keeps the efficient forward's mask expanded, and any other expanded argument
+    expanded one: an additive mask broadcast over the heads becomes a dense copy, one per head, that the plan
+    must count. On CUDA it keeps the efficient forward's mask expanded, and any other expanded argument
     whose base is a realized buffer (a value the forward handed over, an input: a view with strides), but copies
     one whose base is computed in the same kernel graph: a mask recomputed in the backward (its `where`) reached
-    the efficient backward as a (4, 16, 2048, 2048) fp32 copy, 1 GiB on the H200 for Qwen2, not in the plan.
+    the efficient backward as a dense (batch, heads, seq, seq) fp32 copy, the size of a whole attention matrix
+    (benchmarks/gpu_check.py's qwen2).
     So: on a CPU the copy is the kernel's scratch; on CUDA the base is never recomputed (the plan saves it, the
     backward reads a buffer, and no copy is made)."""
     for n in gm.graph.nodes:
@@ -102,12 +103,12 @@ def _producer_reads(reduction: str, nodes: dict[str, NodeProfile], graph_nodes: 
                     fused: set[str]) -> tuple[str, ...]:
     """The buffers the kernels producing a reduction's inputs read, where that reduction runs in the kernel its
     sum feeds (fusion.epilogue_reductions): Inductor takes those producers into that kernel too, so what they
-    read lives until it runs. Issue 38: a biased head over 4 loss chunks under Inductor computed three chunks'
-    logits gradients, with the three scatter buffers of their targets, in the kernel that adds up the bias
-    gradient, 1,114,352 B over the prediction. Only buffers the backward computes (a saved forward value is
+    read lives until it runs: a biased head over loss chunks can compute several chunks' logits gradients, with
+    the scatter buffers of their targets, in the kernel that adds up the bias gradient, all alive at once
+    (benchmarks/inductor_buffers.py bert lists those buffers against the model). Only buffers the backward computes (a saved forward value is
     held by the plan, not by this kernel), and only producers Inductor generates (an extern kernel runs
-    where the graph has it). Inductor does not always take them in (torch 2.11 ran a 1-layer BERT head's four
-    chunk kernels each on its own, 447,744 B under the prediction): the model errs on the safe side."""
+    where the graph has it). Inductor does not always take them in (it may run each chunk's kernel on its own, below
+    the prediction): the model errs on the safe side."""
     own = nodes[reduction].inputs
     reads: dict[str, None] = {}  # in order, once each
     for v in own:

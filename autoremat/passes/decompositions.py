@@ -46,10 +46,10 @@ def bool_bernoulli(size: list[int], p: float, device: torch.device) -> torch.Ten
 
     An op of its own, opaque to compilers, because Inductor lowers `aten.bernoulli.p` on CPU as a clone
     filled in place by `bernoulli_`, and its scheduler can fuse a reader of the filled mask into the
-    kernel that writes the clone, so that the reader sees the unfilled clone (measured: a PEFT LoRA
-    adapter whose dropout reads a LayerNorm output got an all-false mask, hence zero `lora_B` gradients;
+    kernel that writes the clone, so that the reader sees the unfilled clone (a PEFT LoRA
+    adapter whose dropout reads a LayerNorm output would get an all-false mask, hence zero `lora_B` gradients;
     tests/test_lora.py). It takes no tensor: an input to draw like would be one more buffer, which
-    Inductor allocates and the memory model did not see (1.35 MiB over the prediction at a LoRA floor)."""
+    Inductor allocates and the memory model does not see (benchmarks/lora.py plans a LoRA step at its floor)."""
     return torch.empty(size, dtype=torch.bool, device=device).bernoulli_(p)
 
 
@@ -77,8 +77,8 @@ def _native_dropout(x: torch.Tensor, p: float, train: bool | None) -> Any:
     # Eager multiplies by a noise tensor of 0 and 1 / (1 - p), the latter computed by the same div
     # kernel as `scale` here: x * scale where kept is the same product, bit for bit. Selecting with
     # the mask, rather than multiplying by a float copy of it, leaves the backward needing only the
-    # bool mask (where's gradient), never a float noise tensor (measured: a saved or recomputed
-    # float noise cost a full-size tensor at the attention backward's peak).
+    # bool mask (where's gradient), never a float noise tensor (a saved or recomputed float
+    # noise would be one more full-size tensor at the attention backward's peak).
     if x.device.type not in BERNOULLI_DEVICES:
         # A fused kernel scales in its compute type (fp32 for 16-bit inputs): so does a Python-float scale.
         mask = torch.ops.autoremat.dropout_mask(x, p)
@@ -115,8 +115,8 @@ def _in_kernel_layout(op: OpOverload, inputs: list[int],
     contiguous for a transposed (N, C, L) input, where the fake tensor keeps the transposed strides
     (and in the backward grad_out's); layer norm's backward returns a contiguous grad_input where
     the fake tensor follows a transposed grad_out. A view the graph takes of such an output fails at
-    run time, or, turned into a reshape, copies bytes the memory model never saw (issue 12: 14%
-    under-predicted). Copying `inputs` (positions; the first decides the layout) into that layout
+    run time, or, turned into a reshape, copies bytes the memory model never saw, so the real peak passes the
+    prediction. Copying `inputs` (positions; the first decides the layout) into that layout
     first makes fake and real strides agree; the copy is an ordinary graph node that the memory
     model counts, and the kernel would otherwise have made it or worked around it internally.
     """

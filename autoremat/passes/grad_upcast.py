@@ -1,4 +1,4 @@
-"""A 16-bit weight gradient written straight into fp32 rows, not upcast from a whole 16-bit copy (issue #14).
+"""A 16-bit weight gradient written straight into fp32 rows, not upcast from a whole 16-bit copy.
 
 Under precision="bf16"/"fp16" a linear layer reads its weight's 16-bit copy, so AOTAutograd's backward
 computes that copy's gradient, `mm(dY^T, X)` in 16 bits, then casts it to the fp32 master gradient:

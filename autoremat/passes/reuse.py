@@ -93,8 +93,8 @@ def dying_inputs(joint: fx.GraphModule) -> dict[str, str]:
                 continue
             # A value the graph returns goes to autograd, which sums a gradient that waits for another
             # (a tied weight's) into a new tensor when it is a view: written into a view, or into a chain
-            # of buffers that began in one, it would cost that tensor (GPT-2's tied LM head: 116,024 B
-            # more than predicted). So it is written only into a whole contiguous buffer of its own.
+            # of buffers that began in one, it would cost that tensor beyond the prediction (GPT-2's tied
+            # LM head). So it is written only into a whole contiguous buffer of its own.
             if n in leaving and (len(group) > 1 or u.name in found.values() or u.name in found
                                  or not uval.is_contiguous()):
                 continue

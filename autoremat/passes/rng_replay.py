@@ -3,8 +3,8 @@
 Dropout reaches the joint graph as a bool mask drawn by `autoremat::bool_bernoulli` (CPU) or by the device's
 fused kernel (`autoremat::dropout_mask`, CUDA), and a masked scale (`decompositions._native_dropout`). The mask is a random value: recomputed as it is, it would be a fresh
 draw, so the plan had to save it, 1 byte per element. `torch.utils.checkpoint` saves the random
-generator's state instead and replays the draw; on a 12-block transformer at its smallest budget the
-saved masks were 5.5 MiB of the 24.9 MiB of activations, more than the gap to checkpointing.
+generator's state instead and replays the draw; at the smallest budget the saved masks are a large share
+of the activations, more than the gap to checkpointing (benchmarks/floor.py's BERT and ResNet rows use dropout).
 
 `replay_random_draws` rewrites each forward draw `m = bernoulli(x, p)` of a joint graph into
 

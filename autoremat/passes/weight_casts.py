@@ -1,11 +1,11 @@
-"""A weight's 16-bit copy, cast again for the backward instead of held from the forward (issue #14).
+"""A weight's 16-bit copy, cast again for the backward instead of held from the forward.
 
 Under precision="bf16"/"fp16"/"auto" a linear layer reads `W.to(bf16)`. AOTAutograd's joint graph has one
 cast node for it, read by the forward matmul and (through a transpose) by the backward's input-gradient
 matmul. A plan that recomputes a block in its backward then recomputes that cast once, for the forward
 matmul that rebuilds the activations, and holds the copy until its backward use, late in the block's
-backward: on a 7B Llama layer at batch 1 that was every weight copy of the layer (300 MiB) alive at the
-peak, next to the activations.
+backward: at a small batch, every weight copy of the layer is alive at the peak, next to the activations
+(benchmarks/precision_live_at_peak.py lists what is live at a 16-bit floor's peak).
 
 `split_weight_casts(joint)` gives the backward its own cast of the same parameter (and its own views of
 it). Both casts compute the same values from the same fp32 master weight, so the step's results do not

@@ -4,8 +4,8 @@ A graph break inside a loop (`for block in self.blocks: ... torch._dynamo.graph_
 dynamo skip the loop's frame and compile the loop body (`Block.forward`) on its own: one compiled
 graph, called once per block. AOTAutograd hands the planner that graph once, so a step planned from
 the graphs compiled (one block and the tail, on docs/backend.md's MLP stack) holds one block's saved
-values where the real step holds four: 52.50 MB predicted, 69.26 MB measured at the floor under
-Inductor (13.6 MB short under eager). `CallLog` records which compiled graph each call of the
+values where the real step holds one per block, and the prediction falls short of the real peak by the
+others. `CallLog` records which compiled graph each call of the
 traced forward ran, so the step is planned as the calls it makes (`planner.CapturePlanner.sequence`).
 
 The calls of one compiled graph all run the same code, hence the same saved set, while the joint ILP

@@ -3,10 +3,10 @@
 Planning makes a great many short-lived objects (dynamo's and AOTAutograd's traces, FX graphs, the
 simulator's timelines), so CPython's collector runs often, and now and then it runs a full collection,
 which walks every object the process tracks: the user's model, torch's and transformers' modules and
-classes. In a process holding about 500,000 such objects, on this project's 2-core CPU, one full
-collection took 0.18 to 0.30 s, and a 2 to 4 s plan of a 2-layer GPT-2 or BERT ran one where it happened
-to cross the collector's threshold, and none where it did not (issue 38; `benchmarks/plan_time.py --gc` times
-plans with and without this, side by side).
+classes. In a process holding hundreds of thousands of such objects one full collection is a noticeable
+share of a small model's plan, paid or not depending on where the plan happens to cross the collector's
+threshold, so the same plan's time varies from run to run (`benchmarks/plan_time.py --gc` times plans with and
+without this, side by side).
 
 `gc.freeze` moves every tracked object to a permanent generation that collections skip, and
 `gc.unfreeze` hands them back to the oldest generation afterwards. While planning, a collection then walks

@@ -4,9 +4,9 @@ to the backend, and dynamo does not run the model's Python again.
 A step is traced several times while it is planned, each time as the same dynamo graph under another
 rewrite run before AOTAutograd (a pre-pass): the loss region at each chunk count
 (autoremat.planning.loss_region), the step as one graph after one graph per block
-(pipeline.one_graph_if_free), and the step with its plan, to compile it. Each used to run dynamo on the
-whole forward again (issue 38: about 0.9 s of each 2.3 s chunk count traced on a 1-layer GPT-2, and
-seconds per trace at 48 layers). Now the first trace keeps the graph dynamo handed its backend, before
+(pipeline.one_graph_if_free), and the step with its plan, to compile it. Running dynamo on the whole
+forward again for each would be a large share of each trace, growing with depth (benchmarks/plan_time.py
+times the stages). So the first trace keeps the graph dynamo handed its backend, before
 any rewrite (`Keeping`), and the others hand a fresh copy of it to the same backend (`trace_again`):
 the planner gets what a full trace gives it (each region's profile; a region identical to one traced
 before reused by `same_regions`), without the bytecode. The backend runs in a tracing context like

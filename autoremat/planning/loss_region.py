@@ -9,8 +9,8 @@ adds (more chunks, more memory freed). Where the ILP's rows see no plan for a co
 exact simulator conservatively, and near the floor see no room that it has), that count is planned in
 full there and then, and its time is that plan's. Tracing stops at the first count that is no faster
 than a smaller one: each count frees a quarter of the region the count before it left, for more
-kernels, so the gain only shrinks (issue 38: the 64-chunk trace, the costliest, then is never traced
-at a budget where 4 chunks are best).
+kernels, so the gain only shrinks (the largest count's trace, the costliest, then is never traced at a
+budget where a smaller count is best).
 
 The fastest count is then built and verified (`pipeline.build`, from that trace, with its plan where it
 was planned in full: the step is not traced again). If the full plan refuses a count the rows chose, the
@@ -197,9 +197,8 @@ def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fi
             _refuse_lowest(refused)
         if any(e.measured for e in refused.values()):
             # A real step measured more than the model predicted, and no plan of the counts with one held it:
-            # the counts' plans in full would be priced by the same model, and each compiled and measured
-            # (issue 38: a step with eager code before its loss region was refused at its floor in 50.5 s,
-            # its 64-chunk plan in full missing too; now in 11.8 s, naming the same budget).
+            # the counts' plans in full would be priced by the same model, and each compiled and measured, only
+            # to miss too and name the same budget (benchmarks/eager_code.py plans such steps at their floor).
             _refuse_lowest(refused)
         progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
     k = _fastest_in_full(traces, refused, table, budget, step)
@@ -222,9 +221,9 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
     nothing (`floor_outside` where it does not fit, `binds_outside` where it does). Tracing stops at
     the first count no faster than a smaller one, or that could not be even with nothing recomputed in the
     region (`least_base_time` plus `Traces.least_outside`, what every count recomputes outside it): each
-    count frees a quarter of what the count before it left, for more kernels (issue 38: where the rows saw
-    no plan for any count, every count was traced, the 64-chunk trace the costliest, before any was
-    planned in full).
+    count frees a quarter of what the count before it left, for more kernels (otherwise, where the rows see
+    no plan for any count, every count would be traced, the largest the costliest, before any was planned
+    in full).
     """
     dev, opts = step.dev, step.options.solving()
     room = room_for(budget, step.ledger, dev)
@@ -330,14 +329,14 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
     In increasing count, which is the order of their time with nothing recomputed (the same FLOPs and
     bytes in more kernels, each launched: `traces.base_time`, a lower bound of each count's step time).
     Once a count cannot beat the fastest plan found so far even with nothing recomputed, no larger one
-    can, and none is traced or planned (issue 38: planning all four counts of a 1-layer GPT-2 in full
-    took 345 s). The plan is kept for `build`.
+    can, and none is traced or planned: each plan in full is a whole plan's time, many times a trace's
+    (benchmarks/plan_time.py --cliff times plans near the floor). The plan is kept for `build`.
 
     While none fits, a count is planned only if the one before it lowered the floor: a step's floor is the
     larger of its peak outside the loss region, which the count leaves alone, and the region's own, which
     more chunks only shrink; once a count does not lower the floor, the peak is outside the region and more
-    chunks cannot lower it either (issue 38: the 64-chunk floor, the costliest to search, was never below
-    the 4-chunk one on a 1-layer GPT-2, Llama or BERT, and took 18 of a floor query's 48 s). A refused
+    chunks cannot lower it either, and the largest count's floor, the costliest to search, is not searched
+    (benchmarks/plan_time.py --cliff times the floor query). A refused
     count whose floor is set outside the region (`floor_outside`) ends the counts at once.
     """
     best: tuple[float, int] | None = None

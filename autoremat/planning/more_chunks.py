@@ -26,9 +26,9 @@ OUTSIDE_SHARE = 1 / 4
 
 def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
     """Whether a refused count's floor is set where more chunks change nothing: by optimizer.step()'s
-    temporaries, or at a peak of its most memory-frugal plan that holds no chunk-sized value (`binds_outside`;
-    issue 38: on a 1-layer BERT the 16-chunk floor search, the longest of a floor query, ended at the
-    4-chunk floor)."""
+    temporaries, or at a peak of its most memory-frugal plan that holds no chunk-sized value (`binds_outside`).
+    A larger count's floor search, the longest of a floor query, would then end at the same floor
+    (benchmarks/plan_time.py --cliff times the floor query)."""
     return _by_optimizer(refused) or binds_outside(candidate, refused.frugal)
 
 
@@ -47,8 +47,8 @@ def binds_outside(candidate: Candidate, plan: Decision | None) -> bool:
 
     For a refused count's most frugal plan this bounds what more chunks can do (`floor_outside`); for a plan
     that fits only when planned in full (near the floor) it is a judgement: the peak that binds is one more
-    chunks leave alone, so they are not traced (issue 38: a head whose 16-chunk floor was set by adding up
-    the weight gradient's chunks spent 15 s planning 64 chunks to the same floor). False where that is not
+    chunks leave alone, so they are not traced (a head whose floor is set by adding up the weight gradient's
+    chunks reaches the same floor at any larger count, each costlier to plan). False where that is not
     known: no plan, or a torch that did not carry the loss region's tag onto the backward nodes."""
     if plan is None or plan.timeline.peak_step is None:
         return False
@@ -149,9 +149,8 @@ def region_free(candidate: Candidate) -> list[GraphProfile]:
 def least_outside(candidate: Candidate, room: int, at_least: float, granularity: int, opts: dict) -> float:
     """A lower bound of the recomputation the ILP's rows need at any chunk count: what they need for this
     chunked trace with its loss region free (`region_free`), proved by the MIP until it reaches `at_least`.
-    Issue 38: a 2-layer BERT's plan at checkpointing's peak traced 16 chunks (1.1 s of 5.4 s) only to find
-    their ops once 0.16 ms short of the 4-chunk plan, which recomputed 0.86 ms, 0.26 ms of it outside the
-    region."""
+    Every count recomputes at least this outside the region, so a larger count whose ops once fall short of
+    a smaller count's plan by less than it cannot beat that plan, and is not traced."""
     free = region_free(candidate)
     ops = ops_once_time(free)
     limit = OUTSIDE_SHARE * opts.get("time_limit", 10.0)
@@ -172,8 +171,8 @@ def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev
     (the weight gradient's running sum: one add more per chunk). An op every chunk shares is tagged with none
     and runs once at any count (the rows' split, the mean's divisor, the gradients' concatenation); an op with
     a copy in all chunks but one (a sum of b values has b - 1 adds) counts b - 1 copies, which only lowers the
-    bound. Issue 38: each 16-chunk trace that only showed 16 chunks no faster than 4 took a second of a
-    4-second plan; benchmarks/chunk_bound.py compares the bound with real traces."""
+    bound. A trace that would only show k chunks no faster than b is a large share of a plan's time, so it is
+    skipped where the bound already shows it; benchmarks/chunk_bound.py compares the bound with real traces."""
     size, m, extra, tagged = rows // b, k / b, 0.0, False
     for g in graphs:
         fixed = _fixed_values(g, size)

@@ -1,9 +1,9 @@
 """The planned step compiled from the code of the trace it was planned on, without tracing it again.
 
 `plan_jointly` plans every graph of a step from one trace of it, then compiles the step with the plan.
-Under compiler="eager" that compile used to trace the kept dynamo graph through AOTAutograd once more,
-now with the plan's partition: a second trace of every graph whose plan differs from the capture's (issue
-38: 0.7 to 2.2 s of the quick models' plans, a fifth to a quarter of the whole). The trace the plan was made
+Under compiler="eager" that compile could trace the kept dynamo graph through AOTAutograd once more, now
+with the plan's partition: a second trace of every graph whose plan differs from the capture's, a large
+share of a plan's time (benchmarks/plan_time.py --quick times the stages). The trace the plan was made
 from already has, for each graph, the joint graph as it was partitioned and an autograd.Function around its
 code (capture/graph_code.py), so `swap_in_plan` partitions each joint graph with the plan, as the second
 trace would have, and puts the result behind that function.

@@ -3,8 +3,8 @@
 A step cut into regions (capture/regions.py) has one graph per block, and the blocks of a ModuleList
 of one class trace to the same joint graph: the same ops on inputs of the same shapes, only their
 parameters differ, and those are inputs of the compiled code. Tracing each block with AOTAutograd,
-profiling it and partitioning it was most of the time a capture takes on a deep model (issue 38:
-27.9 s of a 48-layer GPT-2's 118 s plan, then as much again to compile it with the plan).
+profiling it and partitioning it would be most of the time a capture takes on a deep model, and as much
+again to compile it with the plan (benchmarks/plan_time.py --variants eager,eager-traced times both ways).
 
 So the first block of each kind is traced, and every block whose region has the same key
 (`regions.region_key`: ops, wiring, input shapes and kinds, links) reuses its compiled code and a
@@ -13,7 +13,7 @@ it would be the same code: while capturing (the default partition), or while app
 saves the same values in both blocks; Inductor's compiled code only from the block just before
 (capture.aot.aot_backend says why). One `SameRegions` memo lives as long as the step being planned
 (`TrainingStep.regions_seen`): the loss region's chunk counts, which rewrite only the tail, trace only
-the regions they change (issue 38: no candidate traced twice for what it can be derived from).
+the regions they change: no candidate is traced twice for what it can be derived from.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from autoremat.units import format_bytes
 UNMEASURED = object()  # verify_on_step: no real step of this plan has been measured yet
 
 # Plans made again after the first one missed. The gap is a property of the plan as much as of the model:
-# a re-planned step recomputes other values and can miss by more (issue 40: a LoRA GPT-2 under Inductor
-# near its floor missed by 2.1 MB after a re-plan that had reserved less), so the largest gap seen so far
+# a re-planned step recomputes other values and can miss by more than the gap reserved for it (near the
+# floor under Inductor: benchmarks/lora.py plans a LoRA GPT-2 there), so the largest gap seen so far
 # is reserved each time, and planning stops when a gap no larger than that is measured over the budget
 # (the same reserve would give the same plan).
 REPLANS = 3
@@ -119,10 +119,10 @@ def measure_step(model, compiled, planner, args, kwargs, where, warm: bool = Fal
     is measured. None if every call traces again.
 
     warm: run one step unmeasured first. Inductor compiles each backward graph when it first runs, and
-    that compile allocates: it copies the CPU generator's state while it generates code (2 x 5,056 B on a
-    CPU with torch 2.13, `preserve_rng_state`). Measured, that one-off was taken for a plan that missed,
-    and the whole step was planned and compiled again (issue 38: the 2-layer GPT-2, Llama and BERT of
-    benchmarks/plan_time.py, 9,088 to 9,600 B). No user step pays it once verification has run the plan.
+    that compile allocates: it copies the CPU generator's state while it generates code
+    (`preserve_rng_state`). Measured, that one-off would be taken for a plan that missed, and the whole step
+    planned and compiled again for a few KB no later step allocates (benchmarks/plan_time.py's inductor
+    variant plans at the floor). No user step pays it once verification has run the plan.
     """
     from autoremat.measure import measure_peak  # a measuring tool, not a pipeline stage
 

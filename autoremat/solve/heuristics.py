@@ -36,7 +36,7 @@ def greedy(graphs: list[GraphProfile], room: int, granularity: int = 1, max_trie
     Starts from saving everything and turns saved values into recomputed ones, one at a time,
     largest bytes per second of recompute first, keeping a change only if the simulated peak does
     not grow. Stops as soon as the peak fits or after `max_tries` changes: a count, not a deadline,
-    so a slower machine finds the same plan (each try simulates the whole step, 0.09 s on a 7B graph).
+    so a slower machine finds the same plan (each try simulates the whole step).
     """
     return greedy_with(graphs, room, granularity, max_tries, max_tries)[0]
 
@@ -168,8 +168,9 @@ def block_mode_plans(graphs: list[GraphProfile], room: int, granularity: int) ->
     return found
 
 
-# `spend_slack`'s simulations of the whole step: a count, not a deadline, bounds it (0.09 s each on a
-# 7B Llama's 34 graphs; 32 at most there), so one request gets one plan on any machine at any load.
+# `spend_slack`'s simulations of the whole step: a count, not a deadline, bounds it (each is a fraction of a
+# second on a 7B Llama's graphs: benchmarks/plan_spread.py), so one request gets one plan on any machine at
+# any load.
 SLACK_TRIES = 32
 
 
@@ -264,8 +265,8 @@ def _held_back(graphs: list[GraphProfile], plan: Decision, at: int, before: list
     The step's own nodes run in a fixed order, and a recomputed value runs just before its first reader
     (schedule.make_schedule). A value saved instead of recomputed lives to its last use as its copy did,
     so saving v lowers the peak only by moving a recomputation it holds past it: one held there whose
-    first reader is v, or is recomputed for v's sake. Other values are not tried (issue 38: the 16-chunk
-    floor search of a biased head spent 10 s in 450 trials of saving values, none of which could)."""
+    first reader is v, or is recomputed for v's sake. Other values are not tried: saving them cannot lower
+    the peak, and each trial is a simulation of the whole step."""
     g, schedule = graphs[at], plan.schedules[at]
     recomputed = set(schedule.recomputed)  # `before` holds only such values
     first_reader: dict[str, str] = {}

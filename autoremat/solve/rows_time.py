@@ -1,6 +1,6 @@
 """A trace's least predicted step time as the ILP's rows see it, and lower bounds of it: what the loss region's
-chunk counts are compared by (planning/loss_region.py), each trace on its own (one joint ILP with a choice of
-trace took 3.8 to 6.3 s where the traces alone took 0.2 to 2.9 s: issue 38).
+chunk counts are compared by (planning/loss_region.py), each trace on its own: one joint ILP with a choice of
+trace is larger than all of them together, and solves slower than the traces one by one.
 
 The time is the trace's ops run once (T0) plus the recomputation of the ILP's plan under the room. The rows
 are not calibrated against the exact simulator: the caller plans the trace it picks in full.

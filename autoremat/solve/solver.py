@@ -6,14 +6,16 @@ ilp.py's docstring. This module is what is done with it: which models to build, 
 run, how a solution is checked against the exact simulator, and what is used when the ILP gives no
 plan.
 
-Two kinds of model are built (design note: shared/notes/design-memory-ilp.md). The JIT schedule
-(memory.py) computes a recomputed value when its first consumer runs, so a recomputed consumer w
-needed before u drags u forward in time. The local model forbids such a drag; the block-drag model
-allows it inside one repeated block (e.g. "transformer.h.3", the natural checkpoint segment) and
-allocates u from the earliest time a chain of recomputed consumers could need it. Each comes full
-(every node its own variables) and with identical blocks sharing decisions (smaller: the answer when
-the full one runs out of time on a huge graph; built only where a graph has identical blocks, for
-elsewhere it is the full model again). Each solution is replayed by the exact simulator and
+Two kinds of model are built, because a recomputed value lives as the schedule runs it, not as its own
+readers alone would have it. The JIT schedule (memory.py) computes a recomputed value when its first
+consumer runs, so a recomputed consumer w needed before u drags u forward in time, and u lives from then
+to its last use. The local model forbids such a drag, so each value's rows are its own readers' (the
+recomputation stays between the saved values it starts from); the block-drag model allows it inside one
+repeated block (e.g. "transformer.h.3", the natural checkpoint segment, where such chains are what
+checkpointing the block does) and allocates u from the earliest time a chain of recomputed consumers could
+need it. Each comes full (every node its own variables) and with identical blocks sharing decisions (smaller:
+the answer when the full one runs out of time on a huge graph; built only where a graph has identical
+blocks, for elsewhere it is the full model again). Each solution is replayed by the exact simulator and
 the ILP's room calibrated against it (tightened on overshoot, loosened on slack). The plans of
 heuristics.py (per-block modes, checkpointing, greedy) compete with it, and are the answer when the
 ILP runs out of time.
@@ -37,19 +39,20 @@ __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "bl
            "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
            "spend_slack"]
 
-# Relative optimality gap of each MIP: 1% solved a 48-block stack in 2 s where 0.1% took 43 s, for
-# the same objective (benchmarks/solver_scale.py).
+# Relative optimality gap of each MIP: on deep stacks 1% solves many times faster than 0.1%, and to the
+# same objective (benchmarks/solver_scale.py times the solve by depth).
 DEFAULT_GAP = 0.01
 # Once one ILP model has given a plan, a later model's MIP stops as soon as it holds a solution as good
 # as that plan's (within MATCH) and its bound shows it cannot beat it by more than this share of the
 # step's time (the objective's unit, objective.py): the later models are there to find a better plan,
-# and one better by less is not worth the proof. On a 2-layer Llama whose plan recomputes 9% of the
-# step, the block-drag model found the full model's plan at once, then took 15,469 nodes (4.8 s) to
-# close its 1% relative gap, which on 9% of the step is 0.09% of it.
+# and one better by less is not worth the proof. The MIP's own gap is relative to the recomputation: where a
+# plan recomputes a small share of the step, a later model can hold the plan already found at once and then
+# spend seconds of branching proving a gain worth a hundredth of a percent of the step
+# (benchmarks/plan_time.py times the solving stage).
 LATER_MODEL_STEP_GAP = 0.002
 MATCH = 1e-7  # objectives this close are the same plan's, summed over other rows (float rounding, about 1e-10)
 # Share of `time_limit` after which `solve` starts no new work: building a model and handing it to
-# the MIP solver cost time of their own (about a fifth of a solve on a GPT-2-small graph), so stop
+# the MIP solver cost time of their own (a sizable share of a solve on a large graph), so stop
 # starting early enough to end near the limit.
 SOLVE_SHARE = 0.85
 # Share of the time left that one MIP may use: the rest covers PuLP handing the model over (outside
@@ -263,7 +266,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
 
     `room` is for a caller that needs a plan within a budget (`solve`, when the ILP's rows saw none, with
     greedy's plan from its own search toward the room: `greedy_plan`), not the floor: after each stage, the fastest plan found that fits is returned, and the later stages
-    (hundreds of simulations of the whole step: issue 38's cliff near the floor) are not run. Such a
+    (hundreds of simulations of the whole step, the cliff in planning time near the floor that
+    benchmarks/plan_time.py --cliff shows) are not run. Such a
     plan is not remembered as the floor. A floor query, and a room below every plan, search to the end.
     """
     start = time.perf_counter()

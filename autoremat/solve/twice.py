@@ -91,11 +91,10 @@ def refine_further(graphs: list[GraphProfile], plan: Decision, granularity: int,
     """`plan` searched again for cuts and values saved back, while a round lowers its peak.
 
     Each search is bounded by a count of simulations, and one that ran out may have stopped far from
-    where a fresh one ends (the 12-block stack of benchmarks/floor.py: 12,880,836 B of activations after
-    the first search, 11,313,028 after a second from its result). A round that lowers the peak by less than
-    `REFINE_MIN_GAIN` of it is the last: each round is hundreds of simulations of the whole step, and on a
-    1-layer GPT-2 three rounds took 693 of a 4-chunk floor search's 966 simulations to lower its peak by
-    0.3% (issue 38)."""
+    where a fresh one ends (a second search from the first one's result lowers the floor of benchmarks/floor.py's
+    12-block stack further). A round that lowers the peak by less than `REFINE_MIN_GAIN` of it is the last:
+    each round is hundreds of simulations of the whole step, most of a floor search's, and rounds after such
+    a small gain rarely find more (benchmarks/floor_search.py times floor searches)."""
     for _ in range(rounds):
         again = lower_peak(graphs, recompute_twice(graphs, plan, granularity), granularity)
         if (again.peak, again.recompute_time_s) >= (plan.peak, plan.recompute_time_s):

@@ -70,9 +70,9 @@ Dispatcher and ops:
                                least-peak-first sort (`topological_sort_lpmf`) beside the graph's own
                                order: the two the memory model replays (inplace.least_peak_first). Its
                                other two sorts (bfs, dfs) work on Inductor's fused kernels, whose
-                               grouping the model does not know; on speed.py's GPT-2 with dropout the
-                               backward ran the bfs order (Inductor's estimate 307,656 B against lpmf's
-                               310,016), measured 2,652 B over the model's peak
+                               grouping the model does not know; where Inductor picks one of those
+                               (benchmarks/speed.py's GPT-2 with dropout), the real peak can pass the
+                               model's by a few KB
   inductor_kernel_probe        torch._functorch.aot_autograd.aot_function: one tiny pointwise+reduction
                                kernel through those compilers, no dynamo (safe inside a backend's call)
   inductor_cpp_compiler        torch._inductor.cpp_builder.get_cpp_compiler: the C++ compiler Inductor's
