@@ -695,3 +695,10 @@ def test_clear_blas_workspaces_frees_them_and_the_next_matmul_allocates_them_aga
     out = a @ a
     del out
     assert torch.cuda.memory_allocated() - (held - freed) > 0
+
+
+def test_aten_ops_of_reads_the_ops_a_function_runs_on_meta_tensors():
+    ops = ti.aten_ops_of(lambda x, c: torch.tanh(x / 3.0) * c, [torch.randn(2, 5), torch.randn(5)])
+    assert ops == [torch.ops.aten.div.Tensor, torch.ops.aten.tanh.default, torch.ops.aten.mul.Tensor]
+    assert all(torch.Tag.pointwise in op.tags for op in ops)
+    assert ti.aten_ops_of(lambda x: x[x > 0], [torch.randn(3)]) is None  # a data-dependent shape: not known

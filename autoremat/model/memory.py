@@ -68,8 +68,8 @@ class Step:
 @dataclass
 class Timeline:
     """The live bytes at every step of a replay, as flat lists: the searches replay the whole step hundreds of
-    times per plan, and one object per step made the collector run twice as often (issue 38: 464 young
-    collections against 246 in a 2-layer GPT-2's plan at its floor). `steps` builds `Step`s for a reader."""
+    times per plan, and one object per step makes Python's garbage collector run about twice as often
+    (benchmarks/plan_time.py shows planning time). `steps` builds `Step`s for a reader."""
 
     during: list[int] = field(default_factory=list)  # per step, in time order
     nodes: list[str] = field(default_factory=list)  # the node each step runs
@@ -156,8 +156,8 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
     # The choice depends on the graph, the order, what is held and handed in, and this graph's own storages
     # on the heap: both orders start from the same heap, the other graphs' storages add the same bytes to
     # every step of either, and a trial frees only this graph's. A search that changes one graph's saved
-    # set asks the same question of every other graph again (issue 38: 92 of 121 s of a 5-graph LoRA
-    # step's smallest-peak search, under Inductor).
+    # set asks the same question of every other graph again, and those repeats were most of a many-graph
+    # smallest-peak search (benchmarks/plan_time.py).
     def key() -> tuple:
         own = frozenset((name, size, heap.refs[(scope, name)]) for (scope, name), size in heap.size.items()
                         if scope == heap.scope)
@@ -321,7 +321,7 @@ def simulate(graphs: list[tuple[GraphProfile, Schedule]], granularity: int = 1, 
 
     With a `limit`, the replay stops at the first step over it (`Timeline.cut_short`, whose peak is that
     step's): a search that only keeps a plan under its best peak so far need not replay the rest of one
-    that is already over it (issue 38: most of a floor search's trials are)."""
+    that is already over it, as most of a floor search's trials are."""
     tl = Timeline()
     try:
         _replay(graphs, granularity, limit, tl)
