@@ -56,6 +56,51 @@ def test_wrong_number_of_arguments(args):
         autoremat.optimize(model, budget="1GB", example_inputs=args, compiler="eager")
 
 
+@torch.library.custom_op("autoremat_test::widened", mutates_args=())
+def widened(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@widened.register_fake
+def _(x):  # declares a last dimension of 8 where the op keeps x's: only the trace's shapes go wrong
+    return x.new_empty(*x.shape[:-1], 8)
+
+
+@torch.library.custom_op("autoremat_test::unfaked", mutates_args=())
+def unfaked(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+for _op in (widened, unfaked):
+    _op.register_autograd(lambda ctx, g: g * 2)
+
+
+class FakeOnlyFailure(nn.Module):
+    def __init__(self, op):
+        super().__init__()
+        self.lin, self.op = nn.Linear(16, 16), op
+
+    def forward(self, x):
+        h = self.lin(x)
+        return (self.op(h) * h).sum()
+
+
+@pytest.mark.parametrize("op, failed_on", [
+    (widened, "failed on mul (at test_bad_input.py:"),  # the product of the op's wrongly shaped fake output and h
+    (unfaked, "failed on autoremat_test.unfaked.default"),
+])
+def test_a_failure_of_the_capture_alone_is_ours_and_names_the_op(op, failed_on, capfd):
+    model, x = FakeOnlyFailure(op), torch.randn(4, 16)
+    model(x).backward()  # eager runs it
+    with pytest.raises(autoremat.CaptureError) as err:
+        autoremat.optimize(model, budget="1GB", example_inputs=(x,), verify=False, compiler="eager")
+    msg = str(err.value)
+    assert msg.startswith("autoremat could not capture FakeOnlyFailure on (Tensor[4, 16]), which eager PyTorch runs")
+    assert failed_on in msg, msg
+    assert "do not fit" not in msg and "not of the inputs" in msg and len(msg.splitlines()) == 1
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_example_inputs_of_the_wrong_kind():
     model, _ = _mlp()
     with pytest.raises(TypeError, match="example_inputs must be a tensor"):

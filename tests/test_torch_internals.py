@@ -481,6 +481,13 @@ def test_dynamo_errors():
     with pytest.raises(ti.TorchRuntimeError) as err:
         torch.compile(lambda a, b: a @ b, backend="eager", dynamic=False)(torch.ones(2, 3), torch.ones(4, 5))
     assert ti.is_dynamo_error(err.value) and not ti.is_dynamo_error(ValueError("user's own"))
+    op, where = ti.fake_run_failure(err.value)
+    assert op == "matmul" and where.startswith("test_torch_internals.py:") and "a @ b" in where, (op, where)
+    ti.dynamo_reset()
+    with pytest.raises(ti.TorchRuntimeError) as err:
+        torch.compile(lambda a: a.view(7), backend="eager", dynamic=False)(torch.ones(2, 3))
+    assert ti.fake_run_failure(err.value)[0] == "Tensor.view"
+    assert ti.fake_run_failure(ValueError("user's own")) == (None, None)
 
     def refuse(gm, example_inputs):
         raise ValueError("planned refusal")

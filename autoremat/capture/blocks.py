@@ -82,7 +82,8 @@ def _forwards(blocks: list[torch.nn.Module], forwards: list[Callable]) -> Iterat
 
 
 class CaptureError(ValueError):
-    """torch.compile captured no graph of the training step, so nothing could be planned."""
+    """torch.compile could not capture the training step (no graph of it, or its trace failed on an op that
+    eager PyTorch runs), so nothing could be planned."""
 
 
 def no_graph_error(model: torch.nn.Module) -> CaptureError:

@@ -3,7 +3,7 @@ autograd saved for the eager code between its graphs.
 
 `Restore` puts buffers (BatchNorm statistics), gradients and the RNG back as they were;
 `inputs_must_fit` turns dynamo's error for example inputs the model cannot take into one that says
-so (`describe` names the inputs); `reshard` puts FSDP2's shards back after a forward without backward;
+so (`describe` names the inputs), and one eager PyTorch runs into autoremat's own capture error; `reshard` puts FSDP2's shards back after a forward without backward;
 `eager_saved_bytes` weighs what the forward's eager code (a graph break, a dynamo-disabled function) left
 saved for its backward.
 """
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from autoremat.capture.blocks import CaptureError
 from autoremat.torch_internals import (
     FAKE_TENSOR_LOGGER,
     TorchRuntimeError,
+    fake_run_failure,
     is_dynamo_error,
     saved_tensors_by_origin,
     tree_leaves,
@@ -77,6 +79,10 @@ class _DropFakeTensorLog(logging.Filter):
 
 @contextlib.contextmanager
 def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
+    """Dynamo's fake-tensor run failing on the example inputs is the inputs' fault only if eager PyTorch
+    fails on them too; where eager runs them, the trace is what failed (an op whose fake kernel declares
+    another shape than its real one computes, an op with no fake kernel), and the error says so and
+    names the op."""
     logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _DropFakeTensorLog()
     logger.addFilter(quiet)
@@ -88,10 +94,31 @@ def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
         if cause is None:
             m = re.search(r"got (\w+)\('(.*?)'\)", str(e))
             why = f"{m.group(1)}: {m.group(2)}" if m else why
+        if _eager_runs(model, args, kwargs):
+            op, where = fake_run_failure(e)
+            raise CaptureError(
+                f"autoremat could not capture {type(model).__name__} on ({describe(args, kwargs)}), which eager "
+                f"PyTorch runs: torch.compile's trace with fake tensors failed on {op or 'an op'}"
+                + (f" (at {where})" if where else "") + f": {why.rstrip('.')}. This is a failure of the capture, "
+                "not of the inputs: the fake (meta) kernel of that op, or of one whose output it reads, declares "
+                "another shape than the op computes, or there is none (a custom op needs register_fake).") from None
         raise ValueError(f"example_inputs do not fit the model: {type(model).__name__} cannot run on "
                          f"({describe(args, kwargs)}): {why}") from None
     finally:
         logger.removeFilter(quiet)
+
+
+def _eager_runs(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the model's forward runs eagerly on these inputs (compiled code it holds runs eagerly too).
+    Its buffers and RNG are put back by the `Restore` around the trace; FSDP2's shards here."""
+    try:
+        with torch.compiler.set_stance("force_eager"):
+            model(*args, **kwargs)
+    except Exception:
+        return False
+    finally:
+        reshard(model)
+    return True
 
 
 def reshard(model: torch.nn.Module) -> None:

@@ -94,6 +94,9 @@ Dynamo:
                                torch._dynamo.reset, torch._dynamo.utils.counters["graph_break"]
   dynamo_compile_id            the graph's meta["dynamo_compile_id"] (frame_id, frame_compile_id)
   BackendCompilerFailed, TorchRuntimeError, is_dynamo_error   torch._dynamo.exc and its module name
+  fake_run_failure             TorchRuntimeError's text ("failed to run FX node with fake tensors: <kind>
+                               <target>(*...") and its `real_stack`: the op dynamo's fake-tensor run
+                               failed on, and the user's line that called it (capture/tracing.py)
   is_inductor_error            an exception class from torch._inductor (CppCompileError, ...), by module name
   compiled_autograd_on         torch._dynamo.config.compiled_autograd and
                                torch._dynamo.compiled_autograd.compiled_autograd_enabled: the backward is
@@ -186,6 +189,7 @@ from autoremat.torch_internals.dynamo import (
     detect_fake_mode,
     dynamo_compile_id,
     dynamo_reset,
+    fake_run_failure,
     graph_break_reasons,
     is_dynamo_error,
     is_inductor_error,
@@ -254,6 +258,7 @@ __all__ = [
     "dynamo_reset",
     "engine_will_run",
     "extract_fwd_bwd_modules",
+    "fake_run_failure",
     "handed_to_backward",
     "gradient_node",
     "graph_break_reasons",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 
@@ -11,7 +13,7 @@ import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "compiled_autograd_on", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "is_dynamo_error", "is_inductor_error", "recompile_limit", "tracing_like_dynamo", "unset_fake_temporarily"]
+__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "compiled_autograd_on", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "fake_run_failure", "is_dynamo_error", "is_inductor_error", "recompile_limit", "tracing_like_dynamo", "unset_fake_temporarily"]
 
 
 # -- fake tensors ------------------------------------------------------------------------------
@@ -49,6 +51,32 @@ def dynamo_compile_id(gm: fx.GraphModule) -> tuple[int, int] | None:
 def is_dynamo_error(e: BaseException) -> bool:
     """An exception dynamo raised itself (wrapping the user's), not the user's own."""
     return type(e).__module__.startswith("torch._dynamo")
+
+
+_FAILED_NODE = re.compile(r"failed to run FX node with fake tensors: (call_\w+) (.*?)\(\*")
+_CALLABLE_NAME = re.compile(r"<(?:built-in (?:method|function)|function|method) ([\w.]+)")
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def fake_run_failure(e: BaseException) -> tuple[str | None, str | None]:
+    """For dynamo's TorchRuntimeError (an FX node its fake-tensor run failed on): the node's op as a
+    short name (`mul`, `Tensor.view`, `mylib.my_op.default`) and where the user's code called it
+    (`file.py:12: code`), each None where the error does not say. Read from the error's text (dynamo's
+    "failed to run FX node with fake tensors: <op kind> <target>(*args...)") and its `real_stack`, the
+    user's stack at the failing call."""
+    op = where = None
+    m = _FAILED_NODE.search(str(e))
+    if m:
+        kind, target = m.groups()
+        named = _CALLABLE_NAME.match(target)
+        op = named.group(1) if named else target
+        op = f"Tensor.{op}" if kind == "call_method" else op
+    stack = getattr(e, "real_stack", None) or []
+    frames = [f for f in stack if not f.filename.startswith(_TORCH_DIR)]
+    if frames:
+        f = frames[-1]
+        where = f"{os.path.basename(f.filename)}:{f.lineno}" + (f": {f.line.strip()}" if f.line else "")
+    return op, where
 
 
 def is_inductor_error(e: BaseException) -> bool:
