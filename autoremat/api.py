@@ -214,6 +214,7 @@ def optimize(
         (made, compiled, planner), choice = run_with_fallback(first_choice, attempt)
         planner.done()
         _stamp(made, choice, started, compiling)
+        made.notes.extend(hook_notes(model))
         chosen = made.precision.get("dtypes") or []
 
         def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
@@ -269,6 +270,23 @@ def _reapply(step: TrainingStep, budget: int, plan: Plan, optimizer: Any) -> tup
                            "again instead of re-applying this plan.")
     plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
     return plan, compiled, applier
+
+
+def hook_notes(model: torch.nn.Module) -> list[str]:
+    """The forward hooks on the model's submodules that are not torch's own: they run inside the traced step and
+    change what it computes and saves, so the plan is the hooked model's, not a fresh one's. Said, because such a
+    hook is often left behind by an earlier setup: transformers' gradient_checkpointing_enable() registers one
+    (`make_inputs_require_grads`) that gradient_checkpointing_disable() does not remove."""
+    found = []
+    for name, module in model.named_modules():
+        for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
+            if not getattr(hook, "__module__", "").startswith("torch."):
+                found.append(f"{name or type(model).__name__}: {getattr(hook, '__qualname__', repr(hook))}")
+    if not found:
+        return []
+    return [f"{len(found)} forward hook(s) on submodules run inside the planned step and shape its plan: "
+            f"{'; '.join(found)}; a hook left from an earlier setup makes this plan differ from a fresh model's "
+            "(remove it first, e.g. transformers' disable_input_require_grads())"]
 
 
 def _stamp(plan: Plan, choice: CompilerChoice, started: float, compiling: float) -> None:

@@ -45,6 +45,7 @@ from autoremat.torch_internals import (
     OpOverload,
     OpOverloadPacket,
     aot_autograd,
+    compile_step,
     composite_with_meta_kernel,
     copy_graph,
     default_partition,
@@ -352,14 +353,14 @@ def on_meta(compiled: Callable) -> Callable:
 
 def _compile_fresh_bound(model: torch.nn.Module, bound: Callable, backend: Callable) -> Callable:
     if not _has_call_hooks(model):
-        return torch.compile(bound, backend=backend, dynamic=False)
+        return compile_step(bound, backend)
 
     # Calling the forward directly would skip the module's own hooks (FSDP2's fully_shard gathers
     # the root's parameters in a forward pre-hook). Run them around the fresh forward.
     def call(*args: Any, **kwargs: Any) -> Any:
         return _call_with_hooks(model, compiled_forward, args, kwargs)
 
-    compiled_forward = torch.compile(bound, backend=backend, dynamic=False)
+    compiled_forward = compile_step(bound, backend)
     return call
 
 

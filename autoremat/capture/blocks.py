@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from autoremat.capture.aot import fresh_forward, on_meta
-from autoremat.torch_internals import graph_break_reasons
+from autoremat.torch_internals import compile_step, graph_break_reasons
 
 # Models whose forward dynamo was seen to skip whole: their later traces compile per block at once.
 _SKIPPED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -55,7 +55,7 @@ def remember_skipped(model: torch.nn.Module) -> None:
 def compile_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module], backend: Callable) -> Callable:
     """A callable that runs `model` eagerly with each of `blocks` compiled by `backend`, each from a fresh
     copy of its forward's code (a dynamo cache of its own, as `aot.compile_fresh` does for the model)."""
-    compiled = [torch.compile(fresh_forward(block), backend=backend, dynamic=False) for block in blocks]
+    compiled = [compile_step(fresh_forward(block), backend) for block in blocks]
 
     def call(*args: Any, **kwargs: Any) -> Any:
         with _forwards(blocks, compiled):

@@ -108,6 +108,9 @@ Dynamo:
                                compile each region of it as the interpreter reaches it
   copy_dynamo_graph            a dynamo graph copied with its placeholders' Node._dynamo_source (kept to
                                trace a candidate again without dynamo: planning.dynamo_graphs)
+  compile_step                 torch._dynamo.config's ignore_logging_functions, recompile_limit,
+                               accumulated_recompile_limit and fail_on_recompile_limit_hit: autoremat's own
+                               compiles trace log calls as no-ops and never run a frame unplanned
   tracing_like_dynamo          torch._guards.tracing(TracingContext(FakeTensorMode())): the context dynamo
                                runs a backend in, for such a trace (FX's dead-code elimination reads it)
 Profiler and autograd engine:
@@ -181,6 +184,7 @@ from autoremat.torch_internals.dynamo import (
     BackendCompilerFailed,
     FakeTensorMode,
     TorchRuntimeError,
+    compile_step,
     compile_submodules,
     compiled_autograd_on,
     copy_dynamo_graph,
@@ -245,6 +249,7 @@ __all__ = [
     "arg_tree_leaves",
     "backward_entry_code",
     "clear_blas_workspaces",
+    "compile_step",
     "compile_submodules",
     "compiled_autograd_on",
     "composite_with_meta_kernel",

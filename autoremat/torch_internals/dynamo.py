@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import sys
@@ -13,7 +14,7 @@ import torch.fx as fx
 from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-__all__ = ["BackendCompilerFailed", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "compiled_autograd_on", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "fake_run_failure", "is_dynamo_error", "is_inductor_error", "recompile_limit", "tracing_like_dynamo", "unset_fake_temporarily"]
+__all__ = ["BackendCompilerFailed", "compile_step", "FAKE_TENSOR_LOGGER", "FakeTensorMode", "TorchRuntimeError", "compile_submodules", "compiled_autograd_on", "copy_dynamo_graph", "copy_split_metadata", "ddp_optimizer_active", "detect_fake_mode", "dynamo_compile_id", "dynamo_reset", "graph_break_reasons", "fake_run_failure", "is_dynamo_error", "is_inductor_error", "recompile_limit", "tracing_like_dynamo", "unset_fake_temporarily"]
 
 
 # -- fake tensors ------------------------------------------------------------------------------
@@ -150,3 +151,36 @@ def tracing_like_dynamo() -> Iterator[None]:
 
     with tracing(TracingContext(FakeTensorMode())):
         yield
+
+
+# Dynamo's per-code recompile limit as autoremat's own compiles see it. Each plan compiles the model afresh (a
+# code object of its own for the forward: capture/aot.fresh_forward), but frames dynamo compiles apart from it
+# (after a graph break, or a function shared by many modules, like transformers' deprecation wrapper) keep one
+# code object across plans and gather an entry per plan; past torch's limit of 8 such a frame would run eagerly,
+# unplanned, on the ninth plan of one model in one process.
+OWN_RECOMPILE_LIMIT = 4096
+
+
+def compile_step(fn: Callable, backend: Callable) -> Callable:
+    """`torch.compile(fn, backend=backend, dynamic=False)` for autoremat's own compiles. Every call runs with
+
+    - `logging.Logger` calls traced as no-ops (torch._dynamo.config.ignore_logging_functions), not as graph
+      breaks. A log call computes nothing the step's tensors depend on, but dynamo splits the graph at one: a
+      warning between a model's vocabulary projection and its loss (transformers warns there about an unset
+      `loss_type`) puts them in two graphs, and the loss region is then never seen whole. The compiled step
+      does not emit the message; the model's eager forward still does.
+    - dynamo's recompile limits raised to OWN_RECOMPILE_LIMIT (see there), and a frame that reaches it an error
+      rather than a frame run without a plan."""
+    compiled = torch.compile(fn, backend=backend, dynamic=False)
+    methods = {getattr(logging.Logger, name) for name in dir(logging.Logger)
+               if not name.startswith("_") and callable(getattr(logging.Logger, name))}
+    config = torch._dynamo.config
+
+    def call(*args, **kwargs):
+        with config.patch(ignore_logging_functions=config.ignore_logging_functions | methods,
+                          recompile_limit=max(config.recompile_limit, OWN_RECOMPILE_LIMIT),
+                          accumulated_recompile_limit=max(config.accumulated_recompile_limit, OWN_RECOMPILE_LIMIT),
+                          fail_on_recompile_limit_hit=True):
+            return compiled(*args, **kwargs)
+
+    return call

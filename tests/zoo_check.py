@@ -1,0 +1,50 @@
+"""The quick zoo's check, shared by the test files that split the zoo between CI's two workers: a family is
+captured and planned at one budget, the step's measured peak holds it, and the gradients are eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import autoremat
+from autoremat.measure import grad_rel_err, measure_peak
+from examples import zoo
+
+GRAD_TOL = 1e-4  # fp32, a few hundred roundings deep at the quick size; a wrong recomputation is O(1)
+LOOSENESS = 0.95  # the budget, as a share of eager's own steady peak: below it, something must be recomputed
+
+
+def _step(fn, batch):
+    def step():
+        out = fn(**batch)
+        out.loss.backward()
+    return step
+
+
+def _grads(model, step):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    step()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_family(family: str, lora: bool = False) -> autoremat.Plan:
+    model, batch = zoo.build(family, zoo.TINY)
+    if lora:
+        model = zoo.lora(model)
+    eager = copy.deepcopy(model)
+    eager_step = _step(eager, batch)
+    eager_step()
+    _, m = measure_peak(eager_step, baseline_objs=(eager, batch))
+    ref = _grads(eager, eager_step)
+    budget = int(LOOSENESS * m.peak_bytes)
+    om = autoremat.optimize(model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager")
+    step = _step(om, batch)
+    step()
+    _, ours = measure_peak(step, baseline_objs=(model, batch))
+    assert ours.peak_bytes <= budget, (family, ours.peak_bytes, budget)
+    got = _grads(model, step)
+    assert got.keys() == ref.keys()
+    assert grad_rel_err(got, ref) < GRAD_TOL, (family, grad_rel_err(got, ref))
+    return om.plan
