@@ -219,25 +219,32 @@ def main() -> None:
     plan = [] if a.lora_only else [(f, False) for f in a.families]
     if a.lora or a.lora_only:
         plan += [(f, True) for f in a.families if f in zoo.CAUSAL]
-    rows = []
+    meta = dict(command="python benchmarks/zoo.py " + " ".join(sys.argv[1:]), size=dataclasses.asdict(size),
+                torch=torch.__version__, git=dataclasses.asdict(git_state()), load=load_average(),
+                threads=torch.get_num_threads())
+    rows: list[dict] = []
+    text = ""
     for family, lora in plan:
         r = run_row(family, size, lora, pairs, not a.no_inductor_floor)
         rows.append(r)
         print(table([r]).splitlines()[-1], f"({r['row_s']:.0f} s)", flush=True)
-    meta = dict(command="python benchmarks/zoo.py " + " ".join(sys.argv[1:]), size=dataclasses.asdict(size),
-                torch=torch.__version__, git=dataclasses.asdict(git_state()), load=load_average(),
-                threads=torch.get_num_threads())
+        text = write(stem, meta, rows, a.quick, size)  # after every row: a long run stopped early keeps its rows
+    print(text)
+
+
+def write(stem: str, meta: dict, rows: list[dict], quick: bool, size: zoo.Size) -> str:
     out = HERE / "results"
     (out / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1, default=str))
     missed = goal(rows)
-    text = [f"# The model zoo against HF gradient checkpointing ({'quick' if a.quick else 'zoo'} size)", "",
-            f"Command: `{meta['command']}`", "", f"torch {meta['torch']}, git {meta['git']}, load {meta['load']}, "
-            f"one thread; size {size}.", "", table(rows), "",
-            f"Goal check: floor <= {FLOOR_GOAL} x checkpointing's held peak under eager and Inductor, and the "
+    text = [f"# The model zoo against HF gradient checkpointing ({'quick' if quick else 'zoo'} size)", "",
+            f"Command: `{meta['command']}`", "", f"torch {meta['torch']}, git {meta['git']['head']}, load at the start "
+            f"{meta['load']}, one thread; size {size}.", "", table(rows), "",
+            f"Goal check: floor <= {FLOOR_GOAL} x checkpointing's held peak under eager (and Inductor, where "
+            f"measured), and the "
             f"default compiler plans at checkpointing's peak and holds it: "
             f"{len(rows) - len(missed)} of {len(rows)} rows meet it.", *missed, ""]
     (out / f"{stem}.md").write_text("\n".join(text))
-    print("\n".join(text))
+    return "\n".join(text)
 
 
 if __name__ == "__main__":
