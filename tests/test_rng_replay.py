@@ -134,3 +134,40 @@ def test_on_cuda_fake_tensors_dropout_is_the_fused_kernels_draw_not_bernoulli():
     assert random == [torch.ops.autoremat.dropout_mask.default], random
     (scale,) = [n.args[1] for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
     assert torch.tensor(scale, dtype=torch.float32) == torch.tensor(1.0, dtype=torch.float32) / torch.tensor(0.9)
+
+
+class _Noisy(torch.nn.Module):
+    """Random draws of every kind in its forward: randn_like, rand, randint, and dropout."""
+
+    def __init__(self, d: int = 32, n: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+        self.head = torch.nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = torch.tanh(layer(x))
+            noise = 0.1 * torch.randn_like(h) + 0.05 * torch.rand(h.shape) * h
+            keep = torch.randint(0, 4, h.shape) > 0
+            x = torch.nn.functional.dropout(x + torch.where(keep, h, 0) + noise, 0.1)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_random_draws_in_the_forward_are_eagers_under_both_compilers(compiler):
+    """A forward that draws with torch.randn_like, rand, randint and dropout, planned at its floor: the planned
+    step draws what eager draws (the gradients are eager's) and leaves the generator where eager leaves it."""
+    torch.manual_seed(0)
+    model, x = _Noisy(), torch.randn(16, 32)
+    with pytest.raises(autoremat.BudgetError) as e:
+        autoremat.optimize(model, budget=1, example_inputs=(x,), compiler=compiler, progress=False)
+    om = autoremat.optimize(model, budget=e.value.smallest_budget, example_inputs=(x,), compiler=compiler,
+                            progress=False)
+    assert om.plan.compiler["used"] == compiler
+    model.zero_grad(set_to_none=True)
+    after_planned = _step(om, (x,))
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    after_eager = _step(model, (x,))
+    assert torch.equal(after_planned, after_eager)
+    assert_grads_close([(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True)], depth=16 * 32)

@@ -40,13 +40,16 @@ def _with_our_settings(compile_fn: Callable) -> Callable:
     code (the order its kernels run in); `_orders_the_model_knows` keeps that code apart in the cache.
     Without layout optimisation every value keeps the strides the graph was traced with, eager's: a
     dropout mask is drawn in eager's order, and no layout copies that the memory model does not know
-    of are made.
+    of are made. With fallback_random every random op (rand, randn, randint, bernoulli and their `_like`
+    forms) runs eager's own kernel on torch's generator: the draws are eager's, in eager's stream, and a
+    graph that calls them lowers at all (Inductor's own random lowering needs its joint-graph pass, which
+    autoremat's partitioner takes the place of).
     """
     from torch._inductor import config
 
     @functools.wraps(compile_fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        patch: dict[str, Any] = {"layout_optimization": False}
+        patch: dict[str, Any] = {"layout_optimization": False, "fallback_random": True}
         if config.cpp.simdlen is None:
             patch["cpp.simdlen"] = inductor_vector_width()
         with config.patch(patch), _orders_the_model_knows():
