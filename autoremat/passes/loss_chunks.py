@@ -14,11 +14,18 @@ grad_h_i = g_i @ W, grad_W += g_i^T @ h_i), and the save/recompute ILP decides w
 kept or recomputed just before its backward: no tokens x vocabulary tensor is ever needed whole.
 
 Recognised: `F.cross_entropy(X, y, ignore_index=..., reduction="mean" | "sum", label_smoothing=...)`
-whose input X is a linear (weight [V, d], optional bias) or a matmul by a [d, V] matrix, followed
-only by casts, `.contiguous()`, views/reshapes that keep the vocabulary dimension last and slices of
-the token dimensions (HF's `ForCausalLM` loss, the plain `logits.view(-1, V)` form, the older
-`logits[..., :-1, :]` shift). A class weight, reduction="none", probability targets or any other
-shape is left exactly as it was: a pattern not recognised is never rewritten.
+whose input X is a linear (weight [V, d], optional bias) or a matmul by a [d, V] matrix, followed by ops
+found by what they compute, not how they are spelled:
+- row steps, which keep every row's vocabulary whole and so apply to the hidden states' rows instead: casts,
+  `.contiguous()`, views/reshapes that keep the vocabulary dimension last, slices of the token dimensions
+  (HF's `ForCausalLM` loss, the plain `logits.view(-1, V)` form, the older `logits[..., :-1, :]` shift);
+- pointwise ops whose other operands are the same for every row (every ATen op they run is tagged pointwise
+  by its schema, none is random): a scale, a softcap, a vocabulary bias or mask (Gemma-2, Cohere, Granite).
+  They give a chunk of rows what they give those rows of the whole logits, so each chunk's logits go
+  through them (`chunked_cross_entropy`'s `head`).
+A form of the logits that something else also reads (the returned logits, OPT's `.contiguous()`) stays
+for that reader, computed whole after the chunks. A class weight, reduction="none", probability targets, an
+op that mixes rows, or any other shape is left exactly as it was: a pattern not recognised is never rewritten.
 
 One chunk with outputs="all" leaves the loss as the model wrote it, except over 16-bit logits: there
 it becomes one fused op (passes/fused_loss.py, no tokens x vocabulary fp32 value stored). With
@@ -411,9 +418,10 @@ def _head_module(gm: fx.GraphModule, s: Site) -> tuple[fx.Node, tuple[fx.Node, .
         current = graph.node_copy(n, lambda a, src=src, cur=current: cur if a is src else env[a])
         current.meta = {}
     graph.output(current)
-    name = f"autoremat_loss_head_{sum(1 for m in gm.graph.nodes if m.op == 'get_attr')}"
-    while hasattr(gm, name):
-        name += "_"
+    index = 0
+    while hasattr(gm, f"autoremat_loss_head_{index}"):
+        index += 1
+    name = f"autoremat_loss_head_{index}"
     gm.add_submodule(name, fx.GraphModule(torch.nn.Module(), graph))
     return gm.graph.get_attr(name), tuple(operands)
 
