@@ -7,7 +7,7 @@ a change left alone: each graph's schedule for its saved set, Inductor's kernel 
 uses. Off, every simulation works everything out afresh. For each model the step is traced once (one graph
 per repeated block: `regions=True`, the form the floor is searched in), then `solver.smallest_peak` runs on
 those graphs with the memos on and off, alternating, `--rounds` times each; the remembered floors of earlier
-calls (`solver._floor_memo`) and the memos are cleared before every run. Reported: the median of each, the
+calls (`solver.forget_floors`) and the memos are cleared before every run. Reported: the median of each, the
 ratio off / on (each round's pair, then the median), and whether both found the same plan (its peak, its
 recompute time, its saved sets).
 
@@ -67,7 +67,7 @@ def traced(build) -> tuple[list, str]:
 
 
 def search(graphs: list, remember: bool) -> tuple[float, tuple]:
-    solver._floor_memo.clear()
+    solver.forget_floors()
     memory.forget()
     start = time.perf_counter()
     with switches.using(remember=remember):

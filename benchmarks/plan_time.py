@@ -174,7 +174,7 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
     """One autoremat.optimize, cold unless `cache` is given: wall time, stages, longest silence."""
     global CLOCK
     torch._dynamo.reset()
-    solver._floor_memo.clear()  # a floor remembered from an earlier run would make this one warm
+    solver.forget_floors()  # a floor remembered from an earlier run would make this one warm
     traces, frames = counters["aot_autograd"]["total"], counters["stats"]["unique_graphs"]
     CLOCK = clock = StageClock()
     LOGGER.addHandler(clock)
