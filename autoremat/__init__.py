@@ -9,7 +9,8 @@ The pipeline, one folder per stage; each imports only the stages above it (tests
     faces      api (optimize), remat_module, fit, backend, lightning, cli, plots, progress: at the top of the package
 
 passes/ holds the graph rewrites, a library every stage may call (it imports no stage but a few helpers
-of model/); measure, units and torch_internals (every private torch API) sit at the top, used by all.
+of model/); measure, units, switches (an optimisation turned off, to compare) and torch_internals (every
+private torch API) sit at the top, used by all.
 docs/architecture.md follows the data, and the budget, from a face to the ILP and back.
 
 The public names below are imported on first use (PEP 562), so that `import autoremat` and

@@ -2,12 +2,12 @@
 and off, side by side (issue 38).
 
 A search simulates the whole step once per change it tries, and most changes touch one graph of several.
-`autoremat.model.memory.REMEMBER` (on by default) lets the simulator reuse what it worked out for the graphs
+The `remember` switch (autoremat/switches.py, on by default) lets the simulator reuse what it worked out for the graphs
 a change left alone: each graph's schedule for its saved set, Inductor's kernel order for it, and its last
 uses. Off, every simulation works everything out afresh. For each model the step is traced once (one graph
 per repeated block: `regions=True`, the form the floor is searched in), then `solver.smallest_peak` runs on
 those graphs with the memos on and off, alternating, `--rounds` times each; the remembered floors of earlier
-calls (`solver._floor_memo`) and the memos are cleared before every run. Reported: the median of each, the
+calls (`solver.forget_floors`) and the memos are cleared before every run. Reported: the median of each, the
 ratio off / on (each round's pair, then the median), and whether both found the same plan (its peak, its
 recompute time, its saved sets).
 
@@ -30,6 +30,7 @@ import torch
 from common import git_state, load_average, lora_step, speed_configs
 
 import autoremat
+from autoremat import switches
 from autoremat.model import memory
 from autoremat.model.devices import get_device
 from autoremat.solve import solver
@@ -66,14 +67,11 @@ def traced(build) -> tuple[list, str]:
 
 
 def search(graphs: list, remember: bool) -> tuple[float, tuple]:
-    memory.REMEMBER = remember
-    solver._floor_memo.clear()
+    solver.forget_floors()
     memory.forget()
     start = time.perf_counter()
-    try:
+    with switches.using(remember=remember):
         d = solver.smallest_peak(graphs, granularity=get_device("cpu").alloc_granularity, time_limit=10.0)
-    finally:
-        memory.REMEMBER = True
     seconds = time.perf_counter() - start
     return seconds, (d.peak, round(d.recompute_time_s, 12), [sorted(s) for s in d.saved])
 

@@ -7,8 +7,8 @@ measured in the same run mean anything):
       backward call after `torch._dynamo.reset()` (what a user waits for before training starts);
   autoremat.optimize cold (no plan cache) with compiler="eager" and with compiler="inductor", with
       precision="auto" (eager), and once more from the plan cache (a hit);
-  --variants eager-traced, inductor-traced: with every region traced by AOTAutograd (same_regions.REUSE
-      off), for the side-by-side table of what tracing identical blocks once saves (and whether the plan is
+  --variants eager-traced, inductor-traced: with every region traced by AOTAutograd (the `reuse`
+      switch off, autoremat/switches.py), for the side-by-side table of what tracing identical blocks once saves (and whether the plan is
       the same). Run after the variant they compare with: kernels Inductor compiled for that one are reused
       by them (the in-process and on-disk caches), which errs against reuse.
 
@@ -64,9 +64,10 @@ import torch  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
 import autoremat
+from autoremat import switches
 from autoremat.capture import aot as capture
 from autoremat.measure import measure_peak
-from autoremat.planning import collector, planner, same_regions, verify
+from autoremat.planning import planner, verify
 from autoremat.planning.compilers import inductor_problem
 from autoremat.solve import ilp, solver
 from examples import models as ex
@@ -173,7 +174,7 @@ def timed_optimize(model, inputs, budget: int, **kw) -> dict:
     """One autoremat.optimize, cold unless `cache` is given: wall time, stages, longest silence."""
     global CLOCK
     torch._dynamo.reset()
-    solver._floor_memo.clear()  # a floor remembered from an earlier run would make this one warm
+    solver.forget_floors()  # a floor remembered from an earlier run would make this one warm
     traces, frames = counters["aot_autograd"]["total"], counters["stats"]["unique_graphs"]
     CLOCK = clock = StageClock()
     LOGGER.addHandler(clock)
@@ -274,15 +275,14 @@ def run_gc(name: str, size: str, factory, rounds: int) -> dict:
     row: dict = {"model": name, "size": size, "budgets": budgets, "runs": []}
     for r in range(rounds):
         for on in (True, False) if r % 2 == 0 else (False, True):
-            collector.SET_ASIDE = on
             for label, budget in budgets.items():
                 clock = CollectorClock()
                 gc.callbacks.append(clock)
                 try:
-                    run = timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager")
+                    with switches.using(set_aside=on):
+                        run = timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager")
                 finally:
                     gc.callbacks.remove(clock)
-                    collector.SET_ASIDE = True
                 row["runs"].append({"round": r, "set_aside": on, "budget": label, "total_s": run["total_s"],
                                     "gc_s": round(clock.seconds, 3), "full": clock.full,
                                     "peak": run.get("predicted_peak"), "recompute_s": run.get("recompute_s")})
@@ -414,12 +414,9 @@ def run_variant(v: str, model, inputs, budget: int) -> dict:
     kw = {"eager": {"compiler": "eager"}, "inductor": {"compiler": "inductor"},
           "auto-precision": {"compiler": "eager", "precision": "auto"}, "eager-traced": {"compiler": "eager"},
           "inductor-traced": {"compiler": "inductor"}}.get(v)
-    if v.endswith("-traced"):  # every region traced by AOTAutograd: same_regions.REUSE off
-        same_regions.REUSE = False
-        try:
+    if v.endswith("-traced"):  # every region traced by AOTAutograd
+        with switches.off("reuse"):
             return timed_optimize(copy.deepcopy(model), inputs, budget, **kw)
-        finally:
-            same_regions.REUSE = True
     if v == "cache-hit":
         with tempfile.TemporaryDirectory() as tmp:
             timed_optimize(copy.deepcopy(model), inputs, budget, compiler="eager", cache=tmp)
@@ -508,7 +505,7 @@ def report(rows: list[dict], variants: list[str], command: str) -> str:
     for base in ("eager", "inductor"):
         if f"{base}-traced" not in variants or base not in variants:
             continue
-        lines += [f"\n## Identical regions traced once ({base}; {base}-traced: same_regions.REUSE off)\n",
+        lines += [f"\n## Identical regions traced once ({base}; {base}-traced: the `reuse` switch off)\n",
                   "| model | size | AOTAutograd traces, every region / reused | seconds | reused / every region "
                   "| same predicted peak and time |", "|---|---|---|---|---|---|"]
         for r in rows:

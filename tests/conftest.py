@@ -30,6 +30,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # examples/ i
 MAX_CAPTURED_LINES = 50
 
 
+@pytest.fixture
+def no_floors_remembered():
+    """The test's smallest-peak searches start from no floor an earlier test found, and leave none for a later
+    one: a remembered floor is a starting plan, so it would make a search's result depend on the tests run before."""
+    from autoremat.solve import solver
+
+    solver.forget_floors()
+    yield
+    solver.forget_floors()
+
+
 def _trimmed(sections: list[tuple[str, str]], budget: int = MAX_CAPTURED_LINES) -> list[tuple[str, str]]:
     """Keep the last lines of the captured sections, latest section first, `budget` lines in all."""
     kept = []

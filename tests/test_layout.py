@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "autoremat"
-USED_BY_EVERY_STAGE = {"measure", "units", "torch_internals"}  # README: "used by every stage"
+USED_BY_EVERY_STAGE = {"measure", "units", "switches", "torch_internals"}  # README: "used by every stage"
 NOT_A_STAGE = {"__init__", "__main__"}  # the lazy public namespace and `python -m autoremat`
 PASSES_MAY_IMPORT = {"model.precision_measure", "model.cuts", "torch_internals"}
 

@@ -13,8 +13,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import autoremat
+from autoremat import switches
 from autoremat.measure import measure_peak
-from autoremat.planning import planned_in_place
 from examples import models
 
 
@@ -36,13 +36,10 @@ def both_ways():
     budget = _budget(model, inputs)
     runs = []
     for swap in (True, False):
-        planned_in_place.SWAP = swap
-        try:
+        with switches.using(swap=swap):
             before = counters["aot_autograd"]["total"]
             om = autoremat.optimize(model, budget, inputs, optimizer=None, compiler="eager", progress=False)
             traces = counters["aot_autograd"]["total"] - before
-        finally:
-            planned_in_place.SWAP = True
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
         models.loss_of(om(*inputs)).backward()

@@ -10,7 +10,7 @@ import torch
 
 import autoremat
 import autoremat.model.schedule as schedule_mod
-from autoremat.model import memory
+from autoremat import switches
 from autoremat.solve.decision import evaluate
 from examples import models
 from tests.test_twice_and_reuse import SEED_BYTES, _floor, _grads_and_peak
@@ -45,8 +45,8 @@ def test_recomputed_ops_write_into_dying_inputs_with_eagers_gradients_and_the_pr
     assert abs(om.plan.predicted_peak - peak) <= SEED_BYTES
     # the same plan without the writes peaks higher in the simulator (schedules made afresh, not remembered)
     monkeypatch.setattr(schedule_mod, "write_recomputed", _no_writes)
-    monkeypatch.setattr(memory, "REMEMBER", False)
-    assert evaluate(profiles, saved)[1].peak > tl.peak
+    with switches.off("remember"):
+        assert evaluate(profiles, saved)[1].peak > tl.peak
 
 
 def test_recomputed_writes_predict_the_peak_at_seq_128():

@@ -236,7 +236,7 @@ def _steady_kw(om, model, ex: dict) -> int:
     return m.delta_peak_bytes
 
 
-def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch):
+def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch, no_floors_remembered):
     """A linear's weight gradient reads its activation; run before the input gradient (as
     `_weight_gradients_first` orders it), the activation can die before the 4x-wide MLP input gradient
     is allocated. The floor is lower than with autograd's order (input gradient first), measured.
@@ -255,7 +255,7 @@ def test_weight_gradients_before_input_gradients_lower_the_floor(monkeypatch):
 
     reordered = floor()
     monkeypatch.setattr(regions, "_weight_gradients_first", lambda joint: None)
-    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())  # a new search, not the plan found above
+    solver.forget_floors()  # a new search, not the plan found above
     assert reordered < floor(), reordered
 
 

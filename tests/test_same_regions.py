@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 
 import autoremat
+from autoremat import switches
 from autoremat.capture.regions import RegionLinks
 from autoremat.model.profile import GraphProfile, NodeProfile
-from autoremat.planning import same_regions
 from autoremat.planning.planner import CapturePlanner, compile_and_trace
 from autoremat.planning.same_regions import relocated
 from examples import models
@@ -23,14 +23,14 @@ from tests.tolerances import assert_grads_close
 LAYERS = 4
 
 
-def _trace(model, inputs, reuse: bool, monkeypatch, **planner_kw) -> tuple[CapturePlanner, int]:
+def _trace(model, inputs, reuse: bool, **planner_kw) -> tuple[CapturePlanner, int]:
     """The step traced into regions, and how many graphs AOTAutograd traced for it."""
-    monkeypatch.setattr(same_regions, "REUSE", reuse)
     torch._dynamo.reset()
     planner = CapturePlanner(planner_kw.pop("budget", None), device="cpu", regions=True, **planner_kw)
     before = counters["aot_autograd"]["total"]
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
-    compile_and_trace(model, planner, "eager", args, kwargs)
+    with switches.using(reuse=reuse):
+        compile_and_trace(model, planner, "eager", args, kwargs)
     return planner, counters["aot_autograd"]["total"] - before
 
 
@@ -42,14 +42,14 @@ def _same_profiles(a: CapturePlanner, b: CapturePlanner) -> None:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_a_capture_traces_one_block_and_profiles_every_block_as_tracing_would(name, monkeypatch):
+def test_a_capture_traces_one_block_and_profiles_every_block_as_tracing_would(name):
     # GPT-2: blocks read the previous block only; Llama: every block also reads the rotary tables the
     # prelude computed (inputs several regions share, whose gradients are tied).
     torch.manual_seed(0)
     make = models.gpt2 if name == "gpt2" else models.llama
     model, inputs = make(2, 32, LAYERS, 32, 4, 256)  # batch, tokens, layers, width, heads, vocabulary
-    traced, traced_n = _trace(model, inputs, False, monkeypatch)
-    reused, reused_n = _trace(model, inputs, True, monkeypatch)
+    traced, traced_n = _trace(model, inputs, False)
+    reused, reused_n = _trace(model, inputs, True)
     assert len(traced.profiles) == LAYERS + 2  # the prelude (embeddings), one region per block, the tail
     assert traced_n == LAYERS + 2
     assert reused_n == 3  # the prelude, the first block, the tail
@@ -74,7 +74,7 @@ def stack_planned():
     return model, ex, plan(int(floor + 0.6 * (none_recomputed - floor)))
 
 
-def test_a_plan_reuses_a_block_only_where_it_saves_the_same_values(stack_planned, monkeypatch):
+def test_a_plan_reuses_a_block_only_where_it_saves_the_same_values(stack_planned):
     model, ex, om = stack_planned
     plan = om.plan
     # The first block reads the step's input, the others the block before: one kind of region for blocks
@@ -84,8 +84,8 @@ def test_a_plan_reuses_a_block_only_where_it_saves_the_same_values(stack_planned
     assert len({frozenset(g.saved) | frozenset(g.again) for g in blocks}) > 1, \
         "the blocks save different values at this budget (else this checks less than it says)"
     kinds = {(g.fingerprint, frozenset(g.saved) | frozenset(g.again)) for g in plan.graphs}
-    traced, traced_n = _trace(model, ex, False, monkeypatch, budget=plan.budget, plan=plan)
-    reused, reused_n = _trace(model, ex, True, monkeypatch, budget=plan.budget, plan=plan)
+    traced, traced_n = _trace(model, ex, False, budget=plan.budget, plan=plan)
+    reused, reused_n = _trace(model, ex, True, budget=plan.budget, plan=plan)
     assert traced_n == len(plan.graphs) == LAYERS + 1
     assert reused_n == len(kinds) < len(plan.graphs)
     _same_profiles(traced, reused)
@@ -121,7 +121,7 @@ def test_relocated_moves_a_profile_to_its_own_place_in_the_step():
     assert gp.nodes["mm"].module == "h.0.mlp" and gp.index == 3, "the first block's profile is left as it was"
 
 
-def test_inductor_code_reused_by_the_next_identical_block_computes_what_its_own_code_does(monkeypatch):
+def test_inductor_code_reused_by_the_next_identical_block_computes_what_its_own_code_does():
     # Inductor compiles each region's backward on its first call, matched to its forward by the order the
     # regions were traced: blocks 2 to 4 run block 2's code, so block 4's backward compiles it and blocks
     # 3 and 2 reuse it (a wrong match would compile against another region's metadata, or fail). The same
@@ -130,10 +130,10 @@ def test_inductor_code_reused_by_the_next_identical_block_computes_what_its_own_
     model, ex = models.transformer_stack(n_layer=LAYERS, d=64, n_head=4, seq=32, batch=2, dropout=0.1)
     steps, traces = [], []
     for reuse in (False, True):
-        monkeypatch.setattr(same_regions, "REUSE", reuse)
         before = counters["aot_autograd"]["total"]
-        steps.append(autoremat.optimize(model, 10**10, ex, optimizer=None, regions=True, compiler="inductor",
-                                        progress=False))
+        with switches.using(reuse=reuse):
+            steps.append(autoremat.optimize(model, 10**10, ex, optimizer=None, regions=True, compiler="inductor",
+                                            progress=False))
         traces.append(counters["aot_autograd"]["total"] - before)
     assert [om.plan.compiler["used"] for om in steps] == ["inductor", "inductor"]
     graphs = len(steps[0].plan.graphs)

@@ -70,10 +70,9 @@ def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
 
 
 def _no_ilp(monkeypatch):
-    """Every ILP solve, budgeted or min-peak, finds nothing: what a solver that gives up reports; and no
-    smallest-peak plan is remembered from an earlier call whose ILP found one."""
+    """Every ILP solve, budgeted or min-peak, finds nothing: what a solver that gives up reports. Its tests
+    take `no_floors_remembered`, so no smallest-peak plan comes from an earlier call whose ILP found one."""
     monkeypatch.setattr(solver.IlpModel, "solve", lambda self, *a, **k: solver.IlpResult("infeasible"))
-    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
 
 
 class Unrepeated(nn.Module):
@@ -109,7 +108,7 @@ def test_the_no_recompute_budget_is_the_least_that_recomputes_nothing():
     assert below.predicted_peak <= top - 1
 
 
-def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch):
+def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch, no_floors_remembered):
     # between save-all and checkpointing (one of the modes): the smallest peak, with values recomputed
     # twice (twice.py), is below every per-block mode
     gp, hi, _ = stack
@@ -120,7 +119,7 @@ def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch):
     assert d.peak <= budget and d.recompute_time_s > 0
 
 
-def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch):
+def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch, no_floors_remembered):
     # narrow and long: with backward buffers reused (passes/reuse.py) a [256, 16] input left greedy nothing to lower
     (cg,) = capture(Unrepeated(8).to("meta"), (torch.empty(512, 8, device="meta"),))
     gp = profile_graph(cg, "cpu")
@@ -140,7 +139,8 @@ def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch):
     assert err.value.smallest.path == smallest.path and err.value.smallest.peak == smallest.peak
 
 
-def test_infeasible_carries_the_checkpointing_plan_when_the_ilp_finds_nothing(stack, monkeypatch):
+def test_infeasible_carries_the_checkpointing_plan_when_the_ilp_finds_nothing(stack, monkeypatch,
+                                                                              no_floors_remembered):
     """Without an ILP, the smallest peak comes from checkpointing every block (greedy stops higher)."""
     gp, _, _ = stack
     _no_ilp(monkeypatch)
@@ -284,7 +284,7 @@ def test_saving_values_back_lowers_checkpointings_peak_and_spends_slack_on_time(
     assert solver.spend_slack([gp], plan, plan.peak, 1) is plan  # no slack: nothing to spend
 
 
-def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monkeypatch):
+def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monkeypatch, no_floors_remembered):
     """`smallest_peak` stops on time, so a busier machine can find a worse plan than an earlier call did;
     the floor a BudgetError reported must stay reachable at exactly that budget. A search given no time
     (the MIP stopped at once, greedy past its deadline) still returns the best plan found before."""
@@ -292,7 +292,6 @@ def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monk
     model, ex = models.transformer_stack(n_layer=4, d=16, seq=8, batch=2, dropout=0.1)
     (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
     gp = profile_graph(cg, "cpu")
-    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
     found = solver.smallest_peak([gp])
 
     monkeypatch.setattr(solver, "MIN_PEAK_MIP_S", 0.0)
@@ -300,11 +299,11 @@ def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monk
     assert (again.peak, again.saved) == (found.peak, found.saved), (again.peak, again.path, found.peak, found.path)
     assert solver.evaluate([gp], again.saved)[1].peak == found.peak  # the plan is what the simulator says
 
-    solver._floor_memo.clear()  # what the same rushed search finds on its own: no better
+    solver.forget_floors()  # what the same rushed search finds on its own: no better
     assert solver.smallest_peak([gp], time_limit=0.0).peak >= found.peak
 
 
-def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatch):
+def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatch, no_floors_remembered):
     """With a room, `smallest_peak` returns the fastest plan of the first of its stages that fits it, and
     simulates no further (issue 38: the whole search is for the floor); a room below every plan it finds
     gets the whole search, and the floor."""
@@ -312,10 +311,9 @@ def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatc
     simulations = []
     real = decision.simulate  # what every evaluation of a saved set calls
     monkeypatch.setattr(decision, "simulate", lambda *a, **k: simulations.append(1) or real(*a, **k))
-    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
 
     def searched(room):  # from nothing remembered: a remembered floor plan is not lowered again
-        solver._floor_memo.clear()
+        solver.forget_floors()
         simulations.clear()
         return solver.smallest_peak([gp], room=room), len(simulations)
 
@@ -329,14 +327,13 @@ def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatc
     assert below.peak == full.peak and n_below == n_full
 
 
-def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept():
+def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept(no_floors_remembered):
     """Saving values back reorders the candidates: the plan with the lowest peak before `lower_peak` is
     not always the lowest after it, so the floor is the lowest lowered candidate."""
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=4, d=64, seq=32, batch=2, dropout=0.1)
     (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
     gp = profile_graph(cg, "cpu")
-    solver._floor_memo.clear()
     floor = solver.smallest_peak([gp])
     blocks = solver.evaluate([gp], solver.checkpoint_blocks([gp]))
     checkpointing = solver.Decision(solver.checkpoint_blocks([gp]), *blocks, "heuristic", "checkpoint-blocks")
@@ -466,13 +463,12 @@ def test_only_values_that_hold_back_a_recomputation_at_the_peak_are_tried_for_lo
     assert lowered.saved == [{"b", "c"}] and lowered.peak == 1116
 
 
-def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, monkeypatch):
+def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, monkeypatch, no_floors_remembered):
     """Near the floor the budgeted ILP finds nothing; the calibration solves each model for its rows' smallest
     peak, and the smallest-peak search that follows starts from the same solutions: each model's min-peak
     MIP is solved once (issue 38: solved twice, it was 0.14 of the 1.1 s a 2-layer GPT-2's 4-chunk trace took
     to plan at its floor). The plan is the one a search from fresh models finds."""
     gp, _, _ = stack
-    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
     floor = solver.smallest_peak([gp])
     real, solved, searches = solver.IlpModel.solve, [], []
 
@@ -483,7 +479,7 @@ def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, mon
     real_search = solver.smallest_peak
     monkeypatch.setattr(solver.IlpModel, "solve", counted)
     monkeypatch.setattr(solver, "smallest_peak", lambda *a, **k: searches.append(k) or real_search(*a, **k))
-    solver._floor_memo.clear()
+    solver.forget_floors()
     d = solver.solve([gp], floor.peak)
     assert searches and searches[0]["models"], "the search did not run on the calibrated models"
     per_model = [m for m, min_peak in solved if min_peak]
@@ -502,17 +498,16 @@ def test_greedys_plan_after_fewer_tries_is_the_plan_a_shorter_search_finds(stack
         assert full == heuristics.greedy([gp], lo // 2, 1, max_tries=300)
 
 
-def test_a_plan_at_the_floor_runs_greedys_search_once(stack, monkeypatch):
+def test_a_plan_at_the_floor_runs_greedys_search_once(stack, monkeypatch, no_floors_remembered):
     """At the floor no ILP plan fits: greedy searches toward the room, and the smallest-peak search that follows
     takes its plan after fewer tries from that search, with the same floor."""
     gp, _, _ = stack
-    monkeypatch.setattr(solver, "_floor_memo", type(solver._floor_memo)())
     floor = solver.smallest_peak([gp])
     searches = []
     real = heuristics.greedy_with
     monkeypatch.setattr(solver, "greedy", lambda *a, **k: pytest.fail("greedy's search ran a second time"))
     monkeypatch.setattr(heuristics, "greedy_with", lambda *a, **k: searches.append(a) or real(*a, **k))
-    solver._floor_memo.clear()
+    solver.forget_floors()
     d = solver.solve([gp], floor.peak)
     assert len(searches) == 1 and d.peak == floor.peak, (searches, d.path)
 

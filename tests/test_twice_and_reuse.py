@@ -61,7 +61,7 @@ def test_a_backward_pointwise_op_writes_into_its_dying_input(monkeypatch):
 
 
 @pytest.mark.slow
-def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(monkeypatch):
+def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(monkeypatch, no_floors_remembered):
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=4, d=128, n_head=4, seq=64, batch=2, dropout=0.1)
     floor = _floor(model, ex)
@@ -77,7 +77,7 @@ def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(mon
 
     # without the search for cuts the smallest budget is higher
     monkeypatch.setattr(solver_mod, "recompute_twice", lambda graphs, plan, granularity: plan)
-    monkeypatch.setattr(solver_mod, "_floor_memo", type(solver_mod._floor_memo)())  # nor the plan found above
+    solver_mod.forget_floors()  # nor the plan found above
     torch._dynamo.reset()
     assert _floor(model, ex) > floor
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autoremat import switches
 from autoremat.model.cuts import base
 from autoremat.model.handoffs import handed_over, region_handoffs, tied_waits
 from autoremat.model.inplace import donor, kernel_last_use, least_peak_first
@@ -165,13 +166,10 @@ def _kernel_order(g: GraphProfile, order: list[str], heap: _Heap, held: set[str]
     return _ORDERS.get(g, key, lambda: _weigh_orders(g, order, heap, held, inputs))
 
 
-REMEMBER = True  # off: every answer worked out afresh (benchmarks/floor_search.py times both)
-
-
 class GraphMemo:
-    """Answers about a graph, remembered by key while REMEMBER is on, the least recently used forgotten
-    once there are more than `size`. An entry holds its graph weakly and is found only for that graph:
-    a graph's id is reused once it is gone."""
+    """Answers about a graph, remembered by key while the `remember` switch is on (autoremat/switches.py),
+    the least recently used forgotten once there are more than `size`. An entry holds its graph weakly and
+    is found only for that graph: a graph's id is reused once it is gone."""
 
     every: list[GraphMemo] = []
 
@@ -181,8 +179,8 @@ class GraphMemo:
         GraphMemo.every.append(self)
 
     def get(self, g: GraphProfile, key: Callable[[], tuple], compute: Callable[[], Any]) -> Any:
-        """compute(), or what it gave before for `g` and key() (called only while REMEMBER is on)."""
-        if not REMEMBER:
+        """compute(), or what it gave before for `g` and key() (called only while `remember` is on)."""
+        if not switches.current().remember:
             return compute()
         k = (id(g), *key())
         hit = self.entries.get(k)

@@ -22,7 +22,7 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
-SET_ASIDE = True  # off: planning runs with the collector as the program left it (benchmarks/plan_time.py --gc)
+from autoremat import switches
 
 # The objects in the permanent generation that are the interpreter's own: those frozen when autoremat was
 # imported. Python 3.12 keeps its immortal objects there (375 tuples on 3.12.1), and moves them back on every
@@ -36,7 +36,7 @@ def older_objects_set_aside() -> Iterator[None]:
     """Collections inside skip the objects that existed on entry (module docstring). Nothing is done where
     the collector is off, or where the program has frozen objects itself (a forking server freezes its objects
     before it forks): unfreezing afterwards would undo that."""
-    if not SET_ASIDE or not gc.isenabled() or gc.get_freeze_count() > INTERPRETER_FROZEN:
+    if not switches.current().set_aside or not gc.isenabled() or gc.get_freeze_count() > INTERPRETER_FROZEN:
         yield
         return
     gc.freeze()

@@ -20,19 +20,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from autoremat import switches
 from autoremat.torch_internals import compiled_autograd_on
 
 if TYPE_CHECKING:
     from autoremat.capture.graph_code import GraphCode, Partition
     from autoremat.planning.planner import CapturePlanner
 
-SWAP = True  # Off: the planned step is traced again (tests compare the two ways)
-
 
 def swap_in_plan(traced: CapturePlanner, applier: CapturePlanner) -> str | None:
     """Partition every graph `traced` traced with `applier`'s plan and swap the result into its code.
     None when done; else why not, with nothing swapped and the applier as it was (it may trace the step)."""
-    if not SWAP:
+    if not switches.current().swap:
         return "swapping plans in is off"
     if compiled_autograd_on():
         return "compiled autograd is on: it reads the backward graph AOTAutograd kept, the capture's"

@@ -25,15 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from autoremat import switches
 from autoremat.capture.graph_code import GraphCode, code_of
 from autoremat.capture.regions import RegionLinks
 from autoremat.model.profile import GraphProfile, module_path_of
 
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner
-
-# Off: every region is traced (plan_time.py --variants eager-traced,inductor-traced; tests compare the profiles).
-REUSE = True
 
 
 @dataclass
@@ -80,7 +78,8 @@ class SameRegions:
     def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
                only: Callable | None = None) -> Callable | None:
         planner = self.planner
-        if not REUSE or not planner.strict or (planner.plan is None and planner.lookup is not None and not planner.profiles):
+        if (not switches.current().reuse or not planner.strict
+                or (planner.plan is None and planner.lookup is not None and not planner.profiles)):
             return None  # after planning (a recompile), or before the plan cache was asked
         here = _module_paths(gm)
         for done in self.memo.get(key, ()):

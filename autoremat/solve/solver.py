@@ -254,6 +254,12 @@ def _remember_floor(key: tuple, d: Decision) -> None:
         _floor_memo.popitem(last=False)
 
 
+def forget_floors() -> None:
+    """Every remembered floor forgotten: the next `smallest_peak` searches from nothing (a benchmark timing a
+    search, a test comparing two searches)."""
+    _floor_memo.clear()
+
+
 def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None,
                   room: int | None = None, greedy_plan: list[set[str]] | None = None) -> Decision:
     """The plan with the smallest simulated activation peak we can find; with `room`, the first plan
