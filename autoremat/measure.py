@@ -360,9 +360,10 @@ def _grad_pairs(g, ref) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
         g = {str(i): t for i, t in enumerate(g)}
     if not isinstance(ref, dict):
         ref = {str(i): t for i, t in enumerate(ref)}
-    if set(g) != set(ref) or any(g[n].shape != r.shape for n, r in ref.items()):
+    if set(g) != set(ref) or any((g[n] is None) != (r is None) or (r is not None and g[n].shape != r.shape)
+                                 for n, r in ref.items()):
         return None
-    return [(n, g[n].detach(), r.detach()) for n, r in ref.items()]
+    return [(n, g[n].detach(), r.detach()) for n, r in ref.items() if r is not None]
 
 
 def _norms(a: torch.Tensor, r: torch.Tensor) -> tuple[float, float]:
@@ -394,10 +395,11 @@ def param_rel_errs(g, ref, floor: float = GRAD_NOISE_FLOOR) -> dict[str, float]:
     """Per parameter, ||g_p - ref_p|| / max(||ref_p||, floor * max_q ||ref_q||): each parameter's own
     relative error, except that a gradient smaller than `floor` times the largest one is measured against
     that floor (GRAD_NOISE_FLOOR says why). Names a parameter that went wrong, where `grad_rel_err` gives
-    one number. Empty if the parameter sets differ."""
+    one number. {"parameter sets differ": inf} if the two name, count or shape different parameters (a
+    None gradient on one side only counts as different)."""
     pairs = _grad_pairs(g, ref)
     if pairs is None:
-        return {}
+        return {"parameter sets differ": float("inf")}
     norms = {n: _norms(a, r) for n, a, r in pairs}
     least = floor * max((s for _, s in norms.values()), default=0.0)
     out = {}

@@ -326,7 +326,7 @@ def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
     from autoremat.model.memory import Schedule, simulate
     from autoremat.model.profile import GraphProfile, NodeProfile
     from autoremat.passes.loss_chunks import Report
-    from autoremat.planning.loss_region import Candidate
+    from autoremat.planning.chunk_count_trace import ChunkCountTrace
     from autoremat.solve.decision import Decision
 
     def node(name, shape, inputs=(), region=True):
@@ -345,7 +345,7 @@ def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
     schedule = Schedule(forward=[], backward=order, saved=[], recomputed=[])
     plan = Decision([set()], [schedule], simulate([(g, schedule)]), 0.0, "optimal", "by hand")
     loss = LossOption("loss", 4, [Report(sites=1, rewritten=1, rows=rows, vocab=vocab)])
-    return Candidate(SimpleNamespace(sequence=lambda: [g]), None, loss), plan
+    return ChunkCountTrace(SimpleNamespace(sequence=lambda: [g]), None, loss), plan
 
 
 def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -> None:
@@ -381,7 +381,8 @@ def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(
     untraced when fewer chunks are already faster. Checked on the real traces of a 1-layer GPT-2."""
     from types import SimpleNamespace
 
-    from autoremat.planning.loss_region import Candidate, Traces
+    from autoremat.planning.chunk_count_trace import ChunkCountTrace
+    from autoremat.planning.loss_region import Traces
 
     torch.manual_seed(0)
     model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
@@ -389,7 +390,7 @@ def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(
     compile_and_trace(copy.deepcopy(model), planner, "eager", (), ex)
     base = {k: ops_once_time(g) for k, g in {**alternatives, 64: planner.profiles}.items()}
     loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
-    traces = Traces(None, Candidate(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
+    traces = Traces(None, ChunkCountTrace(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
     traces.base_time.update({k: base[k] for k in COUNTS})  # as tracing those counts would have set them
     least, how = traces.least_base_time(64)
     assert least == pytest.approx(base[16] + 4 * (base[16] - base[4])) and "4- and 16-chunk" in how
@@ -405,13 +406,14 @@ def test_the_largest_chunked_trace_bounds_a_larger_count_op_by_op(alternatives) 
     from types import SimpleNamespace
 
     from autoremat.model.devices import get_device
-    from autoremat.planning.loss_region import Candidate, Traces
+    from autoremat.planning.chunk_count_trace import ChunkCountTrace
+    from autoremat.planning.loss_region import Traces
 
     base = {k: ops_once_time(g) for k, g in alternatives.items()}
     loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
     step = SimpleNamespace(compiler="eager", dev=get_device("cpu"))
-    traces = Traces(step, Candidate(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
-    traces.traced[4] = Candidate(SimpleNamespace(profiles=alternatives[4]), None, loss)
+    traces = Traces(step, ChunkCountTrace(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
+    traces.traced[4] = ChunkCountTrace(SimpleNamespace(profiles=alternatives[4]), None, loss)
     traces.base_time[4] = base[4]
     least, how = traces.least_base_time(16)
     assert base[4] < least <= base[16] and "4-chunk trace" in how, (least, base)
@@ -438,9 +440,9 @@ def two_layers() -> tuple[dict[int, list], LossOption]:
 def _four_chunks(graphs: dict[int, list], loss: LossOption):
     from types import SimpleNamespace
 
-    from autoremat.planning.loss_region import Candidate
+    from autoremat.planning.chunk_count_trace import ChunkCountTrace
 
-    return Candidate(SimpleNamespace(profiles=graphs[4]), None, loss)
+    return ChunkCountTrace(SimpleNamespace(profiles=graphs[4]), None, loss)
 
 
 def test_no_count_recomputes_less_outside_the_loss_region_than_its_rows_with_the_region_free(two_layers) -> None:

@@ -206,6 +206,34 @@ def test_ops_that_are_not_row_local_pointwise_leave_the_loss_whole(case: str) ->
         assert_close_for(got, ref, depth=2)
 
 
+@pytest.mark.parametrize("case", ["scaled in place and returned", "a cast scaled in place", "the projection in place"])
+def test_logits_written_in_place_leave_the_loss_whole(case: str) -> None:
+    """A form of the logits that some op writes into in place: moving or dropping the forms would lose the
+    write, so the site is left as the model wrote it, with the reason, and loss and logits are eager's."""
+    class InPlace(Head):
+        def forward(self, x, y):
+            logits = self.head(torch.tanh(self.trunk(x)))
+            if case == "scaled in place and returned":
+                scaled = logits.mul_(3.0)
+                return F.cross_entropy(scaled.view(-1, self.vocab), y.view(-1)), logits
+            if case == "a cast scaled in place":
+                cast = logits.float()
+                cast.mul_(3.0)
+                return F.cross_entropy(cast.view(-1, self.vocab), y.view(-1)), logits
+            logits.mul_(3.0)
+            return F.cross_entropy(logits.view(-1, self.vocab), y.view(-1)), logits
+
+    torch.manual_seed(0)
+    model = InPlace("view")
+    x, y = inputs()
+    ref_loss, ref_logits = (t.detach() for t in model(x, y))
+    fn, report = compiled_with(model, chunks=4)
+    loss, logits = (t.detach() for t in fn(x, y))
+    assert report.rewritten == 0 and report.skipped, report
+    assert_close_for(loss, ref_loss, depth=2)
+    assert_close_for(logits, ref_logits, depth=2)
+
+
 @pytest.mark.parametrize("case", ["class weight", "reduction none", "classes in dim 1"])
 def test_unrecognised_patterns_are_left_alone(case: str) -> None:
     torch.manual_seed(0)
@@ -440,3 +468,29 @@ def test_kept_logits_tangent_dies_before_the_chunks_backward() -> None:
     assert chunk_grads, "no tokens x vocabulary gradient reached from the loss's tangent"
     assert len(logits_tangent.users) >= 1
     assert max(pos[u] for u in logits_tangent.users) < min(chunk_grads)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite", "opt"])
+def test_hf_families_with_ops_between_projection_and_loss_are_chunked_exactly(family: str) -> None:
+    """Gemma-2's softcap, Cohere's and Granite's logit scales, OPT's returned `.contiguous()` logits (with its
+    dropout on), as transformers writes them: the loss region is found and chunked, and the loss, the returned
+    logits and the gradients are eager's (same seed)."""
+    from examples import zoo
+
+    model, batch = zoo.build(family, zoo.TINY)
+
+    def run(fn):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        out = fn(**batch)
+        out.loss.backward()
+        return out.loss.detach(), out.logits.detach(), [(n, p.grad.clone()) for n, p in model.named_parameters()]
+
+    ref_loss, ref_logits, ref_grads = run(model)
+    fn, report = compiled_with(model, chunks=4)
+    loss, logits, grads = run(fn)
+    assert report.rewritten == 1 and not report.skipped, report
+    d = depth(zoo.TINY.batch * zoo.TINY.tokens, zoo.TINY.vocab, zoo.TINY.hidden) * zoo.TINY.layers
+    assert_close_for(loss, ref_loss, depth=d)
+    assert_close_for(logits, ref_logits, depth=d)
+    assert_grads_close([(g, r, n) for (n, g), (_, r) in zip(grads, ref_grads, strict=True)], depth=d)

@@ -8,10 +8,10 @@ import copy
 import torch
 
 import autoremat
-from autoremat.measure import grad_rel_err, measure_peak
+from autoremat.measure import measure_peak
 from examples import zoo
+from tests.tolerances import assert_grads_close, batch_depth
 
-GRAD_TOL = 1e-4  # fp32, a few hundred roundings deep at the quick size; a wrong recomputation is O(1)
 LOOSENESS = 0.95  # the budget, as a share of eager's own steady peak: below it, something must be recomputed
 
 
@@ -46,5 +46,8 @@ def check_family(family: str, lora: bool = False) -> autoremat.Plan:
     assert ours.peak_bytes <= budget, (family, ours.peak_bytes, budget)
     got = _grads(model, step)
     assert got.keys() == ref.keys()
-    assert grad_rel_err(got, ref) < GRAD_TOL, (family, grad_rel_err(got, ref))
+    # each gradient sums over every element of the batch, each through a hidden-wide dot product, in another
+    # order than eager's (other graphs, other kernels)
+    assert_grads_close([(got[n], r, f"{family}: {n}") for n, r in ref.items()],
+                       depth=batch_depth(batch) * zoo.TINY.hidden)
     return om.plan

@@ -22,12 +22,12 @@ import os
 import time
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 
+from autoremat.capture.captured import CapturedGraph
 from autoremat.capture.graph_code import GraphCode, boxed_eager, called_at, code_of, same_code, tag
 from autoremat.capture.regions import (
     LINKS,
@@ -52,20 +52,6 @@ from autoremat.torch_internals import (
     inductor_compilers,
     meta_python_kernels_hidden,
 )
-
-
-@dataclass
-class CapturedGraph:
-    """One joint forward+backward graph and what AOTAutograd told us about it."""
-
-    joint: fx.GraphModule
-    num_fwd_outputs: int
-    static_input_indices: list[int]  # primals that live across steps: parameters and buffers
-    index: int  # order of this graph within the step (several when the model has graph breaks)
-    device: str  # device of the traced tensors ("cpu", "cuda", "meta")
-    links: RegionLinks | None = None  # for a region: how it connects to its neighbours (autoremat.capture.regions)
-    compiler: str = "eager"  # what will run the partitioned graphs: "inductor" fuses pointwise ops (fusion.py)
-    region_key: tuple | None = None  # for a region that `SameRegions` may reuse: what its trace depends on
 
 
 class SameRegions(Protocol):

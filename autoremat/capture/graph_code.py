@@ -52,7 +52,7 @@ from autoremat.torch_internals import (
 )
 
 if TYPE_CHECKING:
-    from autoremat.capture.aot import CapturedGraph
+    from autoremat.capture.captured import CapturedGraph
     from autoremat.capture.regions import RegionLinks
 
 

@@ -111,8 +111,8 @@ def inputs_must_fit(model: torch.nn.Module, args: tuple, kwargs: dict):
 def _eager_runs(model: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
     """Whether the model's forward runs eagerly on these inputs (compiled code it holds runs eagerly too).
     Its buffers and RNG are put back by the `Restore` around the trace; FSDP2's shards here."""
-    try:
-        with torch.compiler.set_stance("force_eager"):
+    try:  # without autograd's graph: only whether it runs is asked, and a whole forward's activations are not
+        with torch.compiler.set_stance("force_eager"), torch.no_grad():
             model(*args, **kwargs)
     except Exception:
         return False

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import CapturedGraph
+from autoremat.capture.captured import CapturedGraph
 from autoremat.model.optimizers import (
     ADAFACTOR_ASSUMED_SIDE,
     OPTIMIZER_NAMES,

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import flop_registry
 
-from autoremat.capture.aot import CapturedGraph
+from autoremat.capture.captured import CapturedGraph
 from autoremat.capture.regions import accumulate_grad
 from autoremat.model.devices import DeviceSpec, get_device
 from autoremat.model.inductor_code import mark_inductor_code

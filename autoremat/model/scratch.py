@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import CapturedGraph
+from autoremat.capture.captured import CapturedGraph
 from autoremat.model.profile import (  # the bytes of a traced value, as profiled
     GraphProfile,
     _dense_bytes,

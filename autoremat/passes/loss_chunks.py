@@ -53,7 +53,15 @@ import torch.nn.functional as F
 
 from autoremat.passes.fused_linear_loss import fused_linear_cross_entropy
 from autoremat.passes.fused_loss import fused_cross_entropy
-from autoremat.torch_internals import C_NN_LINEAR, LOSS_CHUNK_TAG, LOSS_REGION_TAG, OpOverload, annotate, aten_ops_of
+from autoremat.torch_internals import (
+    C_NN_LINEAR,
+    LOSS_CHUNK_TAG,
+    LOSS_REGION_TAG,
+    OpOverload,
+    annotate,
+    aten_ops_of,
+    is_mutable_op,
+)
 
 OUTPUTS = ("all", "loss")
 CANDIDATES = (1, 4, 16, 64)  # chunk counts the planner tries; 1 leaves the loss whole (outputs="all")
@@ -225,6 +233,9 @@ def _match(ce: fx.Node, sites: list[Site]) -> str:
         return "no linear or matmul producing the logits"
     if _value(cur.args[0]) is None or _value(cur.args[0]).shape[:-1] != _value(cur).shape[:-1]:
         return "the projection's input is not [..., d]"
+    writer = next((u for n in [cur, *chain] for u in n.users if _writes_in_place(u)), None)
+    if writer is not None:
+        return f"{writer.name} ({writer.target}) writes into the logits in place"
     head = [n for n in chain if _pointwise_source(n) is not None and not _row_step(n)]
     if head and any(_reads_node(e, cur) for n in head for e in _operands(n)[1]):
         return "a pointwise op after the projection reads the logits through another path"
@@ -242,6 +253,19 @@ def _row_step(n: fx.Node) -> bool:
               and _row_slice(n.args[1], _value(n.args[0]).dim())))
     src, out = _value(n.args[0]), _value(n)
     return ok and src is not None and out is not None and src.dim() >= 1 and src.shape[-1] == out.shape[-1]
+
+
+_IN_PLACE_OPERATORS = (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.imatmul)
+
+
+def _writes_in_place(n: fx.Node) -> bool:
+    """Whether a dynamo graph's node may write into its first operand: an in-place method or function (its
+    name ends in one underscore: `mul_`, `masked_fill_`), an augmented assignment, `out=` or `inplace=True`.
+    The rewrite moves or drops the logits' forms, so a site with such a reader is left whole."""
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return ((name.endswith("_") and not name.endswith("__")) or n.target in _IN_PLACE_OPERATORS
+            or "out" in n.kwargs or n.kwargs.get("inplace") is True)
 
 
 def _operands(n: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
@@ -276,7 +300,7 @@ def _pointwise_source(n: fx.Node) -> fx.Node | None:
             return None
     nodes = same + others
     ops = aten_ops_of(lambda *ts: _call(n, dict(zip(nodes, ts))), [_value(a) for a in nodes])
-    if not ops or not all(isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags
+    if not ops or not all(isinstance(op, OpOverload) and torch.Tag.pointwise in op.tags and not is_mutable_op(op)
                           and torch.Tag.nondeterministic_seeded not in op.tags for op in ops):
         return None
     return same[0]
@@ -346,7 +370,8 @@ def rewrite(gm: fx.GraphModule, chunks: int, outputs: str = "all", report: Repor
                 head, head_args = _head_module(gm, s)
                 kw |= {"head": head, "head_args": head_args}
                 cast = None
-            others = [u for u in s.proj.users if u.op != "output" and u not in s.chain]
+            others = [u for n in [s.proj, *s.chain] for u in n.users
+                      if u.op != "output" and u not in s.chain and u is not s.loss]
             if (outputs == "loss" and s.kind == "linear" and bias is None and _low_logits(s) and not others
                     and not s.pointwise):
                 # one fused op over the master weight (passes/fused_linear_loss.py)

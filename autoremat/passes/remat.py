@@ -20,7 +20,7 @@ from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
 
 if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage (capture imports passes)
-    from autoremat.capture.aot import CapturedGraph
+    from autoremat.capture.captured import CapturedGraph
     from autoremat.model.memory import Schedule
 
 

@@ -24,13 +24,13 @@ budget named. A floor query (no room at all) goes straight to the plans in full.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import more_chunks, precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
+from autoremat.planning.chunk_count_trace import ChunkCountTrace
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import (
     CapturePlanner,
@@ -39,7 +39,6 @@ from autoremat.planning.planner import (
     progress,
     trace_step,
 )
-from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.rows_time import ops_once_time, trace_time
 from autoremat.units import format_bytes
@@ -74,28 +73,17 @@ def fits_unchunked(planner: CapturePlanner, budget: int, ledger, dev) -> str | N
             f"{format_bytes(room)} the budget leaves: nothing to free, no other count traced")
 
 
-@dataclass
-class Candidate:
-    """One chunk count of the loss region as traced (and planned in full, where it was): `build` plans
-    and compiles the chosen one from this trace, without tracing the step again."""
-
-    planner: CapturePlanner
-    compiled: Any
-    loss: LossOption
-    decision: Decision | None = None  # plan_graphs' plan of its calls at the budget
-
-
 class Traces:
     """The step traced at each chunk count, each on first use (count 1: the trace `build` started from)."""
 
-    def __init__(self, step: TrainingStep, first: Candidate, budget: int, dtypes) -> None:
+    def __init__(self, step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes) -> None:
         self.step, self.budget, self.dtypes = step, budget, dtypes
         self.counts = loss_chunks.candidates(first.loss.rows())
-        self.traced: dict[int, Candidate] = {1: first}
+        self.traced: dict[int, ChunkCountTrace] = {1: first}
         self.base_time: dict[int, float] = {1: ops_once_time(first.planner.profiles)}
         self.outside_s: tuple[float, float] | None = None  # (least_outside's bound, the at_least it was given)
 
-    def __getitem__(self, k: int) -> Candidate:
+    def __getitem__(self, k: int) -> ChunkCountTrace:
         if k not in self.traced:
             progress.info("tracing the loss region in %d chunks", k)
             first = self.traced[1]
@@ -147,7 +135,7 @@ def remembered_count(step: TrainingStep, budget: int, dtypes, store, fields, bui
     return build(step, budget, dtypes, store, fields, chunks=known, cached_only=True)
 
 
-def choose_chunks(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, *, build: Callable):
+def choose_chunks(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, store, fields, *, build: Callable):
     """Trace the step at more chunk counts while more chunks pay, and `build` it with the fastest count.
 
     `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
@@ -167,7 +155,7 @@ def _step_key(step: TrainingStep, store, fields: dict) -> str:
                           {**fields, "outputs": step.options.outputs, "loss_chunks": None})
 
 
-def _choose(step: TrainingStep, first: Candidate, budget: int, dtypes, store, fields, build: Callable):
+def _choose(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, store, fields, build: Callable):
     traces = Traces(step, first, budget, dtypes)
 
     def build_count(k: int):
@@ -309,7 +297,7 @@ def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: 
 
 
 def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, budget: int, dtypes,
-           which: str) -> Candidate:
+           which: str) -> ChunkCountTrace:
     """The step traced with the loss region in k chunks: from the dynamo graph the first trace kept where it
     can be (AOTAutograd alone: `dynamo_graphs`), else in full."""
     options = step.options
@@ -319,7 +307,7 @@ def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, 
     planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
     along(f"{which}: " + ("the step's dynamo graph, kept from the first trace, traced again with the rewrite"
                           if first.source is not None else "the whole step is traced with the rewrite"))
-    return Candidate(planner, trace_step(step, planner, first.source), option)
+    return ChunkCountTrace(planner, trace_step(step, planner, first.source), option)
 
 
 def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:

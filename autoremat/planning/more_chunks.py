@@ -17,14 +17,14 @@ from autoremat.solve.rows_time import least_time, ops_once_time
 
 if TYPE_CHECKING:
     from autoremat.model.profile import GraphProfile
-    from autoremat.planning.loss_region import Candidate
+    from autoremat.planning.chunk_count_trace import ChunkCountTrace
 
 OUTSIDE = "plan's peak holds nothing sized by the chunk's rows, which is all more chunks shrink"
 # least_outside's MIP gets this share of the time limit: it only spares a trace, a few seconds at most
 OUTSIDE_SHARE = 1 / 4
 
 
-def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
+def floor_outside(candidate: ChunkCountTrace, refused: BudgetError) -> bool:
     """Whether a refused count's floor is set where more chunks change nothing: by optimizer.step()'s
     temporaries, or at a peak of its most memory-frugal plan that holds no chunk-sized value (`binds_outside`).
     A larger count's floor search, the longest of a floor query, would then end at the same floor
@@ -32,7 +32,7 @@ def floor_outside(candidate: Candidate, refused: BudgetError) -> bool:
     return _by_optimizer(refused) or binds_outside(candidate, refused.frugal)
 
 
-def binds_outside(candidate: Candidate, plan: Decision | None) -> bool:
+def binds_outside(candidate: ChunkCountTrace, plan: Decision | None) -> bool:
     """Whether the count's plan peaks where more chunks shrink nothing that is alive.
 
     More chunks shrink the values of the chunk being computed: those traced from the chunked loss
@@ -118,7 +118,7 @@ def _by_optimizer(refused: BudgetError) -> bool:
     return floor is not None and ledger.after_backward > 0 and floor <= ledger.needs(0)
 
 
-def region_free(candidate: Candidate) -> list[GraphProfile]:
+def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
     """Copies of a chunked trace's profiles in which the loss region costs nothing: its values hold no bytes
     and take no time. Its values are those the loss pass tagged, and the backward ones AOTAutograd leaves
     untagged that read them and either read nothing else (the weight gradient's running sum, the hidden
@@ -146,7 +146,7 @@ def region_free(candidate: Candidate) -> list[GraphProfile]:
     return out
 
 
-def least_outside(candidate: Candidate, room: int, at_least: float, granularity: int, opts: dict) -> float:
+def least_outside(candidate: ChunkCountTrace, room: int, at_least: float, granularity: int, opts: dict) -> float:
     """A lower bound of the recomputation the ILP's rows need at any chunk count: what they need for this
     chunked trace with its loss region free (`region_free`), proved by the MIP until it reaches `at_least`.
     Every count recomputes at least this outside the region, so a larger count whose ops once fall short of

@@ -23,6 +23,7 @@ from autoremat.planning import precision_plan
 from autoremat.planning import verify as verification
 from autoremat.planning.budget import check_cached, plan_graphs, room_for, say_solving
 from autoremat.planning.cache import PlanCache
+from autoremat.planning.chunk_count_trace import ChunkCountTrace
 from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
@@ -84,7 +85,7 @@ class _Tracer:
 
 
 def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
-          chunks: int | None = None, first: region.Candidate | None = None, cached_only: bool = False) -> Any:
+          chunks: int | None = None, first: ChunkCountTrace | None = None, cached_only: bool = False) -> Any:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
     The loss region is chunked into `chunks` pieces (autoremat.passes.loss_chunks; `step.options.outputs`
@@ -123,7 +124,7 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     if chunks is None and loss.found and region.loss_region_matters(planner, loss, dev.alloc_granularity):
         chunks_note = region.fits_unchunked(planner, budget, ledger, dev)
         if chunks_note is None:
-            return region.choose_chunks(step, region.Candidate(planner, compiled, loss), budget, dtypes, store, fields, build=build)
+            return region.choose_chunks(step, ChunkCountTrace(planner, compiled, loss), budget, dtypes, store, fields, build=build)
     regions_note, cut_step = None, None
     checked = step.checked
     if regions == "auto" and planner.cut:

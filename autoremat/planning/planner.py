@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import CapturedGraph, compile_fresh, default_split
+from autoremat.capture.aot import compile_fresh, default_split
 from autoremat.capture.blocks import (  # noqa: F401  (CaptureError: part of the public namespace)
     CaptureError,
     compile_blocks,
@@ -27,6 +27,7 @@ from autoremat.capture.blocks import (  # noqa: F401  (CaptureError: part of the
     repeated_blocks,
     skipped,
 )
+from autoremat.capture.captured import CapturedGraph
 from autoremat.capture.tracing import Restore, describe, eager_saved_bytes, inputs_must_fit, reshard  # noqa: F401 (faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, ledger_from_graph

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import CapturedGraph, aot_backend
+from autoremat.capture.aot import aot_backend
+from autoremat.capture.captured import CapturedGraph
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, parameter_bytes, storage_key
 from autoremat.model.profile import GraphProfile

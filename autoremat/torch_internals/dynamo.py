@@ -153,6 +153,11 @@ def tracing_like_dynamo() -> Iterator[None]:
         yield
 
 
+# The logging.Logger methods that only emit a record (and return None), and those libraries add beside them
+# (transformers' `warning_once`): the ones a compiled step may skip. Methods that answer something
+# (`isEnabledFor`, `getEffectiveLevel`) are not among them.
+_EMITTING = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
+
 # Dynamo's per-code recompile limit as autoremat's own compiles see it. Each plan compiles the model afresh (a
 # code object of its own for the forward: capture/aot.fresh_forward), but frames dynamo compiles apart from it
 # (after a graph break, or a function shared by many modules, like transformers' deprecation wrapper) keep one
@@ -164,7 +169,7 @@ OWN_RECOMPILE_LIMIT = 4096
 def compile_step(fn: Callable, backend: Callable) -> Callable:
     """`torch.compile(fn, backend=backend, dynamic=False)` for autoremat's own compiles. Every call runs with
 
-    - `logging.Logger` calls traced as no-ops (torch._dynamo.config.ignore_logging_functions), not as graph
+    - `logging.Logger` calls that emit a record traced as no-ops (torch._dynamo.config.ignore_logging_functions), not as graph
       breaks. A log call computes nothing the step's tensors depend on, but dynamo splits the graph at one: a
       warning between a model's vocabulary projection and its loss (transformers warns there about an unset
       `loss_type`) puts them in two graphs, and the loss region is then never seen whole. The compiled step
@@ -173,7 +178,7 @@ def compile_step(fn: Callable, backend: Callable) -> Callable:
       rather than a frame run without a plan."""
     compiled = torch.compile(fn, backend=backend, dynamic=False)
     methods = {getattr(logging.Logger, name) for name in dir(logging.Logger)
-               if not name.startswith("_") and callable(getattr(logging.Logger, name))}
+               if name in _EMITTING or name.startswith(tuple(f"{e}_" for e in _EMITTING))}
     config = torch._dynamo.config
 
     def call(*args, **kwargs):

@@ -15,11 +15,14 @@ __all__ = ["ORDERS_TAG", "has_triton", "inductor_compilers", "inductor_cpp_compi
 
 def inductor_compilers() -> tuple[Callable, Callable, dict]:
     """Inductor's forward and backward compilers for aot_autograd, and its decomposition table."""
+    from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
 
     fw = _with_our_settings(compile_fx_inner)
-    return fw, _with_our_settings(functools.partial(compile_fx_inner, is_backward=True)), select_decomp_table()
+    with config.patch(fallback_random=True):  # the table Inductor decomposes with under the compile's settings
+        table = select_decomp_table()
+    return fw, _with_our_settings(functools.partial(compile_fx_inner, is_backward=True)), table
 
 
 def inductor_vector_width() -> int:

@@ -80,9 +80,8 @@ def grad_errors(g: dict, ref: dict) -> dict:
     the largest per-parameter error with its denominator floored at GRAD_NOISE_FLOOR x the largest gradient's
     norm, and where it is reached."""
     per = param_rel_errs(g, ref)
-    worst = max(per, key=per.get) if per else None
-    return dict(grad_rel_err=grad_rel_err(g, ref), worst_param_rel_err=per[worst] if per else float("inf"),
-                worst_param=worst if per else "parameter sets differ")
+    worst = max(per, key=per.get)
+    return dict(grad_rel_err=grad_rel_err(g, ref), worst_param_rel_err=per[worst], worst_param=worst)
 
 
 # --------------------------------------------------------------------------------------------
