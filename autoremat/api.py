@@ -11,6 +11,7 @@ together (they share the budget) and the model is compiled once more with the jo
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import time
@@ -280,11 +281,12 @@ def hook_notes(model: torch.nn.Module) -> list[str]:
     found = []
     for name, module in model.named_modules():
         for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
-            if not getattr(hook, "__module__", "").startswith("torch."):
-                found.append(f"{name or type(model).__name__}: {getattr(hook, '__qualname__', repr(hook))}")
+            fn = hook.func if isinstance(hook, functools.partial) else hook
+            if not getattr(fn, "__module__", "").startswith("torch."):
+                found.append(f"{name or type(model).__name__}: {getattr(fn, '__qualname__', repr(fn))}")
     if not found:
         return []
-    return [f"{len(found)} forward hook(s) on submodules run inside the planned step and shape its plan: "
+    return [f"{len(found)} forward hook(s) on the model and its submodules run inside the planned step and shape its plan: "
             f"{'; '.join(found)}; a hook left from an earlier setup makes this plan differ from a fresh model's "
             "(remove it first, e.g. transformers' disable_input_require_grads())"]
 
