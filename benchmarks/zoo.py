@@ -7,6 +7,8 @@ dropped (`model(**batch).loss.backward()`), the convention outputs="loss" matche
 
 Each row reports:
 - eager's peak, and HF checkpointing's (`gradient_checkpointing_enable(use_reentrant=False)`) held and dropped;
+  a family without it (ResNet, ConvNeXt) gets `torch.utils.checkpoint` around each block of its block loop
+  instead, marked "(hand ckpt)";
 - the floor: `BudgetError.smallest_budget` of `autoremat.optimize(model, budget=1)` under eager and Inductor,
   over checkpointing's held peak;
 - at checkpointing's held peak, under the default compiler: the measured peak over the budget, the gradient
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import gc
 import json
 import sys
@@ -35,8 +38,10 @@ from pathlib import Path
 
 import torch
 from common import SEED, MiB, git_state, grad_errors, head_to_head, load_average, zero
+from torch.utils.checkpoint import checkpoint
 
 import autoremat
+from autoremat.capture.blocks import repeated_blocks
 from autoremat.measure import measure_peak
 from examples import zoo
 
@@ -79,13 +84,18 @@ def fresh(family: str, size: zoo.Size, lora: bool) -> tuple[torch.nn.Module, dic
     return (zoo.lora(model) if lora else model), batch
 
 
-def checkpointed(model: torch.nn.Module) -> torch.nn.Module | None:
-    """`model` with HF's own non-reentrant gradient checkpointing on, or None where the family has none."""
+def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """`model` with HF's own non-reentrant gradient checkpointing on, and "HF"; where the family has none,
+    `torch.utils.checkpoint` (non-reentrant) around each block of its block loop (the ModuleList or Sequential
+    of identical blocks holding the most parameters), and what that was."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not getattr(base, "supports_gradient_checkpointing", False):
-        return None
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+    if getattr(base, "supports_gradient_checkpointing", False):
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model, "HF"
+    blocks = repeated_blocks(base)
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model, f"torch.utils.checkpoint on each of {len(blocks)} {type(blocks[0]).__name__} blocks"
 
 
 def floor(model, batch, compiler: str) -> int | str:
@@ -112,10 +122,7 @@ def run_row(family: str, size: zoo.Size, lora: bool, pairs: int, inductor_floor:
         row["eager_peak"] = steady_peak(eager_step, eager, batch)
         ref = grads_from_zero(eager_step, eager)
 
-        ckpt = checkpointed(copy.deepcopy(pristine))
-        if ckpt is None:
-            row["status"] = "no HF gradient checkpointing in this family"
-            return row
+        ckpt, row["ckpt_kind"] = checkpointed(copy.deepcopy(pristine))
         ckpt_step = step_of(ckpt, batch, held=True)
         row["ckpt_held_peak"] = steady_peak(ckpt_step, ckpt, batch)
         row["ckpt_dropped_peak"] = steady_peak(step_of(ckpt, batch, held=False), ckpt, batch)
@@ -178,7 +185,8 @@ def table(rows: list[dict]) -> str:
                   f"{r['compiler_used']} | {r['time_vs_ckpt']:.2f} (± {r['time_noise']:.2f}) | {r['plan_s']:.0f}")
         else:
             at = f"{r.get('status')} | | | |"
-        lines.append(f"| {r['model']} | {mib(r.get('eager_peak'))} | {mib(held)} / {mib(r.get('ckpt_dropped_peak'))} | "
+        name = r["model"] + (" (hand ckpt)" if r.get("ckpt_kind", "HF") != "HF" else "")
+        lines.append(f"| {name} | {mib(r.get('eager_peak'))} | {mib(held)} / {mib(r.get('ckpt_dropped_peak'))} | "
                      f"{ratio(r.get('floor_eager'), held)} | {ratio(r.get('floor_inductor'), held)} | {at} |")
     return "\n".join(lines)
 
@@ -211,6 +219,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=None, help="head-to-head timing pairs (default 11, quick 5)")
     ap.add_argument("--no-inductor-floor", action="store_true", help="skip the floor under Inductor")
     ap.add_argument("--out", default=None, help="results file stem under benchmarks/results")
+    ap.add_argument("--merge", action="store_true", help="keep the file's other rows, replace the ones run again")
     a = ap.parse_args()
     torch.set_num_threads(1)
     size = zoo.TINY if a.quick else zoo.ZOO_SIZE
@@ -223,10 +232,18 @@ def main() -> None:
                 torch=torch.__version__, git=dataclasses.asdict(git_state()), load=load_average(),
                 threads=torch.get_num_threads())
     rows: list[dict] = []
+    if a.merge and (HERE / "results" / f"{stem}.json").exists():
+        old = json.loads((HERE / "results" / f"{stem}.json").read_text())
+        rows = old["rows"]
+        meta["command"] = f"{old['meta']['command']}; then {meta['command']}"
     text = ""
     for family, lora in plan:
         r = run_row(family, size, lora, pairs, not a.no_inductor_floor)
-        rows.append(r)
+        at = next((i for i, o in enumerate(rows) if o["model"] == r["model"]), None)
+        if at is None:
+            rows.append(r)
+        else:
+            rows[at] = r
         print(table([r]).splitlines()[-1], f"({r['row_s']:.0f} s)", flush=True)
         text = write(stem, meta, rows, a.quick, size)  # after every row: a long run stopped early keeps its rows
     print(text)

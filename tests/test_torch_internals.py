@@ -709,3 +709,22 @@ def test_aten_ops_of_reads_the_ops_a_function_runs_on_meta_tensors():
     assert ops == [torch.ops.aten.div.Tensor, torch.ops.aten.tanh.default, torch.ops.aten.mul.Tensor]
     assert all(torch.Tag.pointwise in op.tags for op in ops)
     assert ti.aten_ops_of(lambda x: x[x > 0], [torch.randn(3)]) is None  # a data-dependent shape: not known
+
+
+def test_compile_step_traces_log_calls_without_a_graph_break():
+    import logging
+
+    log = logging.getLogger("autoremat.test.compile_step")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(x):
+        y = x.sin()
+        log.warning("between two ops")
+        return y.cos()
+
+    out = ti.compile_step(f, backend)(torch.randn(3))
+    assert len(graphs) == 1 and torch.is_tensor(out)

@@ -180,12 +180,14 @@ def compile_step(fn: Callable, backend: Callable) -> Callable:
     methods = {getattr(logging.Logger, name) for name in dir(logging.Logger)
                if name in _EMITTING or name.startswith(tuple(f"{e}_" for e in _EMITTING))}
     config = torch._dynamo.config
+    # torch 2.13 names the set ignore_logging_functions (ignore_logger_methods, its older name, is an alias)
+    ignored = "ignore_logging_functions" if hasattr(config, "ignore_logging_functions") else "ignore_logger_methods"
+    limits = [name for name in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, name)]
 
     def call(*args, **kwargs):
-        with config.patch(ignore_logging_functions=config.ignore_logging_functions | methods,
-                          recompile_limit=max(config.recompile_limit, OWN_RECOMPILE_LIMIT),
-                          accumulated_recompile_limit=max(config.accumulated_recompile_limit, OWN_RECOMPILE_LIMIT),
-                          fail_on_recompile_limit_hit=True):
+        patch = {ignored: set(getattr(config, ignored)) | methods, "fail_on_recompile_limit_hit": True,
+                 **{name: max(getattr(config, name), OWN_RECOMPILE_LIMIT) for name in limits}}
+        with config.patch(patch):
             return compiled(*args, **kwargs)
 
     return call
