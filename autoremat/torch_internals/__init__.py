@@ -108,9 +108,9 @@ Dynamo:
                                compile each region of it as the interpreter reaches it
   copy_dynamo_graph            a dynamo graph copied with its placeholders' Node._dynamo_source (kept to
                                trace a candidate again without dynamo: planning.dynamo_graphs)
-  compile_step                 torch._dynamo.config's ignore_logging_functions, recompile_limit,
-                               accumulated_recompile_limit and fail_on_recompile_limit_hit: autoremat's own
-                               compiles trace log calls as no-ops and never run a frame unplanned
+  compile_step                 torch._dynamo.config's ignore_logging_functions (ignore_logger_methods before),
+                               recompile_limit and accumulated_recompile_limit: autoremat's own compiles trace
+                               log calls as no-ops, and many plans of one model fit under the limit
   tracing_like_dynamo          torch._guards.tracing(TracingContext(FakeTensorMode())): the context dynamo
                                runs a backend in, for such a trace (FX's dead-code elimination reads it)
 Profiler and autograd engine:

@@ -161,9 +161,11 @@ _EMITTING = ("debug", "info", "warning", "warn", "error", "exception", "critical
 # Dynamo's per-code recompile limit as autoremat's own compiles see it. Each plan compiles the model afresh (a
 # code object of its own for the forward: capture/aot.fresh_forward), but frames dynamo compiles apart from it
 # (after a graph break, or a function shared by many modules, like transformers' deprecation wrapper) keep one
-# code object across plans and gather an entry per plan; past torch's limit of 8 such a frame would run eagerly,
-# unplanned, on the ninth plan of one model in one process.
-OWN_RECOMPILE_LIMIT = 4096
+# code object across plans and gather an entry per plan: past torch's limit of 8 such a frame runs eagerly,
+# unplanned, and a plan made around it no longer matches the step. 64 leaves room for many plans of one model
+# in one process (a floor query, a fit search) while a frame that recompiles on every call (a forward that
+# changes a global dynamo guards on) still stops recompiling, and keeping compiled code, after a bounded number.
+OWN_RECOMPILE_LIMIT = 64
 
 
 def compile_step(fn: Callable, backend: Callable) -> Callable:
@@ -174,8 +176,8 @@ def compile_step(fn: Callable, backend: Callable) -> Callable:
       warning between a model's vocabulary projection and its loss (transformers warns there about an unset
       `loss_type`) puts them in two graphs, and the loss region is then never seen whole. The compiled step
       does not emit the message; the model's eager forward still does.
-    - dynamo's recompile limits raised to OWN_RECOMPILE_LIMIT (see there), and a frame that reaches it an error
-      rather than a frame run without a plan."""
+    - dynamo's recompile limits raised to OWN_RECOMPILE_LIMIT (see there). Past it dynamo runs the frame
+      eagerly, as it does past its own limit, and autoremat says so where it reuses a plan."""
     compiled = torch.compile(fn, backend=backend, dynamic=False)
     methods = {getattr(logging.Logger, name) for name in dir(logging.Logger)
                if name in _EMITTING or name.startswith(tuple(f"{e}_" for e in _EMITTING))}
@@ -185,7 +187,7 @@ def compile_step(fn: Callable, backend: Callable) -> Callable:
     limits = [name for name in ("recompile_limit", "accumulated_recompile_limit") if hasattr(config, name)]
 
     def call(*args, **kwargs):
-        patch = {ignored: set(getattr(config, ignored)) | methods, "fail_on_recompile_limit_hit": True,
+        patch = {ignored: set(getattr(config, ignored)) | methods,
                  **{name: max(getattr(config, name), OWN_RECOMPILE_LIMIT) for name in limits}}
         with config.patch(patch):
             return compiled(*args, **kwargs)
