@@ -46,7 +46,7 @@ from autoremat.planning.precision_auto import plan_step
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
 from autoremat.solve.solver import DEFAULT_GAP
-from autoremat.torch_internals import tree_leaves
+from autoremat.torch_internals import forward_hooks, tree_leaves
 from autoremat.units import parse_budget
 
 log = logging.getLogger("autoremat")
@@ -280,7 +280,7 @@ def hook_notes(model: torch.nn.Module) -> list[str]:
     (`make_inputs_require_grads`) that gradient_checkpointing_disable() does not remove."""
     found = []
     for name, module in model.named_modules():
-        for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
+        for hook in forward_hooks(module):
             fn = hook.func if isinstance(hook, functools.partial) else hook
             if not getattr(fn, "__module__", "").startswith("torch."):
                 found.append(f"{name or type(model).__name__}: {getattr(fn, '__qualname__', repr(fn))}")

@@ -120,7 +120,7 @@ class Site:
     label_smoothing: float
     rows: int
     vocab: int
-    pointwise: list[fx.Node] = field(default_factory=list)  # the chain's pointwise ops (a scale, a softcap)
+    pointwise: dict[fx.Node, fx.Node] = field(default_factory=dict)  # the chain's pointwise ops -> logits operand
 
 
 @dataclass
@@ -220,10 +220,14 @@ def _match(ce: fx.Node, sites: list[Site]) -> str:
             or not x.is_floating_point():
         return "not a [tokens, classes] input with integer class targets"
     chain, cur = [], a["input"]
+    pointwise: dict[fx.Node, fx.Node] = {}  # each pointwise op of the chain -> its logits operand
     while isinstance(cur, fx.Node) and _proj_kind(cur) is None:
         if not cur.args:
             return f"no linear or matmul producing the logits ({cur.name} has no input)"
-        src = cur.args[0] if _row_step(cur) else _pointwise_source(cur)
+        if _row_step(cur):
+            src = cur.args[0]
+        elif (src := _pointwise_source(cur)) is not None:
+            pointwise[cur] = src
         if src is None:
             return (f"the logits pass through {cur.name} ({cur.target}), which is neither a cast, a row view or "
                     f"slice, nor a pointwise op with column-constant operands")
@@ -236,11 +240,10 @@ def _match(ce: fx.Node, sites: list[Site]) -> str:
     writer = next((u for n in [cur, *chain] for u in n.users if _writes_in_place(u)), None)
     if writer is not None:
         return f"{writer.name} ({writer.target}) writes into the logits in place"
-    head = [n for n in chain if _pointwise_source(n) is not None and not _row_step(n)]
-    if head and any(_reads_node(e, cur) for n in head for e in _operands(n)[1]):
+    if any(_reads_node(e, cur) for n in pointwise for e in _operands(n)[1]):
         return "a pointwise op after the projection reads the logits through another path"
     sites.append(Site(ce, cur, _proj_kind(cur), chain, a["target"], int(a["ignore_index"]), a["reduction"],
-                      float(a["label_smoothing"]), x.shape[0], x.shape[1], pointwise=head))
+                      float(a["label_smoothing"]), x.shape[0], x.shape[1], pointwise=pointwise))
     return ""
 
 
@@ -271,15 +274,9 @@ def _writes_in_place(n: fx.Node) -> bool:
 def _operands(n: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
     """A node's tensor operands split into those shaped like its output and the others."""
     out = _value(n)
-    nodes = _flat_nodes(n)
+    nodes = n.all_input_nodes
     same = [a for a in nodes if _value(a) is not None and out is not None and _value(a).shape == out.shape]
     return same, [a for a in nodes if a not in same]
-
-
-def _flat_nodes(n: fx.Node) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(a) or a)
-    return list(dict.fromkeys(found))
 
 
 def _pointwise_source(n: fx.Node) -> fx.Node | None:
@@ -439,8 +436,7 @@ def _head_module(gm: fx.GraphModule, s: Site) -> tuple[fx.Node, tuple[fx.Node, .
         if n not in s.pointwise:
             current = graph.call_method("to", (current, _cast_dtype(n)))
             continue
-        src = _pointwise_source(n)
-        current = graph.node_copy(n, lambda a, src=src, cur=current: cur if a is src else env[a])
+        current = graph.node_copy(n, lambda a, src=s.pointwise[n], cur=current: cur if a is src else env[a])
         current.meta = {}
     graph.output(current)
     index = 0

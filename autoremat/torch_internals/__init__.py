@@ -32,6 +32,7 @@ AOTAutograd (joint graphs, partitioning):
   mutated_input_indices        the output node's meta["desc"]: the class name InputMutationAOTOutput
                                and its `mutated_input.idx`, which forward outputs are input mutations
   is_sym_node                  torch.fx.experimental.proxy_tensor: symbolic-size nodes are saved apart
+  forward_hooks                nn.Module._forward_pre_hooks and _forward_hooks: a module's own forward hooks
   aten_ops_of                  torch.fx.experimental.proxy_tensor.make_fx on meta tensors, outside dynamo's fake
                                mode: the ATen ops a dynamo graph's node runs, so a pass can read their schema tags
   LOSS_REGION_TAG, tagged      a key the loss-chunk pass puts in its node's meta["custom"]: AOTAutograd copies
@@ -160,6 +161,7 @@ from autoremat.torch_internals.aot import (
     default_partition,
     effectful_op,
     extract_fwd_bwd_modules,
+    forward_hooks,
     functionalized_mutation,
     handed_to_backward,
     is_mutable_op,
@@ -263,6 +265,7 @@ __all__ = [
     "dynamo_reset",
     "engine_will_run",
     "extract_fwd_bwd_modules",
+    "forward_hooks",
     "fake_run_failure",
     "handed_to_backward",
     "gradient_node",

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import is_sym_node, make_fx
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "aten_ops_of", "composite_with_meta_kernel", "copy_graph", "default_partition", "effectful_op", "extract_fwd_bwd_modules", "functionalized_mutation", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "pad_saved", "schema_effects", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
+__all__ = ["C_NN_LINEAR", "LOSS_CHUNK_TAG", "LOSS_REGION_TAG", "OpOverload", "OpOverloadPacket", "TANGENTS_BOXED", "annotate", "aot_autograd", "arg_tree_leaves", "aten_ops_of", "composite_with_meta_kernel", "copy_graph", "default_partition", "effectful_op", "extract_fwd_bwd_modules", "forward_hooks", "functionalized_mutation", "handed_to_backward", "is_mutable_op", "is_primal", "is_sym_node", "is_tangent", "is_traceable_wrapper_subclass", "mark_boxed_call", "meta_python_kernels_hidden", "mutated_input_indices", "out_kernel_copies", "pad_saved", "schema_effects", "set_boxed_codegen", "tagged", "tree_flatten", "tree_leaves", "tree_map"]
 
 
 # -- AOTAutograd -------------------------------------------------------------------------------
@@ -263,3 +263,9 @@ def aten_ops_of(fn: Callable, values: list[torch.Tensor]) -> list[OpOverload] | 
     except Exception:  # noqa: BLE001 - any failure to trace means "not known", never a wrong answer
         return None
     return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def forward_hooks(module: torch.nn.Module) -> list[Callable]:
+    """The forward pre-hooks and forward hooks registered on `module` itself (nn.Module keeps them in private
+    dicts; torch.nn.modules.module's global hooks are not among them)."""
+    return [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
