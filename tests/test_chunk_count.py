@@ -188,7 +188,9 @@ def test_each_chunks_nodes_carry_its_number_and_the_shared_ones_none(alternative
     """torch_internals.annotate tags each chunk's ops with its number, forward and backward. The ops the chunks
     share (the rows' split, the gradients' concatenation) carry none: the tag does not outlive its chunk
     (torch's own annotate wrote it into the chunked loss node's meta, and every later op traced from that node
-    carried chunk 1). Chunks 2 to 4 run the same ops; the first has one add fewer (its loss starts the sum)."""
+    carried chunk 1). Chunks 2 to 4 run the same ops; the first has one add fewer (its loss starts the sum). Each
+    chunk's weight-gradient product is accumulated into the running sum (an addmm, passes/matmul_accumulation.py)
+    but the one that starts it, the last chunk's (the backward runs the chunks last to first), a plain mm."""
     (g,) = alternatives[4]
     ops: dict[int, list[str]] = {}
     for p in g.nodes.values():
@@ -197,6 +199,10 @@ def test_each_chunks_nodes_carry_its_number_and_the_shared_ones_none(alternative
     assert {p.kind for p in g.nodes.values() if p.loss_chunk} == {"forward", "backward"}
     shared = {p.target for p in g.nodes.values() if p.loss_region and not p.loss_chunk}
     assert {"aten.split.Tensor", "aten.cat.default"} <= shared, shared
+    assert [ops[k].count("aten.addmm.default") for k in (1, 2, 3, 4)] == [1, 1, 1, 0]
+    ops[4][ops[4].index("aten.mm.default")] = "aten.addmm.default"
+    for k in ops:  # the product that starts the sum is read through two transposes, an accumulated one through none
+        ops[k] = [t for t in ops[k] if t != "aten.t.default"]
     assert sorted(ops[2]) == sorted(ops[3]) == sorted(ops[4])
     first = list(ops[2])
     first.remove("aten.add.Tensor")
@@ -305,9 +311,6 @@ def test_a_count_a_real_step_refused_ends_the_counts(caplog) -> None:
         autoremat.optimize(copy.deepcopy(model), 1, ex, **kw)
     floor = query.value.smallest_budget
     assert not query.value.measured  # the floor query runs no step
-    # The 16-chunk floor is set where the chunks' weight gradients are added up (3 x 256 KiB, whatever the
-    # count): 64 chunks are not planned (more_chunks.binds_outside; they took 15 s to reach the same floor).
-    assert "chunk counts planned: 1, 4, 16)" in str(query.value), str(query.value)
     with caplog.at_level(logging.INFO, logger="autoremat"), pytest.raises(autoremat.BudgetError) as refused:
         autoremat.optimize(copy.deepcopy(model), floor, ex, **kw)
     assert refused.value.measured and refused.value.smallest_budget > floor, str(refused.value)
@@ -467,10 +470,10 @@ def test_no_count_recomputes_less_outside_the_loss_region_than_its_rows_with_the
 
 
 def test_a_count_the_rows_outside_the_region_rule_out_is_not_traced(two_layers, monkeypatch) -> None:
-    """At the 16-chunk rows' least peak the 4-chunk plan takes T4; 16 chunks with nothing recomputed take at
-    least least16 < T4 (so ops alone do not end the survey), but no count recomputes less than R outside the
-    loss region, and least16 + R >= T4: the 16-chunk trace is never made (issue 38: on a 2-layer BERT it was
-    1.1 s of a 5.4 s plan, made only to lose)."""
+    """At 1.3 times the 16-chunk rows' least peak the 4-chunk plan takes T4; 16 chunks with nothing recomputed
+    take at least least16 < T4 (so ops alone do not end the survey), but no count recomputes less than R outside
+    the loss region, and least16 + R >= T4: the 16-chunk trace is never made (a trace made only to lose). Nearer
+    the least peak the 4-chunk plan recomputes more than 16 chunks would, and the survey rightly traces them."""
     from types import SimpleNamespace
 
     from autoremat.model.devices import get_device
@@ -478,7 +481,7 @@ def test_a_count_the_rows_outside_the_region_rule_out_is_not_traced(two_layers, 
     from autoremat.planning.more_chunks import least_outside
 
     graphs, loss = two_layers
-    room = math.ceil(IlpModel(graphs[16], 1, block_drag=True, shared_blocks=True)
+    room = math.ceil(1.3 * IlpModel(graphs[16], 1, block_drag=True, shared_blocks=True)
                      .solve(None, solver(), min_peak=True).predicted_peak)
     dev = get_device("cpu")
     step = SimpleNamespace(compiler="eager", dev=dev, ledger=SimpleNamespace(room=lambda budget: budget),

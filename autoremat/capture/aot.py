@@ -39,6 +39,7 @@ from autoremat.capture.regions import (
 )
 from autoremat.passes.decompositions import DECOMPOSITIONS, LAYOUT_DECOMPOSITIONS
 from autoremat.passes.grad_upcast import fuse_gradient_upcasts
+from autoremat.passes.matmul_accumulation import accumulate_into_matmuls
 from autoremat.passes.rng_replay import replay_random_draws
 from autoremat.passes.weight_casts import split_weight_casts
 from autoremat.torch_internals import (
@@ -135,7 +136,9 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
     ) -> tuple[fx.GraphModule, fx.GraphModule]:
         links = compiling["links"]
         split_weight_casts(joint)  # a 16-bit weight copy is cast again for the backward, not held
-        if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
+        accumulate_into_matmuls(joint)  # a gradient summed from products: no product held for the sum
+        replay_random_draws(joint)  # a dropout mask costs its generator state, under both compilers
+        if compiler == "eager":  # Inductor lowers its own graphs: no Python calls
             compiling["released"] = _eager_passes(joint, num_fwd_outputs, static_lifetime_input_indices,
                                                   links if release_grads else None)
         cg = CapturedGraph(joint=joint, num_fwd_outputs=num_fwd_outputs,
@@ -205,7 +208,6 @@ def _eager_passes(joint: fx.GraphModule, num_fwd_outputs: int, static: list[int]
                   links: RegionLinks | None) -> list[int]:
     """The rewrites of a joint graph that eager's Python code needs; returns the parameters whose gradients
     the region releases early (with `links`: regions.release_gradients)."""
-    replay_random_draws(joint)
     fuse_gradient_upcasts(joint)  # a 16-bit weight gradient written into fp32 rows, no whole copy
     if links is None:
         return []

@@ -16,6 +16,11 @@ Backward-side pointwise nodes under the same rule are fused too (they never cros
 graph). Recomputing a fused node inside its consumer's loop reads nothing from memory, so its time
 is its arithmetic only (plus no launch of its own).
 
+A constant fill (`full`, `zeros`, `scalar_tensor`, `iota`, ...) is a pointwise loop to Inductor too: it
+lowers every tensor constructor to a loop body that writes its constant (torch/_inductor/lowering.py's
+`tensor_constructor` and `full`), inlined into its readers under the same rule (an attention mask's fill
+value, read by a `where`, is never written).
+
 A concatenation is no kernel either (`concat_writes`): Inductor allocates the cat's buffer and has the
 kernels that compute its inputs write straight into their slices of it (ir.ConcatKernel), so that
 buffer exists from the first such kernel on, and those inputs own no buffer of their own.
@@ -45,15 +50,27 @@ INTO_CAT_EXTERN = frozenset({"mm", "addmm"})
 
 
 def own_kernel(n: fx.Node) -> bool:
-    """Inductor generates this op's loop itself (not a library call, not a random draw), so its output may
-    take the buffer of an input that dies in that loop (inplace.py)."""
+    """Inductor generates this op's loop itself (an ATen or prims op, not a library call, not a random draw),
+    so its output may take the buffer of an input that dies in that loop (inplace.py). An op another library
+    registers (autoremat's own included) is called as it is, and allocates its own output."""
     t = n.target
-    return n.op == "call_function" and isinstance(t, OpOverload) and t.overloadpacket.__name__ not in EXTERN and \
-        torch.Tag.nondeterministic_seeded not in t.tags and isinstance(n.meta.get("val"), torch.Tensor)
+    return n.op == "call_function" and isinstance(t, OpOverload) and t.namespace in ("aten", "prims") and \
+        t.overloadpacket.__name__ not in EXTERN and torch.Tag.nondeterministic_seeded not in t.tags and \
+        isinstance(n.meta.get("val"), torch.Tensor)
+
+
+# Tensor constructors that write a constant (or the index, iota): Inductor lowers them as pointwise loops.
+FILLS = frozenset({"full", "full_like", "new_full", "zeros", "zeros_like", "new_zeros", "ones", "ones_like",
+                   "new_ones", "scalar_tensor", "iota"})
 
 
 def is_pointwise(n: fx.Node) -> bool:
     return n.op == "call_function" and isinstance(n.target, OpOverload) and torch.Tag.pointwise in n.target.tags
+
+
+def is_fill(n: fx.Node) -> bool:
+    return n.op == "call_function" and isinstance(n.target, OpOverload) and \
+        n.target.overloadpacket.__name__ in FILLS
 
 
 def _loop_op(n: fx.Node) -> bool:
@@ -74,7 +91,7 @@ def fused_nodes(gm: fx.GraphModule, outputs: set[str], aliases: dict[str, str], 
     viewers = _viewers(gm, aliases)
     fused: set[str] = set()
     for n in gm.graph.nodes:
-        if not is_pointwise(n) or n.name in outputs or n.name in banned or aliases.get(n.name, n.name) != n.name:
+        if not (is_pointwise(n) or is_fill(n)) or n.name in outputs or n.name in banned or aliases.get(n.name, n.name) != n.name:
             continue
         if not isinstance(n.meta.get("val"), torch.Tensor):
             continue
@@ -164,9 +181,9 @@ def epilogue_reductions(gm: fx.GraphModule, fused: set[str], backward: set[str],
     nodes) takes the reduction into its own loop, and so does every other reduction of that size it reads:
     one kernel, run once the last of their inputs exists. Where fused adds sum several reductions (the bias
     gradient of a projection applied chunk by chunk, or of a weight used twice), each reduction's input
-    then lives until that kernel runs, not until the reduction's place in the graph. Issue 38: a 2-layer
-    BERT with its biased output head over 4 loss chunks held every chunk's logits gradient and the logits
-    output's tangent at once, 974,848 B over the prediction under Inductor.
+    then lives until that kernel runs, not until the reduction's place in the graph: a biased output head over
+    k loss chunks holds every chunk's logits gradient until its bias gradient's one kernel
+    (tests/test_fusion.py pins the prediction against Inductor's measured peak).
 
     fused: `fused_nodes`' answer; backward: the backward nodes; aliases: node -> the node owning its storage.
     """

@@ -168,7 +168,8 @@ def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev
     launches, where the fixed bytes are those of values as large at any count, and the rows' bytes and the
     compute are shared among the copies; so each copy at b costs at least `_split_cost` more at k. The ops of a
     chunk are those tagged with it, and the gradient sums AOTAutograd leaves untagged that add a chunk's value
-    (the weight gradient's running sum: one add more per chunk). An op every chunk shares is tagged with none
+    (the weight gradient's running sum: one add more per chunk; a product accumulated into it is an addmm of
+its chunk). An op every chunk shares is tagged with none
     and runs once at any count (the rows' split, the mean's divisor, the gradients' concatenation); an op with
     a copy in all chunks but one (a sum of b values has b - 1 adds) counts b - 1 copies, which only lowers the
     bound. A trace that would only show k chunks no faster than b is a large share of a plan's time, so it is
@@ -184,11 +185,13 @@ def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev
 
 
 def _copied_per_chunk(p, nodes: dict) -> bool:
-    """Tagged with a chunk, or a gradient sum AOTAutograd left untagged that adds a chunk's value."""
+    """Tagged with a chunk, or a gradient sum AOTAutograd left untagged that adds a chunk's value. A chunk's
+    addmm is the running sum with its product accumulated, no chunk's own value: an add reading it (a tied
+    weight's other gradient) runs once at any count."""
     if p.loss_chunk:
         return True
     return p.kind == "backward" and p.target == "aten.add.Tensor" and any(
-        nodes[i].loss_chunk for i in p.inputs if i in nodes)
+        nodes[i].loss_chunk and nodes[i].target != "aten.addmm.default" for i in p.inputs if i in nodes)
 
 
 def _fixed_values(g, size: int) -> set[str]:
@@ -207,6 +210,11 @@ def _fixed_values(g, size: int) -> set[str]:
         p = nodes[n]
         if p.target == "aten.add.Tensor":
             todo += [i for i in p.inputs if i in nodes and nodes[i].shape == p.shape and i not in fixed]
+        elif p.target == "aten.addmm.default" and p.inputs and p.inputs[0] in nodes:
+            # a product accumulated into the running sum (passes/matmul_accumulation.py): the sum is its first input
+            todo += [i for i in p.inputs[:1] if nodes[i].shape == p.shape and i not in fixed]
+        elif p.storage in nodes and p.storage != n and p.storage not in fixed:  # a view of a partial sum
+            todo.append(p.storage)
     return fixed
 
 
