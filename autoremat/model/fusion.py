@@ -183,7 +183,7 @@ def epilogue_reductions(gm: fx.GraphModule, fused: set[str], backward: set[str],
     gradient of a projection applied chunk by chunk, or of a weight used twice), each reduction's input
     then lives until that kernel runs, not until the reduction's place in the graph: a biased output head over
     k loss chunks holds every chunk's logits gradient until its bias gradient's one kernel
-    (tests/test_fusion.py pins the prediction against Inductor's measured peak).
+    (tests/test_fusion.py's `test_reductions_summed_by_fused_adds_run_in_the_kernel_that_adds_them`).
 
     fused: `fused_nodes`' answer; backward: the backward nodes; aliases: node -> the node owning its storage.
     """
