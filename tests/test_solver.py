@@ -481,7 +481,7 @@ def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, mon
     monkeypatch.setattr(solver, "smallest_peak", lambda *a, **k: searches.append(k) or real_search(*a, **k))
     solver.forget_floors()
     d = solver.solve([gp], floor.peak)
-    assert searches and searches[0]["models"], "the search did not run on the calibrated models"
+    assert searches and searches[0]["built"], "the search did not run on the calibrated models"
     per_model = [m for m, min_peak in solved if min_peak]
     assert per_model and len(per_model) == len(set(per_model)), solved
     assert (d.peak, d.saved) == (floor.peak, floor.saved), (d.peak, d.path, floor.peak, floor.path)

@@ -213,8 +213,11 @@ def solve(
             best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
     if best is None:
-        best = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit,
-                             models=models, room=room, greedy_plan=fewer)
+        # The floor query's own search (its candidates, not this room's): a refusal names the floor that a
+        # query with budget=1 names, whatever budget asked, and a room at or above that floor gets its plan.
+        # No try of greedy's fitted the room, so its plan after fewer tries is the floor query's greedy plan.
+        best = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit, room=room,
+                             built=models, greedy_plan=fewer)
         if best.peak > room:
             raise Infeasible(best, status)
         best.notes.append("the ILP found no plan within the activations' room; used the first plan of the "
@@ -260,8 +263,8 @@ def forget_floors() -> None:
     _floor_memo.clear()
 
 
-def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, models=None,
-                  room: int | None = None, greedy_plan: list[set[str]] | None = None) -> Decision:
+def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room: int | None = None,
+                  built: list[IlpModel] = (), greedy_plan: list[set[str]] | None = None) -> Decision:
     """The plan with the smallest simulated activation peak we can find; with `room`, the first plan
     the search reaches that fits it.
 
@@ -270,14 +273,19 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
     by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
     (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
 
-    `room` is for a caller that needs a plan within a budget (`solve`, when the ILP's rows saw none, with
-    greedy's plan from its own search toward the room: `greedy_plan`), not the floor: after each stage, the fastest plan found that fits is returned, and the later stages
-    (hundreds of simulations of the whole step, the cliff in planning time near the floor that
-    benchmarks/plan_time.py --cliff shows) are not run. Such a
-    plan is not remembered as the floor. A floor query, and a room below every plan, search to the end.
+    built: ILP models a caller already built for these graphs (`solve`'s), used where they are the floor
+    query's own (`_floor_model`), so their min-peak solutions are not solved again; greedy_plan: greedy's plan
+    after MIN_PEAK_GREEDY_TRIES tries, where a caller's search already found it (a search toward a room no
+    try fits makes the tries a search toward no room makes).
+
+    `room` is for a caller that needs a plan within a budget (`solve`, when neither the ILP nor greedy gave
+    one), not the floor: the candidates are the floor query's, and after each stage the fastest plan found that
+    fits is returned, and the later stages (hundreds of simulations of the whole step, the cliff in planning
+    time near the floor that benchmarks/plan_time.py --cliff shows) are not run. Such a plan is not remembered
+    as the floor. A floor query, and a room below every plan, search to the end, and so name the same floor.
     """
     start = time.perf_counter()
-    models = models or [IlpModel(graphs, granularity, block_drag, shared_blocks=True) for block_drag in (False, True)]
+    models = [_floor_model(graphs, granularity, block_drag, built) for block_drag in (False, True)]
     min_peak_s = min_peak_seconds(time_limit)
     solver_name = type(_pick_solver(solver, min_peak_s, MIN_PEAK_GAP)).__name__
     options = []
@@ -290,7 +298,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         if result.saved is not None:
             options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
     options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
-    greedy_plan = greedy(graphs, 0, granularity, MIN_PEAK_GREEDY_TRIES) if greedy_plan is None else greedy_plan
+    if greedy_plan is None:
+        greedy_plan = greedy(graphs, 0, granularity, MIN_PEAK_GREEDY_TRIES)
     options.append((greedy_plan, "greedy"))
     key = _floor_key(graphs, granularity)
     remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
@@ -331,6 +340,19 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, mode
         best = refine_further(graphs, best, granularity)
     _remember_floor(key, best)
     return best
+
+
+def _floor_model(graphs, granularity: int, block_drag: bool, built) -> IlpModel:
+    """The floor query's ILP model with `block_drag` (identical blocks sharing decisions): one of `built` that is
+    that model, or a new one. A model without shared decisions is that model where no graph has identical
+    blocks (`_has_twins`: it then has the same variables and rows)."""
+    for m in built:
+        if m.block_drag == block_drag and m.shared_blocks:
+            return m
+    for m in built:
+        if m.block_drag == block_drag and not _has_twins(graphs, m):
+            return m
+    return IlpModel(graphs, granularity, block_drag, shared_blocks=True)
 
 
 def _min_peak(model: IlpModel, solver: str, time_limit: float) -> IlpResult:
