@@ -18,14 +18,16 @@ ROWS, HIDDEN, VOCAB = 256, 256, 1024  # one product of the weight gradient: VOCA
 
 
 class ChunkedHead(nn.Module):
-    def __init__(self, chunks: int, transposed: bool = False) -> None:
+    def __init__(self, chunks: int, transposed: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.chunks, self.transposed = chunks, transposed
         shape = (HIDDEN, VOCAB) if transposed else (VOCAB, HIDDEN)
-        self.weight = nn.Parameter(torch.randn(*shape, generator=torch.Generator().manual_seed(0)) / HIDDEN**0.5)
+        gen = torch.Generator().manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(*shape, generator=gen) / HIDDEN**0.5)
+        self.bias = nn.Parameter(torch.randn(VOCAB, generator=gen)) if bias else None
 
     def forward(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return chunked_cross_entropy(h, self.weight, None, y, proj="matmul" if self.transposed else "linear",
+        return chunked_cross_entropy(h, self.weight, self.bias, y, proj="matmul" if self.transposed else "linear",
                                      chunks=self.chunks, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                                      dtype=None)
 
@@ -35,24 +37,26 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, HIDDEN, generator=gen), torch.randint(0, VOCAB, (ROWS,), generator=gen)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_the_weight_gradient_is_accumulated_by_the_matmuls_and_matches_eager(transposed):
-    model = ChunkedHead(chunks=4, transposed=transposed)
+@pytest.mark.parametrize("form", ["linear", "transposed", "bias"])
+def test_the_weight_gradient_is_accumulated_by_the_matmuls_and_matches_eager(form):
+    """Four chunks: three products (and, with a bias, three column sums) accumulated into the running sums."""
+    model = ChunkedHead(chunks=4, transposed=form == "transposed", bias=form == "bias")
     h, y = batch()
     graph = capture(model, (h, y))[0].joint.graph
-    backward_mms = [n for n in graph.nodes if n.target is torch.ops.aten.addmm.default]
-    assert len(backward_mms) == 3, graph  # four products: three accumulated into the running sum
+    targets = [n.target for n in graph.nodes]
+    forward, sums = (4, 3) if form == "bias" else (0, 0)  # each chunk's biased projection; the bias's column sums
+    assert targets.count(torch.ops.aten.addmm.default) == forward + 3 + sums, graph
 
     model(h, y).backward()
-    expected = {"weight": model.weight.grad.clone()}
-    model.weight.grad = None
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
     compiled = compile_fresh(model, aot_backend(default_split))
     compiled(h, y).backward()
-    assert_grads_close([(model.weight.grad, expected["weight"], "weight")], depth=ROWS)
+    assert_grads_close([(p.grad, e) for p, e in zip(model.parameters(), expected, strict=True)], depth=ROWS)
 
 
 def _inductor_peak(chunks: int) -> int:
-    model = ChunkedHead(chunks)
+    model = ChunkedHead(chunks, bias=True)
     h, y = batch()
     compiled = compile_fresh(model, aot_backend(default_split, compiler="inductor"))
 
@@ -66,8 +70,9 @@ def _inductor_peak(chunks: int) -> int:
 
 def test_under_inductor_more_chunks_do_not_hold_more_products():
     """Inductor fuses a chain of adds into one loop over all its inputs: summed by adds, the 8-chunk
-    backward holds 8 products (1 MiB each) where the 2-chunk one holds 2, and measures 5.9 MiB more.
-    Accumulated by the matmuls, what more chunks add (each chunk's small saved values) is under one product."""
+    backward holds 8 weight-gradient products (1 MiB each) where the 2-chunk one holds 2, and every chunk's
+    logits gradient until the bias gradient's one kernel. Accumulated by the matmuls, what more chunks add
+    (each chunk's small saved values) is under one product."""
     problem = inductor_problem("cpu")
     if problem is not None:
         pytest.skip(f"this machine cannot run Inductor on CPU: {problem}")

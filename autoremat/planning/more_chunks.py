@@ -11,6 +11,7 @@ import torch
 
 from autoremat.model.cuts import base
 from autoremat.model.memory import live_at_peak
+from autoremat.passes.matmul_accumulation import ACCUMULATING
 from autoremat.planning.plan import BudgetError
 from autoremat.solve.decision import Decision
 from autoremat.solve.rows_time import least_time, ops_once_time
@@ -186,12 +187,12 @@ its chunk). An op every chunk shares is tagged with none
 
 def _copied_per_chunk(p, nodes: dict) -> bool:
     """Tagged with a chunk, or a gradient sum AOTAutograd left untagged that adds a chunk's value. A chunk's
-    addmm is the running sum with its product accumulated, no chunk's own value: an add reading it (a tied
+    addmm (addmv) is the running sum with its product (column sum) accumulated, no chunk's own value: an add reading it (a tied
     weight's other gradient) runs once at any count."""
     if p.loss_chunk:
         return True
     return p.kind == "backward" and p.target == "aten.add.Tensor" and any(
-        nodes[i].loss_chunk and nodes[i].target != "aten.addmm.default" for i in p.inputs if i in nodes)
+        nodes[i].loss_chunk and nodes[i].target not in ACCUMULATING for i in p.inputs if i in nodes)
 
 
 def _fixed_values(g, size: int) -> set[str]:
@@ -210,7 +211,7 @@ def _fixed_values(g, size: int) -> set[str]:
         p = nodes[n]
         if p.target == "aten.add.Tensor":
             todo += [i for i in p.inputs if i in nodes and nodes[i].shape == p.shape and i not in fixed]
-        elif p.target == "aten.addmm.default" and p.inputs and p.inputs[0] in nodes:
+        elif p.target in ACCUMULATING and p.inputs and p.inputs[0] in nodes:
             # a product accumulated into the running sum (passes/matmul_accumulation.py): the sum is its first input
             todo += [i for i in p.inputs[:1] if nodes[i].shape == p.shape and i not in fixed]
         elif p.storage in nodes and p.storage != n and p.storage not in fixed:  # a view of a partial sum
