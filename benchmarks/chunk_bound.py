@@ -1,4 +1,4 @@
-"""Issue 38: how close the op-by-op bound of a larger chunk count comes to the real trace (more_chunks.least_ops_time).
+"""How close the op-by-op bound of a larger chunk count comes to the real trace (more_chunks.least_ops_time).
 
 The planner skips tracing the loss region at k chunks when a lower bound of that trace's time with nothing
 recomputed, taken from the trace at b < k chunks, is already no faster than a plan it has. This script
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dev = get_device("cpu")
     command = f"PYTHONPATH=.:benchmarks python benchmarks/chunk_bound.py --compiler {args.compiler} --outputs {args.outputs}"
-    lines = ["# The op-by-op bound of a larger chunk count against the real trace (issue 38)\n", f"`{command}`  ",
+    lines = ["# The op-by-op bound of a larger chunk count against the real trace\n", f"`{command}`  ",
              f"torch {torch.__version__}; times are the memory model's roofline with nothing recomputed (ms), "
              "not timings.\n", "| model | b -> k | time at b | bound for k | time at k | share of the increase | |",
              "|---|---|---|---|---|---|---|"]

@@ -1,4 +1,4 @@
-"""Issue 38: steps with eager code between or after their graphs, planned at the floor the floor query names.
+"""Steps with eager code between or after their graphs, planned at the floor the floor query names.
 
 What autograd saves for eager code before a graph is counted in the ledger from the planning trace
 ("saved by eager code"); what eager code after the last graph saves is left to the real step's verification.
@@ -126,7 +126,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     rows = [one(name, *spec) for name, spec in models().items()]
-    lines = ["# Steps with eager code, planned at the floor the floor query names (issue 38)", "",
+    lines = ["# Steps with eager code, planned at the floor the floor query names", "",
              f"`PYTHONPATH=.:benchmarks python benchmarks/eager_code.py --out {args.out}` at {commit}  ",
              f"cpu, torch {torch.__version__}, 1 thread. Activations in bytes; seconds of one optimize call each.", "",
              "| model | floor | saved by eager code | floor query s | at the floor | at 1.05 x the floor |",

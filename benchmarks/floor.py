@@ -1,9 +1,9 @@
-"""The floor benchmark (issue #11, "Below checkpointing"): how little memory each method reaches, side by side.
+"""The floor benchmark ("Below checkpointing"): how little memory each method reaches, side by side.
 
 Models: a transformer stack, HF GPT-2, HF Llama, a BERT-style encoder with dropout (HF BertForMaskedLM), a
 ViT-style model (HF ViTForImageClassification), a ResNet-shaped conv net with BatchNorm and dropout, HF GPT-2
-with a 32k vocabulary (issue #13: its loss region outweighs its blocks), and a 6-layer HF Llama with grouped-query
-attention, 4 query heads sharing 2 K/V heads (issue #40).
+with a 32k vocabulary (its loss region outweighs its blocks), and a 6-layer HF Llama with grouped-query
+attention, 4 query heads sharing 2 K/V heads (a shape the planner was not tuned on).
 Rows per model, each on its own deep copy of the same initial model:
   eager                  plain PyTorch, not compiled: the reference for time and gradients
   checkpoint             torch.utils.checkpoint (non-reentrant) on every block
@@ -16,7 +16,7 @@ Rows per model, each on its own deep copy of the same initial model:
   Inductor @ its floor   (--inductor) compiler='inductor' at its own smallest feasible budget
 
 Per row: steady-state and first-micro-step peaks, step time vs eager with its noise, gradient error vs eager,
-predicted/measured (autoremat); the goals of issue #11 are computed from the rows. See benchmarks/README.md.
+predicted/measured (autoremat); the three goals (floor, prediction, time) are computed from the rows. See benchmarks/README.md.
 
     python benchmarks/floor.py --quick                # tiny sizes
     python benchmarks/floor.py                        # small but meaningful sizes
@@ -71,8 +71,8 @@ from common import (
 
 import autoremat
 
-FLOOR_VS_CHECKPOINT = {"stack": 0.9, "gpt2": 0.9}  # issue #11: floor <= this x checkpoint's peak; others 1.0
-PREDICTION_TOLERANCE = 0.05  # issue #11: predicted peak within 5% of measured at the floor
+FLOOR_VS_CHECKPOINT = {"stack": 0.9, "gpt2": 0.9}  # the floor goal: floor <= this x checkpoint's peak; others 1.0
+PREDICTION_TOLERANCE = 0.05  # the prediction goal: predicted peak within 5% of measured at the floor
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def find(rows: list[dict], model: str, method: str, prefix: str) -> dict | None:
 
 
 def goals(rows: list[dict], model: str) -> dict:
-    """The three goals of issue #11 for one model, computed from its rows."""
+    """The three goals (floor, prediction, time) for one model, computed from its rows."""
     ckpt, fl, at = (find(rows, model, "checkpoint", ""), find(rows, model, "autoremat", "floor"),
                     find(rows, model, "autoremat", "@ checkpoint"))
     ran = [r is not None and r["status"] == "ok" for r in (ckpt, fl, at)]
@@ -277,7 +277,7 @@ def table(rows: list[dict]) -> str:
 
 
 def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> str:
-    parts = [f"# Floor benchmark (issue #11) on cpu{' (--quick)' if meta['quick'] else ''}\n",
+    parts = [f"# Floor benchmark on cpu{' (--quick)' if meta['quick'] else ''}\n",
              f"Command: `{meta['command']}`, {meta['date']}, torch {meta['torch']}, transformers "
              f"{meta['transformers']}, {meta['threads']} thread, repo {meta['git']['head']} with uncommitted "
              f"changes: `{meta['git']['diff_stat'] or 'none'}`; wall {meta['wall_s']:.0f} s; load average "
@@ -314,10 +314,10 @@ def report(meta: dict, cfgs: list[dict], rows: list[dict], all_goals: dict) -> s
 
 
 def lm_meta_section(rows: list[dict]) -> str:
-    """GPT-2 small at 8 x 1024 planned on meta for an H100: the loss region's floors (issue #13)."""
+    """GPT-2 small at 8 x 1024 planned on meta for an H100: the loss region's floors."""
     if not rows:
         return ""
-    return ("\n## gpt2-small 8 x 1024, planned on meta for an H100 (fp32, AdamW; the loss region, issue #13)\n\n"
+    return ("\n## gpt2-small 8 x 1024, planned on meta for an H100 (fp32, AdamW; the loss region)\n\n"
             "No real step runs on meta: these are the planner's smallest feasible budgets (BudgetError.smallest_budget "
             "of budget=1), each then planned at that budget. *chunking off*: the loss rewrite disabled "
             "(loss_chunks.CANDIDATES = (1,)); *outputs=all*: the logits output kept; *outputs=loss*: only the loss "
@@ -335,7 +335,7 @@ def main() -> None:
                     help="keep the rows of models not run now (and the GPT-2 small meta rows, unless run now) from "
                          "the results file; the file lists every command its rows came from")
     ap.add_argument("--no-lm-meta", action="store_true",
-                    help="skip GPT-2 small 8 x 1024 planned on meta for an H100 (the loss region's floors, issue #13)")
+                    help="skip GPT-2 small 8 x 1024 planned on meta for an H100 (the loss region's floors)")
     ap.add_argument("--inductor", action="store_true",
                     help="add a row: autoremat with compiler='auto' (Inductor where it compiles) at checkpoint's peak")
     ap.add_argument("--tag", default="",

@@ -1,5 +1,5 @@
 """The smallest-peak search (what a floor query and a plan near the floor run) with the simulator's memos on
-and off, side by side (issue 38).
+and off, side by side.
 
 A search simulates the whole step once per change it tries, and most changes touch one graph of several.
 The `remember` switch (autoremat/switches.py, on by default) lets the simulator reuse what it worked out for the graphs
@@ -100,7 +100,7 @@ def main() -> None:
         print(row, flush=True)
     meta["load_end"] = load_average()
     lines = [
-        "# The smallest-peak search with the simulator's memos on and off (issue 38), cpu\n",
+        "# The smallest-peak search with the simulator's memos on and off, cpu\n",
         f"Command: `{meta['command']}`, {meta['date']}, torch {meta['torch']}, 1 thread, repo {meta['git']}; load "
         f"average {meta['load_start']} at the start, {meta['load_end']} at the end (2 cores, shared).\n",
         "Each model traced once with one graph per repeated block (`regions=True`); `solver.smallest_peak` on "

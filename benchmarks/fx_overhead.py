@@ -1,4 +1,4 @@
-"""What the eager-FX path costs by itself (issue #11's time goal at checkpoint's peak).
+"""What the eager-FX path costs by itself (floor.py's time goal at checkpoint's peak).
 
 At a budget equal to checkpoint-every-block's measured peak, autoremat's plan recomputes less than
 checkpointing does, yet its step can be slower. This separates the two causes, in one process, each row
@@ -42,7 +42,7 @@ from examples.models import gpt2
 
 MiB = 2**20
 NO_RECOMPUTE = 64 * 2**30  # far above any of these models' no-recompute totals
-# speed.py's launch-bound GPT-2 (issue #17: 4 layers, 32 wide, 8 tokens), besides floor.py's sizes
+# speed.py's launch-bound GPT-2 (4 layers, 32 wide, 8 tokens), besides floor.py's sizes
 LAUNCH_BOUND = [dict(name="gpt2-launch", factory=gpt2,
                      kwargs=dict(n_layer=4, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=0.0))]
 
@@ -168,7 +168,7 @@ def main() -> None:
     t0 = time.perf_counter()
     cfgs = [c for c in floor_configs(False) + LAUNCH_BOUND if c["name"] in a.models.split(",")]
     body = [line for cfg in cfgs for line in one(cfg, a.steps, a.inductor_rows)]
-    head = ["# The eager-FX path's own cost (issue #11) on cpu", "",
+    head = ["# The eager-FX path's own cost on cpu", "",
             f"Command: `python benchmarks/fx_overhead.py {' '.join(sys.argv[1:])}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
             f"{git_state().as_dict()}, wall {time.perf_counter() - t0:.0f} s, load average {load_average()} at "

@@ -1,4 +1,4 @@
-r"""One prepared check of autoremat on a lent GPU (issue 36): does the budget hold, how fast, how exact.
+r"""One prepared check of autoremat on a lent GPU: does the budget hold, how fast, how exact.
 
 Models (built from configs, no download), each trained by the user's own loop in steady state:
   qwen2  HF Qwen2ForCausalLM, 6 layers, hidden 1024, intermediate 2816, 16 heads / 8 KV heads, vocab 32000,
@@ -664,7 +664,7 @@ class Run:
         held = [r for r in self.rows if r.get("status") == "ok" and r.get("budget") and r["allocated"] <= r["budget"]]
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         models = "\n".join(f"- {k}: {v[2]}" for k, v in self.models.items())
-        text = [f"# autoremat GPU check (issue 36) on {name}", "",
+        text = [f"# autoremat GPU check on {name}", "",
                 f"Command: `python benchmarks/gpu_check.py {' '.join(sys.argv[1:])}`, "
                 f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}, repo "
                 f"{self.repo}, {', '.join(f'{k} {v}' for k, v in self.versions.items())}, "

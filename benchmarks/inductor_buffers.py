@@ -16,7 +16,7 @@ comment in the code (kept under --dump) names the graph nodes each kernel comput
     PYTHONPATH=.:benchmarks python benchmarks/inductor_buffers.py --model lora --budget 28437381 --out inductor_buffers_lora_cpu
     PYTHONPATH=.:benchmarks python benchmarks/inductor_buffers.py --model bert --budget 5096980 --out inductor_buffers_bert_cpu
 
-A probe for issue #17's, #38's and #40's analysis: prints, and writes benchmarks/results/NAME.md under --out.
+A probe for where the memory model and Inductor's generated code part: prints, and writes benchmarks/results/NAME.md under --out.
 """
 
 from __future__ import annotations
@@ -83,11 +83,11 @@ def _model(name: str, dropout: float):
     if name == "lora":
         model, batch, opt = lora_step()
         return model, batch, opt, "loss"
-    if name == "bert":  # plan_time.py --quick's 2-layer BERT (issue 38: its floor under Inductor)
+    if name == "bert":  # plan_time.py --quick's 2-layer BERT (its floor under Inductor)
         torch.manual_seed(SEED)
         model, ex = bert(4, 64, 2, 64, 4, 1024)
         return model, ex, None, "all"
-    if name == "head":  # plan_time.py --cliff's `biased` head, loss only (issue 38: its floor under Inductor)
+    if name == "head":  # plan_time.py --cliff's `biased` head, loss only (its floor under Inductor)
         torch.manual_seed(SEED)
         model, ex = head_lm(4, 64, 4096, 32, bias=True, gate=False)
         return model, ex, None, "loss"

@@ -1,4 +1,4 @@
-"""autoremat's predicted peak against the measured one under compiler="inductor" (issue #17), at three budgets.
+"""autoremat's predicted peak against the measured one under compiler="inductor", at three budgets.
 
 For each model of `speed.py --quick` (the transformer stack and the small HF GPT-2), and `floor.py --quick`'s
 ResNet-shaped conv net (conv-BN-ReLU-dropout blocks, `conv`), and each dropout setting:
@@ -144,7 +144,7 @@ def main() -> None:
                         f"{r['verify']} |")
                 print(line, flush=True)
                 lines.append(line)
-    head = ["# autoremat's prediction under Inductor, CPU (issue #17)", "",
+    head = ["# autoremat's prediction under Inductor, CPU", "",
             f"Command: `python benchmarks/inductor_prediction.py --models {a.models} --dropout {a.dropout}`, "
             f"{datetime.datetime.now().isoformat(timespec='seconds')}, torch {torch.__version__}, 1 thread, repo "
             f"{git_state().line()}, wall {time.perf_counter() - started:.0f} s.", "",

@@ -1,4 +1,4 @@
-"""What is live at the floor's peak (issue #11's closing note): the largest tensors when the step peaks.
+"""What is live at the floor's peak (what keeps the floor from going lower): the largest tensors when the step peaks.
 
 For each model, autoremat is planned at its smallest feasible budget (`BudgetError.smallest_budget` of
 budget=1, outputs="loss" (or --outputs all), no optimizer, verify off so the first plan is the one measured), one
@@ -92,7 +92,7 @@ def main() -> None:
         ap.error(f"unknown models {unknown}; pick from {','.join(cfgs)}")
     t0 = time.perf_counter()
     parts = [one(cfgs[m], a.top, a.outputs) for m in a.models.split(",")]
-    head = ["# Live at the floor's peak (issue #11) on cpu", "",
+    head = ["# Live at the floor's peak on cpu", "",
             f"Command: `python {' '.join(sys.argv)}`, {datetime.datetime.now().isoformat(timespec='seconds')}, "
             f"torch {torch.__version__}, repo {git_state().as_dict()}, wall {time.perf_counter() - t0:.0f} s. The heap "
             "is the memory model's (autoremat.model.memory.simulate) replaying the plan; the measured peak says it is "

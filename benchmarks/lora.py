@@ -1,4 +1,4 @@
-"""LoRA (PEFT) fine-tuning, issue #40: HF gradient checkpointing + LoRA against autoremat's floor, in one run.
+"""LoRA (PEFT) fine-tuning: HF gradient checkpointing + LoRA against autoremat's floor, in one run.
 
 The model is examples/lora.py's: an HF GPT-2 from config with a LoRA adapter (rank 8) on every attention and
 MLP projection, the base frozen, dropout 0.1 in the base and the adapter; AdamW over the adapter only. One
@@ -240,7 +240,7 @@ def main() -> None:
                      f"{h2h['ratio']:.3f} ± {h2h['noise']:.3f} (90% interval of the median {h2h['interval'][0]:.3f}-"
                      f"{h2h['interval'][1]:.3f}; {h2h['a_s'] * 1e3:.0f} ms vs {h2h['b_s'] * 1e3:.0f} ms a step)")
     text = "\n".join([
-        "# LoRA (PEFT) under a budget: checkpointing + LoRA against autoremat's floor (issue #40), cpu\n",
+        "# LoRA (PEFT) under a budget: checkpointing + LoRA against autoremat's floor, cpu\n",
         f"Command: `{meta['command']}`, {meta['date']}, torch {meta['torch']}, transformers {meta['transformers']}, "
         f"peft {meta['peft']}, {meta['threads']} thread, repo {meta['git']['head']} (uncommitted: "
         f"`{meta['git']['diff_stat'] or 'none'}`); wall {meta['wall_s']:.0f} s; load average {meta['load_start']} "

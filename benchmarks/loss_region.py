@@ -1,4 +1,4 @@
-"""The loss region benchmark (issue #13): the chunked projection + cross-entropy, side by side with eager and
+"""The loss region benchmark: the chunked projection + cross-entropy, side by side with eager and
 checkpointing.
 
 Part 1, a real CPU run of a GPT-2-shaped HF model with a 32k vocabulary (rows as in benchmarks/floor.py, each on
@@ -6,8 +6,8 @@ its own deep copy of one initial model; steady-state and first-micro-step peaks,
 gradient error vs eager):
   eager                          plain PyTorch
   checkpoint                     HF's own non-reentrant checkpointing of every block
-  autoremat, chunking off        autoremat.optimize at its floor with the loss rewrite disabled (what it did
-                                 before issue #13: loss_chunks.CANDIDATES = (1,))
+  autoremat, chunking off        autoremat.optimize at its floor with the loss rewrite disabled (one chunk,
+                                 loss_chunks.CANDIDATES = (1,))
   autoremat outputs=all          at its floor (BudgetError.smallest_budget of budget=1), logits output kept
   autoremat outputs=loss         at its floor, only the loss used (logits output None)
   autoremat outputs=... @ ckpt   at checkpoint's measured steady-state peak
@@ -140,7 +140,7 @@ def main() -> None:
                 load=load_average(), cpu_model=cfg["kwargs"], command=" ".join(["python", *sys.argv]),
                 threads=torch.get_num_threads(), omp=os.environ.get("OMP_NUM_THREADS"))
     text = "\n".join([
-        "# Loss region (issue #13)", "", f"`{info['command']}` on {info['started']}, torch {info['torch']}, "
+        "# Loss region", "", f"`{info['command']}` on {info['started']}, torch {info['torch']}, "
         f"git {info['git']}, load {info['load']}, 1 thread.", "",
         f"## Real CPU run: HF GPT-2 {cfg['kwargs']} (fp32, dropout 0.1, optimizer state not in the peaks)", "",
         "Peaks are measured (profiler allocator events, autoremat.measure.measure_peak), with the model and its "

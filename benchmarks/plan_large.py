@@ -5,7 +5,7 @@
 
 Prints, per budget: wall time of the whole `autoremat.optimize` call (tracing included), the solver's
 own time and path, the predicted peak and recompute overhead, or the smallest budget that fits.
-Writes the table to benchmarks/results/plan_7b_cpu.md.
+Writes the table to benchmarks/results/plan_<model>_cpu.md (plan_llama-7b_cpu.md by default).
 """
 
 import argparse

@@ -1,4 +1,4 @@
-"""Issue 38: where autoremat's planning time goes, stage by stage, against torch.compile's compile time.
+"""Where autoremat's planning time goes, stage by stage, against torch.compile's compile time.
 
 For each model at two sizes, in one process and side by side (the machine is shared: only ratios
 measured in the same run mean anything):
@@ -12,13 +12,13 @@ measured in the same run mean anything):
       the same). Run after the variant they compare with: kernels Inductor compiled for that one are reused
       by them (the in-process and on-disk caches), which errs against reuse.
 
-The budget is the issue's: parameters + gradients + inputs + 0.6 x eager's measured activation peak
+The budget is parameters + gradients + inputs + 0.6 x eager's measured activation peak
 (optimizer=None, so nothing else is fixed). Each autoremat run is split into stages by `StageClock`,
 one timing hook: the `autoremat.progress` records the planner already emits set the outer stage
 (capture, loss-region tracing, solving, compile, verification, re-planning, ...), and a few wrapped
 functions (profiling a graph, building and solving an ILP, Inductor's compilers, measuring a real
 step) take their time out of whichever stage they run in, so every second lands in exactly one
-stage. The longest gap between two progress records is reported too (issue 38 (5): none over 5 s).
+stage. The longest gap between two progress records is reported too (the goal: none over 5 s).
 
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py [--quick] [--models stack,gpt2,...] [--out NAME]
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --depths 12,24,48 --models stack,gpt2 --variants eager
@@ -74,7 +74,7 @@ from examples import models as ex
 
 RESULTS = Path(__file__).parent / "results"
 LOGGER = logging.getLogger("autoremat.progress")
-BUDGET_SHARE = 0.6  # issue 38's budget: fixed bytes + this share of eager's activation peak
+BUDGET_SHARE = 0.6  # the benchmark's budget: fixed bytes + this share of eager's activation peak
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,7 +206,7 @@ CLIFF_LOOSE = 0.8  # --cliff: the loose budget's share of eager's activation pea
 
 
 def run_cliff(name: str, size: str, factory, variants: list[str]) -> dict:
-    """Issue 38's cliff near the floor: per compiler, planning at a loose budget (fixed + CLIFF_LOOSE x eager's
+    """The cliff near the floor: per compiler, planning at a loose budget (fixed + CLIFF_LOOSE x eager's
     activations), at checkpointing's peak (fixed + the activations of every block checkpointed, measured), the
     floor query (budget=1), a plan at that floor, and a budget 5% below it (refused)."""
     torch.manual_seed(0)
@@ -230,7 +230,7 @@ def run_cliff(name: str, size: str, factory, variants: list[str]) -> dict:
 
 
 def cliff_report(rows: list[dict], variants: list[str], command: str) -> str:
-    lines = ["# Planning time near the floor (issue 38)\n", f"`{command}`  ",
+    lines = ["# Planning time near the floor\n", f"`{command}`  ",
              f"{platform.processor() or 'cpu'}, torch {torch.__version__}, 1 thread, on a shared machine.\n",
              f"Loose: fixed bytes + {CLIFF_LOOSE} x eager's activation peak. Floor query: budget=1 (refused; "
              "BudgetError.smallest_budget is the floor). Each run cold (dynamo reset, no remembered floor).\n",
@@ -293,7 +293,7 @@ def run_gc(name: str, size: str, factory, rounds: int) -> dict:
 
 
 def gc_report(rows: list[dict], command: str) -> str:
-    lines = ["# Planning with older objects set aside from the garbage collector (issue 38)\n", f"`{command}`  ",
+    lines = ["# Planning with older objects set aside from the garbage collector\n", f"`{command}`  ",
              f"{platform.processor() or 'cpu'}, torch {torch.__version__}, Python {platform.python_version()}, "
              "1 thread, on a shared machine.\n",
              f"compiler=\"eager\". Loose: fixed bytes + {CLIFF_LOOSE} x eager's activation peak; floor: the floor "
@@ -394,9 +394,9 @@ def models(quick: bool, depths: list[int] | None = None) -> dict:
         "gated": [("d32 4x64 V2048 eager gate", lambda: head_lm(4, 64, 2048, 32, bias=False, gate=True))],
         "biased": [("d32 4x64 V4096 biased head", lambda: head_lm(4, 64, 4096, 32, bias=True, gate=False))],
     }
-    # Issue 38's held-out shapes, one size each, never tuned on: its 6-layer encoder (hidden 128, dropout,
-    # 4 x 96 tokens) whose plans at checkpointing's peak took 682 s, and its small decoder (6 layers, hidden
-    # 256, 2 x 256 tokens), here as the Llama shape
+    # Held-out shapes, one size each, never tuned on: a 6-layer encoder (hidden 128, dropout, 4 x 96 tokens),
+    # slow to plan at checkpointing's peak (`--cliff --sizes 0 --models encoder6` measures it), and a small
+    # decoder (6 layers, hidden 256, 2 x 256 tokens), here as the Llama shape
     heads["encoder6"] = [("6L d128 4x96 V2048", lambda: bert(4, 96, 6, 128, 4, 2048))]
     heads["decoder6"] = [("6L d256 2x256 V4096", lambda: ex.llama(2, 256, 6, 256, 4, 4096))]
     return {**heads,
@@ -471,7 +471,7 @@ STAGES = ["setup", "capture", "profile", "loss-region tracing", "loss-region cho
 
 
 def report(rows: list[dict], variants: list[str], command: str) -> str:
-    lines = ["# Planning time, stage by stage (issue 38)\n", f"`{command}`  ", f"{platform.processor() or 'cpu'}, "
+    lines = ["# Planning time, stage by stage\n", f"`{command}`  ", f"{platform.processor() or 'cpu'}, "
              f"torch {torch.__version__}, 1 thread, on a shared machine: compare ratios within this run only.\n",
              "Budget: parameters + gradients + inputs + 0.6 x eager's activation peak, optimizer=None. "
              "torch.compile columns: first forward+backward call after `torch._dynamo.reset()`, "

@@ -1,4 +1,4 @@
-"""What is live at each precision's floor peak, planned on the meta device (issue #14).
+"""What is live at each precision's floor peak, planned on the meta device.
 
     python benchmarks/precision_live_at_peak.py --model llama-7b --precision bf16 [--layers 32] [--top 25]
 

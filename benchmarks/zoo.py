@@ -192,7 +192,8 @@ def table(rows: list[dict]) -> str:
 
 
 def goal(rows: list[dict]) -> list[str]:
-    """The rows that miss the issue's goals, each with what it missed."""
+    """The rows that miss the zoo's goals (the floor at most FLOOR_GOAL x checkpointing's held peak, the measured
+    peak within its budget), each with what it missed."""
     missed = []
     for r in rows:
         held = r.get("ckpt_held_peak")

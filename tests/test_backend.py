@@ -1,4 +1,4 @@
-"""The torch.compile backend fails closed (issue #12): graph breaks and graphs called several times per
+"""The torch.compile backend fails closed: graph breaks and graphs called several times per
 step share one budget, a second batch size plans again, dynamo's recompile limit is warned about,
 and an internal inconsistency falls back to a plan the simulator accepts. Budgets are within 5% of the
 smallest one the backend accepts; every step is measured in the steady state, where `.grad` exists."""
@@ -17,7 +17,7 @@ from tests.models import eager_gate
 
 torch.set_num_threads(1)
 
-NEAR = 1.03  # 3% above the floor: inside the 5% the issue asks for
+NEAR = 1.03  # 3% above the floor: within the 5% every budget here stays in
 # fp32 gradients through a few blocks; recomputation reruns the same kernels on the same inputs.
 FP32 = {"rtol": 1e-5, "atol": 1e-6}
 D, BATCH, TOKENS = 32, 16, 64  # activations (MiBs) outweigh the parameters (KiBs): recomputation matters
@@ -57,7 +57,7 @@ class Unrolled(nn.Module):
 
 
 class Looped(Unrolled):
-    """The issue's structure: a break inside the loop makes dynamo skip this frame and compile
+    """A break inside the loop makes dynamo skip this frame and compile
     Block.forward on its own, so one or two graphs run four times per step; the loss runs eagerly."""
 
     def __init__(self) -> None:

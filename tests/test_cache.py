@@ -152,8 +152,8 @@ def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
 def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_path, monkeypatch):
     """A plan whose loss region the ILP chunked is stored under the chunked trace's key, known only once that
     count is traced; the count is remembered under a key of the model's and batch's shapes, so the second
-    run traces that count alone, once (issue 38: a cache hit retraced and planned every candidate, 26.8 s
-    for a 1-layer Llama)."""
+    run traces that count alone, once, instead of retracing and planning every candidate (plan_time.py's
+    cache-hit variant times a hit)."""
     torch.manual_seed(0)
     model, batch = models.gpt2(batch=2, seq=32, n_layer=1, n_embd=32, n_head=2, vocab=1024, dropout=0.0)
     roomy = autoremat.optimize(model, budget="1GB", example_inputs=batch, optimizer=None, compiler="eager",
@@ -190,7 +190,7 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
     """A 3-block stack is cut into 4 graphs: the embedding with block 0, blocks 1 and 2 (the same joint graph,
     so one AOTAutograd trace), and the head. At 60% of its activations the plan saves different values in
     blocks 1 and 2. A cache hit captures the step as a cold plan does (3 traces), then swaps the plan into
-    the captured code: no block is traced again for its own saved set (issue 38: a plan-cache hit)."""
+    the captured code: no block is traced again for its own saved set."""
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=3, d=16, seq=8, batch=2)
     roomy = autoremat.optimize(model, budget="1GB", example_inputs=ex, optimizer=None, compiler="eager", verify=False,
@@ -219,8 +219,8 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
 def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):
     """regions="auto" plans a roomy 2-block stack as one graph, and stores the plan under that graph's key, and
     beside it that this step was planned as one graph. A second run traces that form alone (one AOTAutograd
-    trace), whose plan is the hit: not the cut step first, whose key is not in the cache (issue 38). The plan
-    found there used to be taken for a stale entry, discarded and planned again on every run."""
+    trace), whose plan is the hit: not the cut step first, whose key is not in the cache. Taken for a stale
+    entry, the plan found there would be discarded and planned again on every run."""
     torch.manual_seed(0)
     model, ex = models.transformer_stack(n_layer=2, d=16, seq=8, batch=2)
     first, cold = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,

@@ -108,8 +108,8 @@ def test_the_ilps_rows_bound_the_simulated_peak_of_each_plan_they_give(alternati
     In a chunked loss, a chunk's logits feed `logits - logsumexp`, which only `exp` reads, which the backward
     reads: with both recomputed (the block-drag model lets a recomputed reader drag its input), saved logits
     are read when `exp` is recomputed, and a multi-output op recomputed for one output (a layer norm) makes its
-    mean and rstd then too. Rows that counted neither saw up to 28% less than the simulator on the 4- and
-    16-chunk traces, and every plan near the floor was recalibrated round after round (issue 38)."""
+    mean and rstd then too. Rows that count neither see less than the simulator on the 4- and 16-chunk
+    traces, and every plan near the floor is then recalibrated round after round."""
     for k, graphs in alternatives.items():
         model = IlpModel(graphs, 1, block_drag=block_drag)
         least = model.solve(None, solver(), min_peak=True).predicted_peak
@@ -127,8 +127,8 @@ def test_the_ilps_rows_bound_the_simulated_peak_of_each_plan_they_give(alternati
 def test_a_trace_that_cannot_beat_another_stops_at_its_bound(alternatives, monkeypatch) -> None:
     """`trace_time(beat=...)`: the survey of chunk counts needs a count's time only where it beats the fastest
     count so far. Against a time the trace beats, the answer is its time without `beat`; against one it cannot
-    beat, the MIP stops at a bound no lower than `beat` and no higher than its time (issue 38: GPT-2 small's
-    64-chunk MIP took 18 s to prove a time 0.6% above the 16-chunk one; stopped at its bound, 1.2 s)."""
+    beat, the MIP stops at a bound no lower than `beat` and no higher than its time (proving the exact time
+    of a count that cannot win takes the MIP far longer than reaching that bound)."""
     graphs = alternatives[4]
     least = IlpModel(graphs, 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
     budget = math.ceil(least * 1.05)
@@ -147,8 +147,8 @@ def test_a_lower_bound_stops_once_it_reaches_its_target_or_a_plan_shows_it_canno
     """`least_time(at_least=...)`: a lower bound of the trace's rows time, needed only against `at_least`. Solved
     to the end (gap 0) it is the time itself; against a target between T0 and that time, the MIP stops at a
     bound at least the target; against one above the time, it stops at the first plan below the target (no
-    bound can reach it then) and returns a bound below it (issue 38: on GPT-2 small the bound ran its whole
-    30 s limit to show what its first plan already showed, in 0.4 s)."""
+    bound can reach it then) and returns a bound below it (otherwise the bound can run its whole time
+    limit to show what its first plan already showed)."""
     graphs = alternatives[4]
     least = IlpModel(graphs, 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
     budget = math.ceil(least * 1.05)
@@ -297,9 +297,8 @@ def test_a_count_a_real_step_refused_ends_the_counts(caplog) -> None:
     """At the floor the model names, the chosen count's plan measures over on a real step (scratch an eager
     Function's backward allocates, which no trace sees), and with the gap reserved its re-plan no longer fits.
     The other counts' plans in full would be priced by the same model, which just missed: the step is refused
-    at once, naming a budget over the floor, and says the refusal came from a real step (issue 38: plan_time.py
-    --cliff's `gated`, a model with eager code here, was refused at its floor in 50.5 s, its 64-chunk plan in
-    full missing too; then in 11.8 s)."""
+    at once, naming a budget over the floor, and says the refusal came from a real step (`benchmarks/plan_time.py
+    --cliff --models gated`, a model with eager code, times planning at its floor)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     # eager code between the trunk and the loss region, whose backward allocates as much as the logits

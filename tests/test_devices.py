@@ -169,7 +169,7 @@ BLAS_ENV = ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE", "TORCH_CUBLASL
 
 
 def test_blas_workspaces_by_hand(monkeypatch):
-    """Issue 36: cuBLAS and cuBLASLt workspaces are memory every GPU step holds and no graph shows. By hand from
+    """cuBLAS and cuBLASLt workspaces are memory every GPU step holds and no graph shows. By hand from
     aten/src/ATen/cuda/CublasHandlePool.cpp (torch 2.11-2.13): cuBLAS 4096 KiB x 8 = 32 MiB on sm90, else
     4096 KiB x 2 + 16 KiB x 8; cuBLASLt 1024 KiB; one of each for the forward's thread and autograd's device
     thread."""

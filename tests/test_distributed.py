@@ -1,4 +1,4 @@
-"""autoremat under torch.distributed: DDP, FSDP2 and the per-rank ledger (issue 7).
+"""autoremat under torch.distributed: DDP, FSDP2 and the per-rank ledger.
 
 The multi-process tests start 2 CPU processes with the gloo backend themselves
 (torch.multiprocessing, a free TCP port, a hard timeout), run eager and autoremat

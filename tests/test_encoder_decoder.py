@@ -1,7 +1,7 @@
 """An HF encoder-decoder (T5, from config) plans and trains exactly.
 
 T5's traced step holds lifted tensor constants (`_tensor_constant0`, get_attr nodes in the joint
-graph); they once made the forward graph disagree with the simulated schedule (issue 12). At a
+graph); unhandled, they make the forward graph disagree with the simulated schedule. At a
 generous, a middle and a near-minimal budget the gradients equal eager's, the measured peak stays
 under the budget and the prediction is within 10% of the measurement.
 """

@@ -82,7 +82,7 @@ def test_accumulated_steps_equal_one_full_batch_step(tight):
     assert best.micro_batch == cfg.micro_batch
     assert not next(c for c in cfg.candidates if c.micro_batch == GLOBAL).fits
 
-    # The loop, over one global batch, twice; compilations counted across micro-steps.
+    # The user's accumulation loop, over one global batch, twice; compilations counted across micro-steps.
     # Micro-batches sum each gradient in another order than the full batch: equal to the rounding of
     # that depth. AdamW then divides by sqrt(v): an element whose gradient is at that rounding noise
     # gets a noisy sign and size, and its update can differ by up to ~2 * lr between two runs, which no

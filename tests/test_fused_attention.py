@@ -1,4 +1,4 @@
-"""The fused attention of 16-bit regions (issue 14): no seq x seq activation, eager's numbers on CPU."""
+"""The fused attention of 16-bit regions: no seq x seq activation, eager's numbers on CPU."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The 16-bit LM head and its loss as one fused op under outputs="loss" (issue 14): no logits, no 16-bit weight copy."""
+"""The 16-bit LM head and its loss as one fused op under outputs="loss": no logits, no 16-bit weight copy."""
 
 import pytest
 import torch

@@ -412,7 +412,7 @@ def _mask_inputs(device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_inductor_copies_an_expanded_attention_mask_densely_and_the_plan_holds_it():
-    """Issue 36: Inductor's sdpa_constraint hands an attention kernel a dense copy of a mask expanded to every
+    """Inductor's sdpa_constraint hands an attention kernel a dense copy of a mask expanded to every
     head. Unmodelled, the step measured 917,508 B over the plan (the (2, 8, 128, 128) fp32 copy, 1 MiB, less
     the (2, 1, 128, 128) mask Inductor computed into the copy instead); at Qwen2's 4 x 16 x 2048 x 2048 on CUDA
     that copy is 1 GiB. Now the copy is the kernel's scratch: the plan is above the measured peak by at most
@@ -437,7 +437,7 @@ def test_inductor_copies_an_expanded_attention_mask_densely_and_the_plan_holds_i
 
 
 def test_on_cuda_inductor_keeps_an_expanded_masks_base_saved_so_no_copy_is_made():
-    """Issue 36, CUDA: the efficient backward gets the mask as a view with strides (no copy) only when its base is a
+    """On CUDA, the efficient backward gets the mask as a view with strides (no copy) only when its base is a
     buffer the forward handed over; recomputed in the backward, Inductor copies the view densely (1 GiB for Qwen2).
     Traced on meta for an H200 under Inductor, the mask's base (`where`) may not be recomputed; for a CPU it may,
     and the copy is the attention kernels' scratch instead."""
@@ -500,9 +500,9 @@ def _at_the_chunked_floor(model: nn.Module, kwargs: dict, chunks: int, outputs: 
 def test_a_biased_head_in_chunks_under_inductor_holds_at_its_floor():
     """HF BERT's masked-LM head has a bias, and its logits are returned. With its loss in 4 chunks, each chunk's
     bias gradient is a sum over its rows; Inductor adds them, and the logits tangent's sum, in one kernel after
-    the last chunk, so every chunk's logits gradient and the tangent are alive at once. Before the model knew
-    that, the plan at the floor it named measured 814,332 B over its prediction here (issue 38: 974,848 B on
-    plan_time.py's 2-layer BERT, whose floor was then refused after 170 s).
+    the last chunk, so every chunk's logits gradient and the tangent are alive at once. Unmodelled, they put
+    the step at the floor it named over its prediction (`benchmarks/inductor_buffers.py --model bert` lists
+    them on plan_time.py's 2-layer BERT).
 
     The prediction may not be under the measurement (the budget would break). It may be over it by at most one
     logits-sized buffer per chunk (64 rows x 1024 x 4 B each): the model takes every chunk's logits-gradient
@@ -524,9 +524,9 @@ def test_a_biased_head_in_chunks_under_inductor_holds_at_its_floor():
 def test_a_loss_only_biased_head_in_chunks_under_inductor_holds_at_its_floor():
     """A biased head over 4 loss chunks, the loss alone returned (tests.models.HeadLM). Inductor takes three
     chunks' logits-gradient kernels, with the scatter buffers of their targets, into the kernel that adds up
-    the bias gradient (inductor_code._producer_reads), so those buffers are alive at once. Before the model knew
-    that, the plan at its 4-chunk floor measured 1,114,352 B over its prediction (issue 38: plan_time.py
-    --cliff's `biased` head, refused at that floor after a real step).
+    the bias gradient (inductor_code._producer_reads), so those buffers are alive at once. Unmodelled, they put
+    the step at its 4-chunk floor over its prediction (`benchmarks/inductor_buffers.py --model head` lists them
+    on plan_time.py --cliff's `biased` head).
 
     The prediction may not be under the measurement. It may be over it by at most one logits-sized buffer per
     chunk (64 rows x 4096 x 4 B each), for the chunks whose kernels Inductor runs on their own (one here on

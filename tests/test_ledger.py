@@ -315,7 +315,7 @@ def test_format():
 
 
 def test_gpu_step_holds_blas_workspaces_and_a_cpu_step_none(monkeypatch):
-    """Issue 36: a plan for a GPU counts cuBLAS's workspaces among the fixed bytes (two threads x (32 MiB cuBLAS
+    """A plan for a GPU counts cuBLAS's workspaces among the fixed bytes (two threads x (32 MiB cuBLAS
     + 1 MiB cuBLASLt) on an H200: devices.blas_workspace_bytes); the same model run on the CPU, whose op times are
     modelled on an H200, holds none. The budget left to activations is the same in both cases once that is added."""
     import autoremat

@@ -1,4 +1,4 @@
-"""The loss region (autoremat.passes.loss_chunks, issue 13): the chunked projection + cross-entropy rewrite.
+"""The loss region (autoremat.passes.loss_chunks): the chunked projection + cross-entropy rewrite.
 
 Exactness against eager for the forms it recognises, patterns it must leave alone, and, through
 `optimize`, that outputs="loss" never allocates the full logits, that the memory model predicts the
@@ -443,7 +443,7 @@ class HeadAndLogits(Head):
 def test_kept_logits_tangent_dies_before_the_chunks_backward() -> None:
     """outputs="all" keeps the logits output, so the joint graph has a tangent for it, tokens x vocabulary
     (autograd's zeros in a loop that calls only loss.backward()). Its backward is one view and two matmuls
-    (into grad h and grad W); issue #40 found them run after every chunk's backward, the tangent live through
+    (into grad h and grad W); run after every chunk's backward, they would keep the tangent live through
     all of them. Expected by hand: with the projection moved after the chunked loss, autograd runs that
     backward first, so every reader of the tangent comes before the first tokens x vocabulary gradient that
     the loss's own tangent produces (a chunk's softmax gradient)."""

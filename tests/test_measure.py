@@ -398,7 +398,7 @@ class Noisy(nn.Module):
 
 
 def test_calibration_leaves_the_random_stream_where_it_was() -> None:
-    """Issue 36: calibration runs each op once on real tensors, random ones too (rand_like here; on CUDA an
+    """Calibration runs each op once on real tensors, random ones too (rand_like here; on CUDA an
     attention with dropout draws inside its kernel). Planning can run inside the user's call (a recompile, the
     torch.compile backend), where an advanced generator would give the model's next draws other masks than
     eager's. The generator state after calibrating is the one before."""

@@ -13,7 +13,7 @@ from autoremat.model.ledger import ledger_for_model
 from autoremat.model.optimizers import optimizer_step_bytes
 from examples import models
 
-NEAR = 1.02  # the "within 2% of the floor"
+NEAR = 1.02  # a budget within 2% of the floor
 
 
 def _model():

@@ -1,4 +1,4 @@
-"""Mixed precision (issue 3): per-call dtypes chosen with save/recompute, safe by construction.
+"""Mixed precision: per-call dtypes chosen with save/recompute, safe by construction.
 
 Models stay tiny: bf16/fp16 matmuls are 10x slower than fp32 on these CPUs.
 """
@@ -130,9 +130,9 @@ def test_auto_never_peaks_above_fp32_at_the_same_budget(stack):
         step()
         _, m = measure_peak(step, baseline_objs=(model, ex))
         peaks[mode] = (om.plan.predicted_peak, Ledger.from_dict(om.plan.ledger).fixed + m.delta_peak_bytes, om)
-    # Issue 14: auto keeps the fastest of its candidates (fp32 among them), so it is never predicted slower
-    # than fp32 at the same budget; on this 32-wide stack the casts make fp32 the fastest (it used to assert
-    # that bf16 was chosen, which the ILP's estimate said and the traced plans do not).
+    # Auto keeps the fastest of its candidates (fp32 among them), so it is never predicted slower than fp32
+    # at the same budget; on this 32-wide stack the casts make fp32 the fastest (the ILP's estimate favours
+    # bf16, the traced plans do not, so which dtype auto chose is not asserted).
     auto_plan, fp32_plan = peaks["auto"][2].plan, peaks["fp32"][2].plan
     assert (auto_plan.forward_time_s + auto_plan.recompute_time_s
             <= fp32_plan.forward_time_s + fp32_plan.recompute_time_s + 1e-12)
@@ -173,8 +173,8 @@ def test_auto_with_default_tolerance_is_as_accurate_as_autocast(stack):
     assert as_accurate(_rel(grads, ref), _rel(ac, ref))
     p = om.plan.precision
     assert p["error_estimate"] <= p["tolerance"] + 1e-12
-    # The summary shows the measured errors of a mixed plan, and says when auto kept fp32 (issue 14: auto
-    # now takes the fastest candidate, fp32 on this tiny stack).
+    # The summary shows the measured errors of a mixed plan, and says when auto kept fp32 (auto takes the
+    # fastest candidate, fp32 on this tiny stack).
     shown = "error vs fp32" if p["dtypes"] else "precision='auto' chose fp32"
     assert shown in om.plan.summary()
 
@@ -244,7 +244,7 @@ def test_bad_precision_options(stack, kw, match):
 
 
 def test_fp16_on_meta_asks_for_real_inputs_and_auto_plans_with_estimated_errors():
-    # Issue 14 changed this: "auto" plans on meta (large shapes are planned there) with each call's bf16
+    # "auto" plans on meta (large shapes are planned there) with each call's bf16
     # error estimated as bf16's unit roundoff and fp16 never offered; only fp16 needs measured ranges.
     model = models.TransformerStack(2, 32, 4, 0.1).to("meta")
     ex = torch.empty(2, 8, 32, device="meta")
@@ -288,7 +288,7 @@ def test_a_new_input_shape_keeps_the_dtypes(stack):
 
 @pytest.mark.slow
 def test_bf16_lowers_the_floor_of_an_hf_gpt2_and_auto_says_what_it_chose(monkeypatch):
-    # Issue 14: a 2-layer HF GPT-2 (scaled-dot-product attention, the path passes/attention.py runs in 16
+    # A 2-layer HF GPT-2 (scaled-dot-product attention, the path passes/attention.py runs in 16
     # bits) at a budget between the bf16 and the fp32 floors: fp32 does not fit, bf16 does and holds the
     # budget on a real step, and "auto" states what it chose.
     # Narrow (d=32) and long (256 tokens), so that attention and the activations set the floor, not the
@@ -336,9 +336,10 @@ def test_bf16_lowers_the_floor_of_an_hf_gpt2_and_auto_says_what_it_chose(monkeyp
 
 @pytest.mark.slow
 def test_bf16_attention_and_casts_are_stored_and_recomputed_in_16_bits():
-    # Issue 14: the bf16 rewrite raised the floor. The math attention traced on CPU/meta kept its seq x seq
-    # scores and probabilities in fp32, and the casts it inserted had no module path, so checkpointing saved
-    # every one of them. Planned on meta (no values needed), a 2-layer HF GPT-2.
+    # The bf16 rewrite must not raise the floor: the math attention traced on CPU/meta must keep its seq x seq
+    # scores and probabilities in 16 bits, and each cast it inserts must sit in the block of the calls it feeds
+    # (a cast with no module path is saved by checkpointing). Planned on meta (no values needed), a 2-layer
+    # HF GPT-2.
     from autoremat.capture.regions import block_of
     from autoremat.solve.heuristics import checkpoint_blocks
 
@@ -365,8 +366,9 @@ def test_bf16_attention_and_casts_are_stored_and_recomputed_in_16_bits():
 
 @pytest.mark.slow
 def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floor(monkeypatch):
-    # Issue 14: a recomputed block recomputed each weight's bf16 copy for the forward matmul and held it to
-    # its backward use (a 7B Llama layer's 300 MiB of copies at the floor's peak). passes/weight_casts.py
+    # A recomputed block recomputes each weight's bf16 copy for the forward matmul; without a cast of its own
+    # for the backward it holds that copy to its backward use (on a 7B Llama layer, a copy of every weight at
+    # the floor's peak: benchmarks/precision_live_at_peak.py lists what is live there). passes/weight_casts.py
     # gives the backward its own cast: a floor not above the one without it, gradients as accurate as the
     # plan that recomputes nothing, and the measured peak within the budget.
     from autoremat.capture import aot as capture
@@ -382,7 +384,7 @@ def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floo
     # 2,166,468 B; before the cuts it was lower): it must not be higher than that.
     assert floor <= held * 1.001, (floor, held)
     # verify=False: the step's peak is measured here, after a warm step (the planner's own check at exactly
-    # the floor sees 1,924 B of scratch the model does not, and re-plans: the gap the issue notes).
+    # the floor sees 1,924 B of scratch the model does not, and re-plans).
     om = autoremat.optimize(model, budget=floor, example_inputs=ex, precision="bf16", compiler="eager",
                             verify=False)
 

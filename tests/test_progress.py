@@ -86,7 +86,7 @@ def test_progress_must_be_a_bool() -> None:
 
 
 def test_a_silent_stage_is_repeated_with_how_far_it_is(caplog) -> None:
-    """Issue 38: no stage stays silent for long. While a stage runs past the pulse, it is repeated
+    """No stage stays silent for long. While a stage runs past the pulse, it is repeated
     with its seconds so far and what it last said of its progress; a new stage starts afresh."""
     import logging
     import time

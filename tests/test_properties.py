@@ -154,7 +154,7 @@ def check(kinds, frozen, shape, frac, seed):
         m.delta_peak_bytes, om.plan.activation_peak, om.plan.summary())
 
 
-# Failures the property found (issues 6 and 12), fixed since and kept as regression cases.
+# Failures the property found, kept as regression cases.
 KNOWN = [
     # Batch norm's kernels return a contiguous output for a transposed input, where the fake tensor
     # kept the input's strides: a later view copied (prediction 14% low) or failed in the forward.

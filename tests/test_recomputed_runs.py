@@ -1,4 +1,4 @@
-"""Below checkpointing (issue #11): recomputed forward values written into dying recomputed inputs.
+"""Below checkpointing: recomputed forward values written into dying recomputed inputs.
 
 A recomputed forward pointwise op writes its result into a recomputed input that dies at it
 (`autoremat.model.recomputed_writes`). Checked on a real CPU step at the floor: gradients are eager's

@@ -116,7 +116,7 @@ def test_dropout_mask_is_native_dropouts_draw():
 
 
 def test_on_cuda_fake_tensors_dropout_is_the_fused_kernels_draw_not_bernoulli():
-    """Issue 36, traced with fake CUDA tensors (no GPU needed): eager's CUDA dropout is native_dropout's fused
+    """Traced with fake CUDA tensors (no GPU needed): eager's CUDA dropout is native_dropout's fused
     Philox kernel, so the decomposition must draw the mask with that kernel (`autoremat::dropout_mask`, which
     calls it) and never with bernoulli or rand, whose CUDA streams are other draws than eager's. The graph
     then scales with the fused kernel's float scale, 1 / (1 - p) rounded to fp32 (Dropout.cu)."""

@@ -305,7 +305,7 @@ def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monk
 
 def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatch, no_floors_remembered):
     """With a room, `smallest_peak` returns the fastest plan of the first of its stages that fits it, and
-    simulates no further (issue 38: the whole search is for the floor); a room below every plan it finds
+    simulates no further (the whole search is for the floor); a room below every plan it finds
     gets the whole search, and the floor."""
     gp, hi, _ = stack
     simulations = []
@@ -466,8 +466,8 @@ def test_only_values_that_hold_back_a_recomputation_at_the_peak_are_tried_for_lo
 def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, monkeypatch, no_floors_remembered):
     """Near the floor the budgeted ILP finds nothing; the calibration solves each model for its rows' smallest
     peak, and the smallest-peak search that follows starts from the same solutions: each model's min-peak
-    MIP is solved once (issue 38: solved twice, it was 0.14 of the 1.1 s a 2-layer GPT-2's 4-chunk trace took
-    to plan at its floor). The plan is the one a search from fresh models finds."""
+    MIP is solved once (a second solve repeats work the plan waits for: `benchmarks/plan_time.py --cliff` times
+    planning at the floor, its "ILP solve" stage in the .json). The plan is the one a search from fresh models finds."""
     gp, _, _ = stack
     floor = solver.smallest_peak([gp])
     real, solved, searches = solver.IlpModel.solve, [], []
@@ -490,7 +490,7 @@ def test_a_plan_at_the_floor_solves_each_models_min_peak_problem_once(stack, mon
 def test_greedys_plan_after_fewer_tries_is_the_plan_a_shorter_search_finds(stack):
     """Every try of greedy's search is the same until the peak fits, so the plan a search toward a room held
     after n tries is what a search of n tries finds: `solve` hands it to the smallest-peak search instead of
-    running that search again (issue 38: two greedy searches of one trace at its floor)."""
+    running that search again (which would make two greedy searches of one trace at its floor)."""
     gp, _, lo = stack
     for fewer in (0, 7, 40, 10**6):
         full, early = heuristics.greedy_with([gp], lo // 2, 1, 300, fewer)
@@ -516,7 +516,7 @@ def test_a_min_peak_solve_that_stopped_on_time_is_solved_again_only_with_more_ti
     """The calibration and the smallest-peak search ask for the same min-peak MIP, each within its share of the
     time limit. One that stopped on time is kept for a caller with no more time (single-threaded HiGHS would
     stop at the same incumbent) and solved again for a caller with more; an optimal one is solved once
-    (issue 38: on GPT-2 small at 6 GB the block-drag model's MIP ran 17 s for the calibration, then 8 s again)."""
+    (solving an optimal one again finds nothing new, and on a large model that MIP takes seconds)."""
     gp, _, _ = stack
     model = solver.IlpModel([gp], 1, block_drag=True)
     real, solves = solver.IlpModel.solve, []

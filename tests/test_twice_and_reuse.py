@@ -1,4 +1,4 @@
-"""Below checkpointing (issue #11): backward buffers reused in place, and values recomputed twice.
+"""Below checkpointing: backward buffers reused in place, and values recomputed twice.
 
 Both are checked on real CPU steps: gradients are eager's (dropout on), the plan predicts the measured
 steady-state peak, and the mechanism lowers what the step needs (against the same planner with it off).

@@ -1,4 +1,4 @@
-"""The user's own checkpoint marks are respected (issue #40; docs/user_checkpoints.md).
+"""The user's own checkpoint marks are respected (docs/user_checkpoints.md).
 
 The model: three blocks `l2(sin(x @ w1))`, batch 128, width 64, hidden 256. Per block the forward makes
 h = x @ w1 (aten.mm, 128 x 256 fp32: 131,072 B), sin(h) (131,072 B) and the block output (addmm,

@@ -82,7 +82,7 @@ def resnet(batch: int, size: int, channels: int, n_block: int, classes: int = 10
 
 def gqa_decoder(batch: int, seq: int, n_layer: int, hidden: int, heads: int, kv_heads: int, vocab: int):
     """HF Llama causal LM from a config (no download) with grouped-query attention: `kv_heads` K/V heads, each
-    repeated to heads // kv_heads query heads (HF's repeat_kv), RoPE, RMSNorm; issue #40's held-out shape.
+    repeated to heads // kv_heads query heads (HF's repeat_kv), RoPE, RMSNorm; a held-out shape the planner was not tuned on.
     The MLP width follows examples/models.llama (8/3 x hidden, rounded down to a multiple of 8)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -105,10 +105,10 @@ FLOOR_SIZES = {  # name: (factory, --quick sizes, default sizes)
     "vit": (vit, dict(n_layer=2, hidden=128, heads=4, image=32, patch=8, batch=4),
             dict(n_layer=6, hidden=256, heads=4, image=64, patch=8, batch=8)),
     "resnet": (resnet, dict(channels=16, n_block=4, size=16, batch=4), dict(channels=32, n_block=8, size=32, batch=8)),
-    # issue #13: a GPT-2 whose loss region (a 32k vocabulary) outweighs its blocks
+    # a GPT-2 whose loss region (a 32k vocabulary) outweighs its blocks
     "gpt2-32k": (gpt2, dict(n_layer=2, n_embd=64, n_head=4, seq=64, batch=2, vocab=32768, dropout=0.1),
                  dict(n_layer=2, n_embd=128, n_head=4, seq=128, batch=4, vocab=32768, dropout=0.1)),
-    # issue #40: a deeper decoder with grouped-query attention (4 query heads sharing 2 K/V heads), 4 x 128 tokens
+    # held out: a deeper decoder with grouped-query attention (4 query heads sharing 2 K/V heads), 4 x 128 tokens
     "gqa-decoder": (gqa_decoder, dict(n_layer=2, hidden=64, heads=4, kv_heads=2, seq=64, batch=2, vocab=1024),
                     dict(n_layer=6, hidden=128, heads=4, kv_heads=2, seq=128, batch=4, vocab=1024)),
 }
@@ -132,7 +132,7 @@ def speed_configs(quick: bool, dropout: float) -> list[dict]:
                  kwargs=dict(n_layer=2, n_embd=32, n_head=4, seq=8, batch=2, vocab=256, dropout=dropout)),
         ]
     return [
-        # the issue's stack (6 layers, d=256, seq 128, batch 4) and its launch-bound GPT-2 (4 layers, d=32, 8 tokens)
+        # a stack (6 layers, d=256, seq 128, batch 4) and a launch-bound GPT-2 (4 layers, d=32, 8 tokens)
         dict(name="stack", factory=transformer_stack,
              kwargs=dict(n_layer=6, d=256, n_head=4, seq=128, batch=4, dropout=dropout)),
         dict(name="gpt2", factory=gpt2, outputs="loss",
@@ -185,7 +185,7 @@ def lora_step():
 
 
 # --------------------------------------------------------------------------------------------
-# plan_time.py --cliff's small heads (issue 38: what planning does after a real step measures a miss)
+# plan_time.py --cliff's small heads (what planning does after a real step measures a miss)
 
 
 def head_lm(batch: int, seq: int, vocab: int, d: int, bias: bool, gate: bool):

@@ -2,7 +2,7 @@
 no script).
 
   inductor_limits                   the budget range under compiler="inductor" (speed.py, inductor_prediction.py)
-  chunking_off, meta_part,          issue #13's loss region: GPT-2 small 8 x 1024 planned on meta for an H100,
+  chunking_off, meta_part,          the loss region: GPT-2 small 8 x 1024 planned on meta for an H100,
   meta_table                        its floors with and without the loss rewrite (loss_region.py, floor.py)
   scale_optimize, scale_floor,      mixed precision planned on meta for an H100 (precision_at_scale.py,
   scale_step                        plan_spread.py, precision_live_at_peak.py)
@@ -53,15 +53,15 @@ def inductor_limits(bench, outputs: str) -> tuple[int, int, int]:
 
 
 # --------------------------------------------------------------------------------------------
-# the loss region (issue #13) planned on meta
+# the loss region planned on meta
 
 
-LOSS_GOALS = {"all": 9 * GiB, "loss": 6 * GiB}  # issue #13: GPT-2 small 8 x 1024 floors
+LOSS_GOALS = {"all": 9 * GiB, "loss": 6 * GiB}  # the goals for GPT-2 small 8 x 1024's floors
 
 
 @contextlib.contextmanager
 def chunking_off() -> Iterator[None]:
-    """The loss rewrite disabled (one chunk only): what autoremat planned before issue #13."""
+    """The loss rewrite disabled (one chunk only): the baseline the loss rewrite is measured against."""
     kept = loss_chunks.CANDIDATES
     loss_chunks.CANDIDATES = (1,)
     try:
@@ -116,7 +116,7 @@ def meta_table(rows: list[dict]) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# mixed precision at scale, planned on meta for an H100 (issue #14)
+# mixed precision at scale, planned on meta for an H100
 
 
 SCALE_DEVICE = "h100"
