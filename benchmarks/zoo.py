@@ -98,22 +98,27 @@ def checkpointed(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
     return model, f"torch.utils.checkpoint on each of {len(blocks)} {type(blocks[0]).__name__} blocks"
 
 
-def floor(model, batch, compiler: str) -> int | str:
+def floor(model, batch, compiler: str) -> tuple[int | str, dict]:
+    """The smallest budget a floor query names (or why there is none), and what sets it: the fixed parts
+    (parameters, gradients, ...) and the largest tensors live at the floor plan's peak."""
     torch._dynamo.reset()
     try:
         autoremat.optimize(model, budget=1, example_inputs=batch, optimizer=None, compiler=compiler)
     except autoremat.BudgetError as e:
-        return e.smallest_budget if e.smallest_budget is not None else f"BudgetError: {e}".splitlines()[0]
+        step = e.peak_step
+        where = dict(fixed=e.ledger.fixed, peak=f"graph {step.graph}'s {step.phase} at {step.node}" if step else "",
+                     live=[str(t) for t in e.at_peak[:3]])
+        return (e.smallest_budget if e.smallest_budget is not None else f"BudgetError: {e}".splitlines()[0]), where
     except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
-        return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", {}
     finally:
         torch._dynamo.reset()
-    return "planned at 1 byte"
+    return "planned at 1 byte", {}
 
 
 def run_row(family: str, size: zoo.Size, lora: bool, pairs: int, inductor_floor: bool) -> dict:
     name = family + (" + LoRA" if lora else "")
-    row: dict = dict(model=name, family=family, lora=lora)
+    row: dict = dict(model=name, family=family, lora=lora, git=git_state().head)
     t0 = time.perf_counter()
     try:
         pristine, batch = fresh(family, size, lora)
@@ -129,9 +134,9 @@ def run_row(family: str, size: zoo.Size, lora: bool, pairs: int, inductor_floor:
         row["ckpt_grad_rel_err"] = grad_errors(grads_from_zero(ckpt_step, ckpt), ref)["grad_rel_err"]
         budget = row["ckpt_held_peak"]
 
-        row["floor_eager"] = floor(copy.deepcopy(pristine), batch, "eager")
+        row["floor_eager"], row["floor_eager_at"] = floor(copy.deepcopy(pristine), batch, "eager")
         if inductor_floor:
-            row["floor_inductor"] = floor(copy.deepcopy(pristine), batch, "inductor")
+            row["floor_inductor"], row["floor_inductor_at"] = floor(copy.deepcopy(pristine), batch, "inductor")
 
         model = copy.deepcopy(pristine)
         torch._dynamo.reset()
@@ -201,7 +206,7 @@ def goal(rows: list[dict]) -> list[str]:
         for key in ("floor_eager", "floor_inductor"):
             f = r.get(key)
             if key in r and not (isinstance(f, int) and isinstance(held, int) and f <= FLOOR_GOAL * held):
-                why.append(f"{key} {ratio(f, held)}")
+                why.append(f"{key} {ratio(f, held)}{floor_reason(r.get(key + '_at'), held)}")
         if r.get("status") != "ok":
             why.append(str(r.get("status")))
         elif r["peak_over_budget"] > 1:
@@ -209,6 +214,15 @@ def goal(rows: list[dict]) -> list[str]:
         if why:
             missed.append(f"- {r['model']}: {'; '.join(why)}")
     return missed
+
+
+def floor_reason(at: dict | None, held) -> str:
+    """What sets a floor, in words: the fixed parts' share of checkpointing's peak, where the floor plan peaks,
+    and its largest live tensors."""
+    if not at or not isinstance(held, int):
+        return ""
+    return (f" (fixed parts {at['fixed'] / held:.2f} of checkpointing's peak; the floor plan peaks at "
+            f"{at['peak']}, holding {', '.join(at['live'])})")
 
 
 def main() -> None:
