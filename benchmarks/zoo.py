@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import gc
 import json
+import re
 import sys
 import time
 import traceback
@@ -221,8 +222,9 @@ def floor_reason(at: dict | None, held) -> str:
     and its largest live tensors."""
     if not at or not isinstance(held, int):
         return ""
+    live = [re.sub(r" \(\d+ bytes\)|, node \w+", "", t) for t in at["live"]]
     return (f" (fixed parts {at['fixed'] / held:.2f} of checkpointing's peak; the floor plan peaks at "
-            f"{at['peak']}, holding {', '.join(at['live'])})")
+            f"{at['peak']}, holding {', '.join(live)})")
 
 
 def main() -> None:
