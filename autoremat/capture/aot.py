@@ -137,8 +137,7 @@ def aot_backend(on_joint: PartitionCallback, compiler: str = "eager", pre_pass: 
         links = compiling["links"]
         split_weight_casts(joint)  # a 16-bit weight copy is cast again for the backward, not held
         accumulate_into_matmuls(joint)  # a gradient summed from products: no product held for the sum
-        replay_random_draws(joint)  # a dropout mask costs its generator state, under both compilers
-        if compiler == "eager":  # Inductor lowers its own graphs: no Python calls
+        if compiler == "eager":  # Inductor lowers its own graphs: no Python calls, its own RNG handling
             compiling["released"] = _eager_passes(joint, num_fwd_outputs, static_lifetime_input_indices,
                                                   links if release_grads else None)
         cg = CapturedGraph(joint=joint, num_fwd_outputs=num_fwd_outputs,
@@ -208,6 +207,7 @@ def _eager_passes(joint: fx.GraphModule, num_fwd_outputs: int, static: list[int]
                   links: RegionLinks | None) -> list[int]:
     """The rewrites of a joint graph that eager's Python code needs; returns the parameters whose gradients
     the region releases early (with `links`: regions.release_gradients)."""
+    replay_random_draws(joint)
     fuse_gradient_upcasts(joint)  # a 16-bit weight gradient written into fp32 rows, no whole copy
     if links is None:
         return []

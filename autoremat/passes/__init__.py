@@ -4,8 +4,7 @@
   bool mask and a recomputable masked scale; BatchNorm / LayerNorm / dropout backward traced in their
   kernels' layouts.
 - `rng_replay`: each random draw of a joint graph saves the generator state before it, so the backward
-  may replay the draw instead of keeping its output (a dropout mask costs its state, not its bytes); its
-  draws are ops of their own, which Inductor calls as library kernels, so both compilers replay.
+  may replay the draw instead of keeping its output (a dropout mask costs its state, not its bytes).
 - `matmul_accumulation`: a weight gradient summed over the matmuls that read the weight (a chunked loss's
   projection, a tied weight) accumulated by them (`addmm`), so the backward holds the running sum, not
   every product until a fused sum.
