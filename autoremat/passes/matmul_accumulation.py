@@ -60,8 +60,8 @@ def _product(n: fx.Node) -> tuple[fx.Node, bool] | None:
 def _sum_of_products(n: fx.Node) -> bool:
     """`n` is a product or a running sum of them (an mm or addmm, read through 2-D transposes). Only such sums
     are rewritten: a product added to another kind of gradient (a tied embedding's) is left to the add, whose
-    buffers the Inductor memory model was measured to follow (tests/test_inplace.py's GPT-2 under Inductor
-    ran 17,772 B over its prediction with that add an addmm)."""
+    buffers the Inductor memory model follows; as an addmm, Inductor's code for it held more than the model
+    predicted (tests/test_inplace.py's GPT-2 under Inductor checks the prediction)."""
     while n.op == "call_function" and n.target in _TRANSPOSES:
         n = n.args[0]
     return n.op == "call_function" and n.target in (_MM, _ADDMM)
