@@ -319,9 +319,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
         return None
     if (fits := _fastest_within(candidates, room)) is not None:
         return fits
-    # Every candidate is lowered, not only the best: saving values back reorders them (on a 4-block
-    # stack, d=64, seq 32, dropout 0.1, the ILP's min-peak plan had the lower peak and lowered
-    # checkpointing the lowest: 971,272 B against 989,444). At most five candidates, up to 150
+    # Every candidate is lowered, not only the best: saving values back can reorder them (the candidate with
+    # the lower peak before lowering need not be the lower one after). At most five candidates, up to 150
     # simulations of the whole step each; a remembered plan was refined when it was found.
     lowered = [d if d.saved is remembered else lower_peak(graphs, d, granularity) for d in candidates]
     if (fits := _fastest_within(lowered, room)) is not None:
