@@ -69,6 +69,6 @@ def test_a_graph_called_once_per_block_is_planned_per_call_and_predicts_the_meas
     # (983,040 vs 1,396,872 B eager, 1,052,800 vs 1,572,872 B Inductor).
     assert measured <= predicted, (predicted, measured)
     # The model holds each value one graph hands the next across a break to the end of the step (it knows no
-    # hand-offs between dynamo graphs, handoffs.py), the real step until the next call's backward: at most
+    # hand-offs between dynamo graphs, region_crossings.py), the real step until the next call's backward: at most
     # one block output per call over.
     assert predicted - measured <= (len(calls) - 1) * x.nelement() * x.element_size(), (predicted, measured)

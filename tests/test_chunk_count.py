@@ -214,7 +214,7 @@ def _hand_graph():
     the sum of the pieces, untagged, into the gradient output. W is [10, 8]: its 8 columns equal a chunk's rows,
     so only the gradient chain tells its pieces are as large at any count. Bandwidth 100 B/s, launch 1 s."""
     from autoremat.model.devices import DeviceSpec
-    from autoremat.model.profile import GraphProfile, NodeProfile
+    from autoremat.model.graph_profile import GraphProfile, NodeProfile
 
     def node(name, kind, target, inputs, shape, time_s=0.0, moved=0.0, chunk=0):
         return NodeProfile(name=name, kind=kind, target=target, inputs=inputs, storage=name, nbytes=0, dtype="float32",
@@ -325,8 +325,9 @@ def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
     count as traced, its plan)."""
     from types import SimpleNamespace
 
-    from autoremat.model.memory import Schedule, simulate
-    from autoremat.model.profile import GraphProfile, NodeProfile
+    from autoremat.model.graph_profile import GraphProfile, NodeProfile
+    from autoremat.model.memory import simulate
+    from autoremat.model.schedule import Schedule
     from autoremat.passes.loss_chunks import Report
     from autoremat.planning.chunk_count_trace import ChunkCountTrace
     from autoremat.solve.decision import Decision

@@ -153,7 +153,7 @@ def test_a_view_of_a_fused_value_unwinds_to_its_inputs_whatever_the_set_order():
     """The backward reads a view of a fused value and a fused value read through that view (softmax's
     output and its alias, in attention). Neither is handed over: the matmul feeding them is. Eight
     such chains, so a result that depended on the saved set's (hash-seeded) order would show."""
-    from autoremat.model.profile import GraphProfile, NodeProfile
+    from autoremat.model.graph_profile import GraphProfile, NodeProfile
 
     nodes: dict[str, NodeProfile] = {}
     chains = [f"c{i}" for i in range(8)]

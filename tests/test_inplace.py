@@ -10,9 +10,9 @@ import torch
 import autoremat
 from autoremat.measure import measure_peak
 from autoremat.model import memory
+from autoremat.model.graph_profile import GraphProfile, NodeProfile
 from autoremat.model.inplace import kernel_last_use, least_peak_first
 from autoremat.model.memory import simulate
-from autoremat.model.profile import GraphProfile, NodeProfile
 from autoremat.model.schedule import make_schedule
 from autoremat.planning.compilers import inductor_problem
 from autoremat.solve.decision import evaluate

@@ -1,7 +1,8 @@
 """The package's layout, as README.md's stage table states it: one folder per stage, every module in the
 folder the table names, and a module imports only modules of its own stage or earlier ones (data flows one
 way). The passes are a library every stage may call; they import only precision's call helpers, the naming
-of values recomputed twice and the private-torch module. Imports under `TYPE_CHECKING` are type hints only.
+of values recomputed twice and the private-torch module. Imports under `TYPE_CHECKING` count as imports: a
+type hint that names a later stage, or closes a cycle, ties the modules together as much as a run-time import.
 Also: no import cycles, and private torch only in `torch_internals/`.
 """
 
@@ -43,14 +44,15 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
 
 
-def _imports(path: Path) -> list[tuple[str, int]]:
-    """The autoremat modules `path` imports at run time: (dotted module under the package, line)."""
+def _imports(path: Path, type_hints: bool = True) -> list[tuple[str, int]]:
+    """The autoremat modules `path` imports: (dotted module under the package, line). With `type_hints=False`,
+    only those it imports at run time (not under `if TYPE_CHECKING:`)."""
     tree = ast.parse(path.read_text())
     hints = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
              for n in ast.walk(node)}
     found = []
     for node in ast.walk(tree):
-        if id(node) in hints:
+        if id(node) in hints and not type_hints:
             continue
         if isinstance(node, ast.Import):
             found += [(a.name.split(".", 1)[1], node.lineno) for a in node.names if a.name.startswith("autoremat.")]
@@ -88,18 +90,19 @@ def test_every_module_is_in_the_folder_the_readme_table_names():
     assert listed - on_disk == set(), "README's stage table names modules that are not where it says"
 
 
-def test_no_module_imports_a_later_stage():
-    table = _table()
+def _later_imports(modules: list[tuple[str, Path]], table: dict[str, tuple[int, str]]) -> list[str]:
+    """Each import of `modules` (type hints included) that reaches a later stage, or that the passes or the
+    shared modules may not make."""
     stage_rank = {folder: rank for rank, folder in table.values()}
     later = []
-    for me, path in _modules():
+    for me, path in modules:
         if me in NOT_A_STAGE:
             continue
         mine = None if me in USED_BY_EVERY_STAGE else (stage_rank[me] if me in stage_rank else _stage_of(me, table))
         for target, line in _imports(path):
             if target in NOT_A_STAGE or target == me:
                 continue
-            where = f"{path.relative_to(ROOT)}:{line} imports {target}"
+            where = f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{line} imports {target}"
             if me.split(".")[0] == "passes":
                 if target.split(".")[0] != "passes" and target not in PASSES_MAY_IMPORT:
                     later.append(f"{where} (the passes may not)")
@@ -110,37 +113,82 @@ def test_no_module_imports_a_later_stage():
                 theirs = stage_rank[target] if target in stage_rank else _stage_of(target, table)
                 if theirs is not None and theirs > mine:
                     later.append(f"{where}, a later stage")
-    assert later == []
+    return later
 
 
-def test_no_import_cycles():
-    """Run-time imports between modules form no cycle (a folder's `__init__` counts as a module)."""
-    modules = dict(_modules())  # torch_internals/: its files import one another, not the package
+def test_no_module_imports_a_later_stage():
+    assert _later_imports(_modules(), _table()) == []
+
+
+def _cycle(modules: dict[str, Path]) -> list[str]:
+    """The first import cycle among `modules` (type hints included), as [m, ..., m]; [] when there is none."""
     graph = {m: {t for t, _ in _imports(p) if t in modules and t != m} for m, p in modules.items()}
     done: set[str] = set()
     path: list[str] = []
 
-    def visit(m: str) -> None:
-        assert m not in path, "import cycle: " + " -> ".join(path[path.index(m):] + [m])
+    def visit(m: str) -> list[str]:
+        if m in path:
+            return path[path.index(m):] + [m]
         if m in done:
-            return
+            return []
         path.append(m)
         for t in sorted(graph[m]):
-            visit(t)
+            found = visit(t)
+            if found:
+                return found
         path.pop()
         done.add(m)
+        return []
 
     for m in sorted(graph):
-        visit(m)
+        found = visit(m)
+        if found:
+            return found
+    return []
+
+
+def test_no_import_cycles():
+    """Imports between modules, type hints included, form no cycle (a folder's `__init__` counts as a module)."""
+    cycle = _cycle(dict(_modules()))  # torch_internals/: its files import one another, not the package
+    assert cycle == [], "import cycle: " + " -> ".join(cycle)
+
+
+def _hinted_source(tmp_path: Path, name: str, hint: str) -> Path:
+    """A module that imports `hint` under `if TYPE_CHECKING:` only."""
+    source = tmp_path / f"{name}.py"
+    source.write_text(f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from autoremat.{hint} import X\n")
+    return source
 
 
 def test_the_check_sees_a_later_import(tmp_path):
-    """The import reader finds run-time imports of every form and skips type hints."""
+    """The import reader finds imports of every form, type hints too, and can tell the two apart."""
     source = tmp_path / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nfrom autoremat.planning.plan import Plan\n"
                       "from autoremat.solve import ilp\nimport autoremat.model.memory as memory\nfrom autoremat import api\n"
                       "if TYPE_CHECKING:\n    from autoremat.cli import main\n")
-    assert _imports(source) == [("planning.plan", 2), ("solve.ilp", 3), ("model.memory", 4), ("api", 5)]
+    run_time = [("planning.plan", 2), ("solve.ilp", 3), ("model.memory", 4), ("api", 5)]
+    assert _imports(source, type_hints=False) == run_time
+    assert _imports(source) == [*run_time, ("cli", 7)]
+
+
+def test_the_check_sees_a_later_stage_named_in_a_type_hint(tmp_path):
+    """A type hint that names a later stage is reported, as a run-time import would be; so is a pass's."""
+    table = _table()
+    model = _hinted_source(tmp_path, "memory", "planning.plan")
+    passes = _hinted_source(tmp_path, "remat", "model.memory")
+    assert _later_imports([("model.memory", model), ("passes.remat", passes)], table) == [
+        "memory.py:3 imports planning.plan, a later stage", "remat.py:3 imports model.memory (the passes may not)"]
+
+
+def test_the_check_sees_a_cycle_closed_by_a_type_hint(tmp_path):
+    """Two modules that import each other, one of them under `TYPE_CHECKING` only, form a cycle."""
+    first = tmp_path / "first.py"
+    first.write_text("from autoremat.model.second import Y\n")
+    second = _hinted_source(tmp_path, "second", "model.first")
+    assert _cycle({"model.first": first, "model.second": second}) == ["model.first", "model.second", "model.first"]
+    alone = tmp_path / "alone.py"
+    alone.write_text("from typing import TYPE_CHECKING\n")
+    assert _cycle({"model.first": first, "model.second": alone}) == []
 
 
 def _private_torch_uses(path: Path) -> list[str]:

@@ -12,7 +12,7 @@ import torch
 import autoremat
 from autoremat.capture import regions
 from autoremat.measure import measure_peak
-from autoremat.model import handoffs
+from autoremat.model import region_crossings
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger
 from autoremat.planning.plan import Plan
@@ -174,7 +174,7 @@ def test_a_tied_weights_gradient_waits_for_the_other_regions_and_the_plan_predic
     (with `tied_waits` emptied for the simulator and the ILP: 889,988 B predicted, 1,001,544 B measured)."""
     model, ex, om = _gpt2_floor()
     profiles = om._planners[0].profiles
-    waits = handoffs.tied_waits(profiles)
+    waits = region_crossings.tied_waits(profiles)
     assert waits, [g.tied for g in profiles]
     (until, [(computed_by, name)]), = waits.items()
     assert until == 0 and computed_by == len(profiles) - 1, waits
@@ -212,7 +212,7 @@ def test_a_gradient_two_regions_send_the_same_output_waits_and_the_plan_predicts
                             verify=False, regions=True, compiler="eager")
     profiles = om._planners[0].profiles
     assert len(profiles) == 5
-    (until, [(computed_by, name)]), = handoffs.tied_waits(profiles).items()
+    (until, [(computed_by, name)]), = region_crossings.tied_waits(profiles).items()
     assert (until, computed_by) == (3, 4)  # the tail's gradient waits for the last block's backward
     assert profiles[computed_by].nodes[name].shape == tuple(x.shape)
 

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 import autoremat
 from autoremat import switches
 from autoremat.capture.regions import RegionLinks
-from autoremat.model.profile import GraphProfile, NodeProfile
+from autoremat.model.graph_profile import GraphProfile, NodeProfile
 from autoremat.planning.planner import CapturePlanner, compile_and_trace
 from autoremat.planning.same_regions import relocated
 from examples import models

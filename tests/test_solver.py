@@ -441,7 +441,7 @@ def test_only_values_that_hold_back_a_recomputation_at_the_peak_are_tried_for_lo
     v and is dead by then. Saving b moves a's recomputation past p (1,116 B); a and c are held there
     themselves; saving d cannot change p's step. So a, b, c are tried for lowering, d only for a cheaper plan
     at the same peak, while such values are at most heuristics.SLACK_TRIES."""
-    from autoremat.model.profile import GraphProfile, NodeProfile
+    from autoremat.model.graph_profile import GraphProfile, NodeProfile
 
     def node(name, kind, *inputs, nbytes=100, scratch=0):
         return NodeProfile(name=name, kind=kind, target="t", inputs=tuple(inputs), storage=name, nbytes=nbytes,

@@ -83,7 +83,7 @@ def test_values_recomputed_twice_lower_the_stack_floor_with_eagers_gradients(mon
 
 
 def test_a_cut_recomputes_what_its_node_reads_and_later_readers_read_the_copy():
-    from autoremat.model.profile import NodeProfile
+    from autoremat.model.graph_profile import NodeProfile
 
     def node(name, kind, *inputs):
         return NodeProfile(name=name, kind=kind, target="t", inputs=tuple(inputs), storage=name, nbytes=4)

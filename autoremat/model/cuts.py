@@ -21,10 +21,8 @@ A copy is named `<value>__again<k>`; `base` gives the value's own name back.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage
-    from autoremat.model.profile import NodeProfile
+from autoremat.model.graph_profile import NodeProfile
 
 MARK = "__again"
 

@@ -8,16 +8,12 @@ into a dying input (inplace.py); a backward cat's inputs may be computed into it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 
 from autoremat.model.devices import DeviceSpec
 from autoremat.model.fusion import concat_writes, epilogue_reductions, fused_nodes, own_kernel
-
-if TYPE_CHECKING:  # profile.py imports this module; the profile's class is only named here
-    from autoremat.model.profile import NodeProfile
+from autoremat.model.graph_profile import NodeProfile
 
 _aten = torch.ops.aten
 # The attention kernels Inductor runs as fallbacks under `sdpa_constraint` (torch/_inductor/lowering.py, torch 2.11

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 
 NOT_DONATED = ("param", "input", "tangent", "constant")
 

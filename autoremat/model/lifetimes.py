@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoremat.capture.regions import block_of
-from autoremat.model.handoffs import region_handoffs, tied_waits
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.inplace import kernel_last_use
 from autoremat.model.memory import INF, _round
-from autoremat.model.profile import GraphProfile
+from autoremat.model.region_crossings import region_handoffs, tied_waits
 
 
 @dataclass
@@ -115,7 +115,7 @@ def output_spans(graphs: list[GraphProfile], granularity: int = 1) -> list[list[
 
 def waiting_bytes(graphs: list[GraphProfile], granularity: int = 1) -> list[int]:
     """Per graph, the bytes of other regions' gradients of a shared input (a tied weight, an output two
-    regions read) that wait in autograd while its backward runs (handoffs.tied_waits): from the backward
+    regions read) that wait in autograd while its backward runs (region_crossings.tied_waits): from the backward
     after the one that computed them to the end of the one they wait for."""
     waiting = [0] * len(graphs)
     for until, grads in tied_waits(graphs).items():

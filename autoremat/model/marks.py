@@ -21,13 +21,11 @@ optimises over the plans that can run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-if TYPE_CHECKING:  # profile.py imports this module for `user_mark`
-    from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 
 MUST_SAVE = "must_save"
 MUST_RECOMPUTE = "must_recompute"

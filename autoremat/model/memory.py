@@ -7,7 +7,7 @@ order, so `simulate` replays what will run: each op allocates its output, a valu
 generation makes this true of saved tensors too), a storage is freed when the last value that
 aliases it dies, forward outputs live to the end of the step, and gradients live until their
 backward graph returns (a tied weight's, until the other region that reads the weight returns its own:
-`handoffs.tied_waits`).
+`region_crossings.tied_waits`).
 
 Bytes that are fixed for the whole step (parameters, gradient buffers, optimizer state, inputs)
 are not simulated here; they come from the ledger.
@@ -25,9 +25,10 @@ from typing import Any
 
 from autoremat import switches
 from autoremat.model.cuts import base
-from autoremat.model.handoffs import handed_over, region_handoffs, tied_waits
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.inplace import donor, kernel_last_use, least_peak_first
-from autoremat.model.profile import GraphProfile
+from autoremat.model.region_crossings import handed_over, region_handoffs, tied_waits
+from autoremat.model.schedule import Schedule
 from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf
@@ -40,22 +41,6 @@ TANGENTS_HELD = not TANGENTS_BOXED
 
 class _OverLimit(Exception):
     """A step of a simulation given a limit went over it: the rest of the step is not replayed."""
-
-
-class PlanError(ValueError):
-    """A saved set that cannot be executed (the backward needs a value nobody may recompute)."""
-
-
-@dataclass
-class Schedule:
-    forward: list[str]  # forward graph, in execution order
-    backward: list[str]  # backward graph, recomputed nodes placed just before their first use
-    saved: list[str]  # forward values handed to the backward
-    recomputed: list[str]  # forward-side nodes that run again in the backward
-    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (cuts.py)
-    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (cuts.py)
-    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (cuts.py), a writer's (below)
-    written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
 
 
 @dataclass(slots=True)

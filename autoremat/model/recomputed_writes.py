@@ -23,12 +23,8 @@ overwriting variant (`NodeProfile.overwrites`): the fused LM head's backward wri
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from autoremat.model.cuts import base
-
-if TYPE_CHECKING:  # annotations only
-    from autoremat.model.profile import NodeProfile
+from autoremat.model.graph_profile import NodeProfile
 
 
 def _inputs_of(nodes: dict[str, NodeProfile], reads: dict[str, tuple[str, ...]], e: str) -> tuple[str, ...]:

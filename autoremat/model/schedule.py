@@ -10,12 +10,28 @@ schedule and counts its live bytes.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 
 from autoremat.model.cuts import MARK, base, cut_backward
+from autoremat.model.graph_profile import GraphProfile, NodeProfile
 from autoremat.model.marks import force_marks
-from autoremat.model.memory import PlanError, Schedule
-from autoremat.model.profile import GraphProfile, NodeProfile
 from autoremat.model.recomputed_writes import write_over_dying_input, write_recomputed
+
+
+class PlanError(ValueError):
+    """A saved set that cannot be executed (the backward needs a value nobody may recompute)."""
+
+
+@dataclass
+class Schedule:
+    forward: list[str]  # forward graph, in execution order
+    backward: list[str]  # backward graph, recomputed nodes placed just before their first use
+    saved: list[str]  # forward values handed to the backward
+    recomputed: list[str]  # forward-side nodes that run again in the backward
+    again: list[str] = field(default_factory=list)  # backward nodes where recomputation starts afresh (cuts.py)
+    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # entries reading a copy (cuts.py)
+    storage: dict[str, str] = field(default_factory=dict)  # each copy's storage (cuts.py), a writer's (below)
+    written: dict[str, str] = field(default_factory=dict)  # entries written into a dying input (recomputed_writes.py)
 
 
 def forward_ancestors(g: GraphProfile, seeds) -> set[str]:

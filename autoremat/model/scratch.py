@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from autoremat.capture.captured import CapturedGraph
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.profile import (  # the bytes of a traced value, as profiled
-    GraphProfile,
     _dense_bytes,
     _nbytes,
     _tensors,

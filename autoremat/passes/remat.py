@@ -8,7 +8,7 @@ exactly `Schedule.forward` and `Schedule.backward`, the order the memory model s
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.fx as fx
@@ -19,12 +19,29 @@ from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node
 
-if TYPE_CHECKING:  # annotations only: the passes import no pipeline stage (capture imports passes)
-    from autoremat.capture.captured import CapturedGraph
-    from autoremat.model.memory import Schedule
+
+# What `split` reads of the capture's graph and of the plan's order, named here as protocols: the passes
+# import no pipeline stage, not even for annotations (capture imports the passes, and the model's profile
+# imports this module), so the stages' own classes satisfy these by their fields.
+class JointGraph(Protocol):
+    """A captured joint graph (capture/captured.py's `CapturedGraph`)."""
+
+    joint: fx.GraphModule
+    num_fwd_outputs: int
+    static_input_indices: list[int]
+    compiler: str
 
 
-def split(cg: CapturedGraph, schedule: Schedule) -> tuple[fx.GraphModule, fx.GraphModule]:
+class Order(Protocol):
+    """The order a plan runs a graph in (model/schedule.py's `Schedule`)."""
+
+    forward: list[str]
+    backward: list[str]
+    saved: list[str]
+    written: dict[str, str]
+
+
+def split(cg: JointGraph, schedule: Order) -> tuple[fx.GraphModule, fx.GraphModule]:
     """Forward and backward GraphModules that save `schedule.saved` and recompute the rest."""
     joint = cg.joint
     by_name = {n.name: n for n in joint.graph.nodes}

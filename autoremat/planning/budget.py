@@ -10,8 +10,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from autoremat.model.devices import DeviceSpec
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.ledger import Ledger
-from autoremat.model.profile import GraphProfile
 from autoremat.planning.calls import one_set_per_graph, repeats
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan

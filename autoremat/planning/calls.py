@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.solve.decision import Decision, evaluate
 
 

@@ -17,7 +17,7 @@ from autoremat.solve.decision import Decision
 from autoremat.solve.rows_time import least_time, ops_once_time
 
 if TYPE_CHECKING:
-    from autoremat.model.profile import GraphProfile
+    from autoremat.model.graph_profile import GraphProfile
     from autoremat.planning.chunk_count_trace import ChunkCountTrace
 
 OUTSIDE = "plan's peak holds nothing sized by the chunk's rows, which is all more chunks shrink"

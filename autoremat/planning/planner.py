@@ -30,8 +30,9 @@ from autoremat.capture.blocks import (  # noqa: F401  (CaptureError: part of the
 from autoremat.capture.captured import CapturedGraph
 from autoremat.capture.tracing import Restore, describe, eager_saved_bytes, inputs_must_fit, reshard  # noqa: F401 (faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.ledger import Ledger, ledger_from_graph
-from autoremat.model.profile import GraphProfile, fingerprint, profile_graph
+from autoremat.model.profile import fingerprint, profile_graph
 from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split

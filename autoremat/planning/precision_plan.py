@@ -19,7 +19,8 @@ import torch.fx as fx
 from autoremat.capture.aot import capture
 from autoremat.model import precision_measure as P
 from autoremat.model.devices import DeviceSpec
-from autoremat.model.profile import GraphProfile, profile_graph
+from autoremat.model.graph_profile import GraphProfile
+from autoremat.model.profile import profile_graph
 from autoremat.passes.dtypes import apply_dtypes
 from autoremat.solve.precision_choices import DtypeChoices, dtype_choices
 from autoremat.solve.solver import choose_dtypes

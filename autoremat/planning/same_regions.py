@@ -28,7 +28,8 @@ import torch.fx as fx
 from autoremat import switches
 from autoremat.capture.graph_code import GraphCode, code_of
 from autoremat.capture.regions import RegionLinks
-from autoremat.model.profile import GraphProfile, module_path_of
+from autoremat.model.graph_profile import GraphProfile
+from autoremat.model.profile import module_path_of
 
 if TYPE_CHECKING:
     from autoremat.planning.planner import CapturePlanner

@@ -22,8 +22,8 @@ import torch.fx as fx
 from autoremat.capture.aot import aot_backend
 from autoremat.capture.captured import CapturedGraph
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.ledger import Ledger, parameter_bytes, storage_key
-from autoremat.model.profile import GraphProfile
 from autoremat.planning.budget import budget_or_memory, plan_graphs
 from autoremat.planning.compilers import (
     CompilerChoice,

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from autoremat.model import memory
 from autoremat.model.cuts import base
-from autoremat.model.memory import Schedule, Timeline, simulate
-from autoremat.model.profile import GraphProfile
-from autoremat.model.schedule import make_schedule
+from autoremat.model.graph_profile import GraphProfile
+from autoremat.model.memory import Timeline, simulate
+from autoremat.model.schedule import Schedule, make_schedule
 
 
 @dataclass

@@ -14,9 +14,9 @@ import dataclasses
 
 from autoremat.capture.regions import block_of
 from autoremat.model.cuts import base
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import lifetimes
 from autoremat.model.memory import live_at_peak
-from autoremat.model.profile import GraphProfile
 from autoremat.solve.decision import Decision, evaluate
 
 

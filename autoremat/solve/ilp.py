@@ -15,7 +15,7 @@ Data, per graph (computed by ilp_data.py, lifetimes.py and memory.py):
                with block drag, a chain of recomputed users in the same block pulls it earlier)
   last(v)      the last backward step that reads v (Lifetimes.last_read)
   out_g        bytes of graph g's forward outputs (held by the caller, or by later regions)
-  wait_g       bytes of later regions' gradients of a shared input (handoffs.tied_waits) held during g's backward
+  wait_g       bytes of later regions' gradients of a shared input (region_crossings.tied_waits) held during g's backward
 
 Variables:
   s_v, r_v in {0,1}   v is saved for the backward / recomputed in it
@@ -70,9 +70,9 @@ from dataclasses import dataclass
 
 import pulp
 
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import Lifetimes, lifetimes, output_spans, waiting_bytes
 from autoremat.model.memory import INF
-from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.ilp_data import base_size, block_twins, owned_size, static_profile
 from autoremat.solve.objective import Terms, set_objective

@@ -5,9 +5,9 @@ identical repeated blocks whose decisions may be shared."""
 from __future__ import annotations
 
 from autoremat.capture.regions import block_of
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import Lifetimes
 from autoremat.model.memory import TANGENTS_HELD, Timeline, _Heap, _run
-from autoremat.model.profile import GraphProfile
 from autoremat.model.schedule import forward_slots
 
 

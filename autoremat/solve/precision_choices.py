@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autoremat.model.devices import DeviceSpec
-from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 
 
 @dataclass

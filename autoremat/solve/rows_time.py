@@ -12,7 +12,7 @@ import math
 
 import pulp
 
-from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.solve import lp
 from autoremat.solve.ilp import IlpModel
 from autoremat.solve.objective import TIE_BYTES

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 
-from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.solve import heuristics, lp
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack

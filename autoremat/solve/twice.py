@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from autoremat.model.cuts import MARK, base
-from autoremat.model.profile import GraphProfile
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import lower_peak
 

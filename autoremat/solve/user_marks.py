@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pulp
 
+from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import Lifetimes
 from autoremat.model.marks import PREFER_RECOMPUTE, PREFER_SAVE, must_marks
-from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
 
 

@@ -4,13 +4,9 @@ for the memory model (`memory.simulate`) and the ILP's rows (lifetimes.output_sp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from autoremat.model.cuts import base
-from autoremat.model.profile import GraphProfile
-
-if TYPE_CHECKING:
-    from autoremat.model.memory import Schedule
+from autoremat.model.graph_profile import GraphProfile
+from autoremat.model.schedule import Schedule
 
 
 def region_handoffs(profiles: list[GraphProfile]) -> dict[tuple[int, str], list[tuple[int, str]]]:
