@@ -4,8 +4,8 @@ Recomputation is just in time: a recomputed value is emitted before its first ba
 lives to its last. When an early reader needs a value whose recomputation passes through values the
 backward reads only much later, those are held all the way in between. In a checkpointed transformer
 block the MLP's backward, which comes first, reads the mid-block residual; recomputing it recomputes
-attention, and attention's softmax, dropout output, q, k, v (4.75 MiB on the 12-block stack of
-benchmarks/floor.py) are then alive through the whole MLP backward, where the block peaks.
+attention, and attention's softmax, dropout output, q, k, v are then alive through the whole MLP backward, where the block peaks
+(benchmarks/live_at_peak.py lists what is live at a floor plan's peak: results/live_at_peak_cpu.md).
 
 A *cut* before backward node c says: a value recomputed before c is not kept for readers from c on;
 the first such reader recomputes it again (with whatever of its recomputed inputs is stale too). A

@@ -1,9 +1,8 @@
 """Roofline device table: enough about a device to predict how long an op takes.
 
 All compute figures are dense (no 2:4 sparsity) peaks from the vendor documents named
-next to them. Peaks are optimistic: on an H200 an 8192^3 bf16 matmul measured 788
-TFLOP/s (80% of the 989 TFLOP/s datasheet) and a device-to-device copy ~4.3 TB/s (90%
-of 4.8 TB/s). The planner only compares op times with each other, so a uniform
+next to them. Peaks are optimistic: real kernels reach only a part of the datasheet
+rate. The planner only compares op times with each other, so a uniform
 optimism costs little; measured times from profiling replace these when available.
 """
 
@@ -88,7 +87,8 @@ def dtype_key(dtype: str | torch.dtype) -> str:
 # Host time of one more graph call per step (regions="auto" weighs it against recomputation). Measured by
 # benchmarks/launch_overhead.py's `region_call` rows (results/launch_overhead_cpu.json): a stack run as one
 # graph against one graph per block, nothing recomputed, so the difference is the calls and the gradient
-# hand-offs between them. The hand-off is not priced apart: the runs disagree on it, within their noise.
+# hand-offs between them. The hand-off is not priced apart: its fitted slope
+# (`s_per_handoff` in the same results file) is within the fit's noise.
 REGION_CALL_S = 40e-6
 
 
@@ -115,7 +115,7 @@ _DEVICES: dict[str, DeviceSpec] = {
     # A rough nominal figure for a generic 2-core AVX2 server, not a datasheet value:
     # 2 cores x 2 FMA units x 8 fp32 lanes x 2 flops x ~3 GHz is ~200 GFLOP/s peak,
     # of which eager PyTorch reaches roughly a quarter. bf16/fp16 have no native
-    # arithmetic here and measured 10-13x slower than fp32, hence 1/10 of the rate.
+    # arithmetic on such a CPU and run about an order of magnitude slower than fp32, hence 1/10 of the rate.
     "cpu": DeviceSpec(
         name="cpu",
         kind="cpu",
@@ -129,8 +129,8 @@ _DEVICES: dict[str, DeviceSpec] = {
         # steps: priced too high, recomputation looks dear and regions="auto" cuts graphs apart that run
         # faster whole (benchmarks/dropout_gap.py).
         launch_overhead_s=1e-6,
-        # A dropout mask drawn again costs far more than the arithmetic it feeds (aten.bernoulli.p against a
-        # multiply of as many elements, 1 thread: about 30x), so replaying a mask is priced per element.
+        # A dropout mask drawn again costs far more than the arithmetic it feeds (a draw per element against
+        # one multiply per element), so replaying a mask is priced per element.
         random_draw_s_per_element=4.7e-9,
         region_call_s=REGION_CALL_S,
     ),

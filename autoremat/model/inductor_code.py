@@ -45,7 +45,7 @@ def sdpa_dense_copies(gm: fx.GraphModule, nodes: dict[str, NodeProfile], dev: De
     whose base is a realized buffer (a value the forward handed over, an input: a view with strides), but copies
     one whose base is computed in the same kernel graph: a mask recomputed in the backward (its `where`) reached
     the efficient backward as a dense (batch, heads, seq, seq) fp32 copy, the size of a whole attention matrix
-    (benchmarks/gpu_check.py's qwen2).
+    (tests/test_fusion.py::test_on_cuda_inductor_keeps_an_expanded_masks_base_saved_so_no_copy_is_made).
     So: on a CPU the copy is the kernel's scratch; on CUDA the base is never recomputed (the plan saves it, the
     backward reads a buffer, and no copy is made)."""
     for n in gm.graph.nodes:

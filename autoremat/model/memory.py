@@ -34,8 +34,8 @@ from autoremat.torch_internals import TANGENTS_BOXED
 INF = math.inf
 # The gradients a compiled backward receives for the forward's outputs (its tangents): torch 2.13
 # boxes them (autograd.Function.boxed_grads_call), so each dies after its last use in the graph;
-# torch 2.11 keeps them in the argument tuple until the backward returns (measured: a held [2,64,256]
-# logits tangent added 128 KiB to a Llama step's peak on 2.11, none on 2.13).
+# torch 2.11 keeps them in the argument tuple until the backward returns
+# (tests/test_torch_internals.py::test_tangents_boxed_is_what_the_memory_model_assumes checks which does).
 TANGENTS_HELD = not TANGENTS_BOXED
 
 

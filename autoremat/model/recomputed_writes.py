@@ -3,8 +3,9 @@
 A value recomputed in the backward lives only from its recomputation to its last reader there. In a
 checkpointed attention the dropout's recomputed `mul` (the probabilities scaled by 1/(1-p)) is read
 only by the `where` that applies the mask: when the `where` runs, the `mul` dies, yet as functional ops
-both [batch, heads, seq, seq] tensors are alive at once (1 MiB each on the 12-block stack of
-benchmarks/floor.py, at its floor's peak). Written with its out= variant into the dying input, the
+both [batch, heads, seq, seq] tensors are alive at once
+(tests/test_recomputed_runs.py::test_recomputed_ops_write_into_dying_inputs_with_eagers_gradients_and_the_predicted_peak
+checks the rewrite's peak and gradients). Written with its out= variant into the dying input, the
 `where` computes the same values element by element and allocates nothing (as `passes/reuse.py` does
 for backward ops, where the joint order alone decides who dies where).
 

@@ -121,8 +121,8 @@ def _handed_over(nodes: dict[str, NodeProfile], saved: set[str]) -> set[str]:
     saved = {s for s in saved if nodes[s].kind == "forward" and not nodes[s].is_tuple}
     # Hand over storages, not views: a saved view (a detach, a transpose) is replaced by its base,
     # and the backward re-derives the view for free. The autograd runtime keeps a saved view's
-    # base alive past the view's last use (measured: a ReLU output held to the end of its
-    # backward), so saving the base is both cheaper to model and what actually frees memory.
+    # base alive past the view's last use (autograd holds the base a saved
+    # view was made from as long as the view is saved), so saving the base is both cheaper to model and what actually frees memory.
     for v in list(saved):
         root = nodes[v].storage
         if root and root != v:

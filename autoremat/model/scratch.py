@@ -132,10 +132,9 @@ def _measured(n: fx.Node, device: torch.device, key: str) -> tuple[int, bool] | 
 def scratch_estimate(n: fx.Node) -> int:
     """Scratch assumed for an op that could not be measured: room for a contiguous copy of each of
     its tensor inputs and outputs. An estimate, said to be one in the plan's notes, never a silent
-    0, and not a bound: measured CPU kernels exceed it (16-bit convolutions up to 4.2x, a sum to
-    one number 2 KiB against 264 B, the fused linear + loss's blocks of rows up to 6.4x). The
-    verification step measures the real peak and plans again when it is over (figures:
-    benchmarks/results/scratch_survey_cpu.md)."""
+    0, and not a bound: some measured CPU kernels exceed it (benchmarks/scratch_survey.py lists
+    which, and by how much: results/scratch_survey_cpu.md). The verification step measures the real
+    peak and plans again when it is over."""
     tensors = [t for a in n.all_input_nodes for t in _tensors(a.meta.get("val"))] + _tensors(n.meta.get("val"))
     return sum(_dense_bytes(t) for t in tensors)
 

@@ -25,7 +25,8 @@ values with fp32 accumulation, as a 16-bit GPU matmul computes them.
 On the eager path, where h is read by nothing after the backward (it is recomputed for it, or saved and
 read there last), `linear_cross_entropy_backward_into_h` writes h's gradient over h instead: the plan
 decides per schedule (recomputed_writes.write_over_dying_input), `write_gradient_into_h` rewrites the
-backward to match. At a bf16 7B Llama's floor, set by this op's backward, that is 16 MiB less.
+backward to match. Where this op's backward sets the floor, that lowers it by h's size
+(tests/test_fused_linear_loss.py::test_the_heads_backward_writes_hs_gradient_over_h_where_h_dies).
 
 Scratch: a chunk x block of logits (and their 16-bit copy), the block of W cast, and the chunk's fp32
 accumulator of the hidden-state gradient (at 7B widths: 256 x 256 logits, 256 x 4096 weights, 4 MiB); on meta `meta_scratch` books those bytes (scratch.calibrate_scratch), on a

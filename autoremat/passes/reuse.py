@@ -32,8 +32,8 @@ def out_variant(op: OpOverload) -> tuple[OpOverload, str] | None:
     Only an overload with a kernel of its own: the generated out= wrapper of an op that has only a
     functional kernel (`mul.Scalar_out`, `div.Scalar_out`, `native_dropout_backward.out`) allocates the
     whole result and copies it into `out`, so writing through it saves nothing and the memory model, which
-    books no output for a writer, would under-predict by that result (GPT-2's first floor plan: the GELU
-    backward's `mul(pow, 3.0)`, 4 MiB, measured over the prediction at the step's peak).
+    books no output for a writer, would under-predict by that result
+    (tests/test_recomputed_runs.py::test_an_out_overload_that_copies_its_result_is_not_written_through).
     """
     names = [(a.name, str(a.type)) for a in op._schema.arguments]  # pow.Tensor_Scalar is not pow.Tensor_Tensor_out
     packet = op.overloadpacket

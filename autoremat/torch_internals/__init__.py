@@ -73,7 +73,8 @@ Dispatcher and ops:
                                other two sorts (bfs, dfs) work on Inductor's fused kernels, whose
                                grouping the model does not know; where Inductor picks one of those
                                (benchmarks/speed.py's GPT-2 with dropout), the real peak can pass the
-                               model's by a few KB
+                               model's (results/speed_cpu.md: predicted against measured); verification
+                               catches it
   inductor_kernel_probe        torch._functorch.aot_autograd.aot_function: one tiny pointwise+reduction
                                kernel through those compilers, no dynamo (safe inside a backend's call)
   inductor_cpp_compiler        torch._inductor.cpp_builder.get_cpp_compiler: the C++ compiler Inductor's

@@ -132,8 +132,8 @@ def accumulate_into_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
     """Run `leaf`'s AccumulateGrad node with `grad` through the autograd engine, re-entrantly when called
     inside a backward: `.grad` is added to and every hook on the node or the tensor fires, as
     `torch.autograd.backward(leaf, grad)` does. That wrapper first checks its arguments in Python
-    (shapes, dtypes, symbolic sizes): 40-60 us of a 55-80 us call here, paid once per parameter per
-    backward; `grad` is a gradient the graph computed for `leaf`, of its shape and dtype already."""
+    (shapes, dtypes, symbolic sizes): most of the call's time (benchmarks/fx_overhead.py's
+    `hand_off_cost`), paid once per parameter per backward; `grad` is a gradient the graph computed for `leaf`, of its shape and dtype already."""
     torch.autograd.Variable._execution_engine.run_backward(
         (leaf,), (grad,), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
