@@ -156,6 +156,7 @@ def sanity(dev: torch.device) -> dict:
         from autoremat.capture.aot import capture
         from autoremat.model.profile import profile_graph
         from autoremat.solve import solver
+        from autoremat.solve.decision import Route
         from examples.models import transformer_stack
 
         model, ex = transformer_stack(n_layer=2, d=16, seq=8, batch=2)
@@ -167,8 +168,8 @@ def sanity(dev: torch.device) -> dict:
         traceback.print_exc()
         sys.exit(f"SANITY FAILED: autoremat's solver path raised {type(e).__name__}: {e} (PuLP {pulp.__version__}); "
                  "if this autoremat predates PuLP 4 support, carry pulp==3.3.2 + highspy instead")
-    if not d.path.startswith("ilp") or "highs" not in str(d.solver).lower():
-        sys.exit(f"SANITY FAILED: the tiny ILP was not solved by HiGHS (path {d.path!r}, solver {d.solver!r}, "
+    if d.path.route not in (Route.ILP, Route.ILP_MIN_PEAK) or "highs" not in str(d.solver).lower():
+        sys.exit(f"SANITY FAILED: the tiny ILP was not solved by HiGHS (path {str(d.path)!r}, solver {d.solver!r}, "
                  f"status {d.status!r})")
     torch._dynamo.reset()
     versions["sanity_s"] = round(time.monotonic() - t, 1)

@@ -60,7 +60,7 @@ def measure(depth: int, d: int, seq: int, batch: int, time_limit: float, full_li
     return {"full_ms": full_ms, "full_s": full_s, "depth": depth, "nodes": len(gp.nodes), "variables": variables, "constraints": constraints,
             "build_s": build_s, "mip_s": mip_s, "mip_status": mip_status,
             "trace_s": trace_s, "floor_s": floor_s, "solve_s": solve_s, "objective_ms": dec.recompute_time_s * 1e3,
-            "status": dec.status, "path": dec.path, "budget": budget, "peak": dec.peak, "lo": lo, "hi": hi}
+            "status": dec.status, "path": str(dec.path), "budget": budget, "peak": dec.peak, "lo": lo, "hi": hi}
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from autoremat.model.ledger import SLACK
 from autoremat.model.profile import profile_graph
 from autoremat.planning.plan import Ledger, build_plan
 from autoremat.solve import decision, heuristics, solver
+from autoremat.solve.decision import BlockModes, IlpVariant, PlanPath, Refinement, Route
 from examples import models
 
 budget_module = importlib.import_module("autoremat.planning.budget")  # where every face calls the solver
@@ -47,7 +48,7 @@ def _mid(stack):
 def test_optimal_path(stack):
     gp, budget = _mid(stack)
     d = solver.solve([gp], budget)
-    assert d.status == "optimal" and d.path.split("/")[0] in ("ilp", "ilp+calibrated"), d.path
+    assert d.status == "optimal" and d.path.route is Route.ILP and not d.path.refinements, d.path
     assert d.peak <= budget
 
 
@@ -62,7 +63,7 @@ def test_time_limit_path_uses_the_best_plan_found(stack, monkeypatch):
 
     monkeypatch.setattr(solver.IlpModel, "solve", stopped_early)
     d = solver.solve([gp], budget)
-    assert d.status == "time_limit" and d.path.startswith("ilp") and d.peak <= budget
+    assert d.status == "time_limit" and d.path.route is Route.ILP and d.peak <= budget
     plan = build_plan([gp], d, Ledger(0, 0, 0), budget, "cpu")
     assert plan.solver["status"] == "time_limit"
     assert any("time limit" in n for n in plan.notes), plan.notes
@@ -86,10 +87,50 @@ class Unrepeated(nn.Module):
         return self.down(torch.tanh(self.mid(F.gelu(self.up(x))))).square().mean()
 
 
+# Texts of the paths the planners give (the plan JSON's solver["path"]), and the typed path each reads back as.
+PATH_TEXTS = {
+    "save-all": PlanPath(Route.SAVE_ALL),
+    "ilp": PlanPath(Route.ILP, IlpVariant()),
+    "ilp+calibrated/block-drag/shared-blocks+slack-spent": PlanPath(
+        Route.ILP, IlpVariant(block_drag=True, shared_blocks=True, calibrated=True), (Refinement.SLACK_SPENT,)),
+    "ilp-min-peak/block-drag": PlanPath(Route.ILP_MIN_PEAK, IlpVariant(block_drag=True)),
+    "block-modes(checkpoint 2, selective 11)+slack-spent": PlanPath(Route.BLOCK_MODES, BlockModes(2, 11),
+                                                                    (Refinement.SLACK_SPENT,)),
+    "checkpoint-blocks+recomputed-twice+peak-lowered": PlanPath(
+        Route.CHECKPOINT_BLOCKS, refinements=(Refinement.RECOMPUTED_TWICE, Refinement.PEAK_LOWERED)),
+    "greedy": PlanPath(Route.GREEDY),
+    "cache": PlanPath(Route.CACHE),
+}
+
+
+def test_a_plan_path_reads_back_from_its_text():
+    for text, path in PATH_TEXTS.items():
+        assert str(path) == text and PlanPath.parse(text) == path, (text, path)
+    for text in ("ilp+tighten", "checkpoint", "greedy/block-drag", "ilp/shared-blocks/block-drag", ""):
+        with pytest.raises(ValueError):
+            PlanPath.parse(text)
+
+
+def test_a_plan_saved_and_loaded_keeps_its_path(stack, tmp_path):
+    """The plan JSON stores the path's text: a plan saved and loaded compares equal and reads back the
+    decision's typed path, and a plan JSON holding any path's text (as saved before paths were typed) loads."""
+    gp, budget = _mid(stack)
+    d = solver.solve([gp], budget)
+    plan = build_plan([gp], d, Ledger(0, 0, 0), budget, "cpu")
+    plan.save(tmp_path / "plan.json")
+    loaded = type(plan).load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.solver_path == d.path and plan.summary() == loaded.summary()
+    assert f"solver: {d.path} (" in plan.summary()
+    raw = json.loads(plan.to_json())
+    for text, path in PATH_TEXTS.items():
+        old = type(plan).from_json(json.dumps({**raw, "solver": {**raw["solver"], "path": text}}))
+        assert old.solver_path == path and f"solver: {text} (" in old.summary()
+
+
 def test_save_all_path_when_everything_fits(stack):
     gp, hi, _ = stack
     d = solver.solve([gp], hi)
-    assert d.path == "save-all" and d.status == "optimal" and d.recompute_time_s == 0 and d.peak == hi
+    assert d.path == PlanPath(Route.SAVE_ALL) and d.status == "optimal" and d.recompute_time_s == 0 and d.peak == hi
 
 
 def test_the_no_recompute_budget_is_the_least_that_recomputes_nothing():
@@ -101,10 +142,10 @@ def test_the_no_recompute_budget_is_the_least_that_recomputes_nothing():
     top = roomy.no_recompute_budget
     assert top == Ledger.from_dict(roomy.ledger).fixed + roomy.baseline_peak + SLACK, top
     at = autoremat.optimize(model, budget=top, example_inputs=ex, verify=False, compiler="eager").plan
-    assert at.solver["path"] == "save-all" and at.recompute_time_s == 0, at.summary()
+    assert at.solver_path == PlanPath(Route.SAVE_ALL) and at.recompute_time_s == 0, at.summary()
     assert at.no_recompute_budget == top
     below = autoremat.optimize(model, budget=top - 1, example_inputs=ex, verify=False, compiler="eager").plan
-    assert below.solver["path"] != "save-all" and below.recompute_time_s > 0, below.summary()
+    assert below.solver_path.route is not Route.SAVE_ALL and below.recompute_time_s > 0, below.summary()
     assert below.predicted_peak <= top - 1
 
 
@@ -115,7 +156,7 @@ def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch, no_floo
     budget = (hi + solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak) // 2
     _no_ilp(monkeypatch)
     d = solver.solve([gp], budget)
-    assert d.path.startswith("block-modes(") and d.status == "heuristic", (d.status, d.path)
+    assert d.path.route is Route.BLOCK_MODES and isinstance(d.path.detail, BlockModes) and d.status == "heuristic", (d.status, d.path)
     assert d.peak <= budget and d.recompute_time_s > 0
 
 
@@ -129,11 +170,11 @@ def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch, 
     assert solver.block_mode_plans([gp], 10**12, 1) == []  # nothing repeated to choose modes for
     _no_ilp(monkeypatch)
     d = solver.solve([gp], budget)
-    assert d.path == "greedy" and d.status == "greedy", (d.status, d.path)
+    assert d.path == PlanPath(Route.GREEDY) and d.status == "greedy", (d.status, d.path)
     assert d.peak <= budget and any("used the greedy plan" in n for n in d.notes), d.notes
     smallest = solver.smallest_peak([gp])  # the lowest of greedy's and checkpointing's plans, each lowered
     # where saving values back can lower it (here none can), then values recomputed twice (twice.py) lower it
-    assert smallest.peak < budget and "+recomputed-twice" in smallest.path, (smallest.path, smallest.peak, budget)
+    assert smallest.peak < budget and Refinement.RECOMPUTED_TWICE in smallest.path.refinements, (smallest.path, smallest.peak, budget)
     with pytest.raises(solver.Infeasible) as err:  # below that: nothing fits
         solver.solve([gp], smallest.peak - 1)
     assert err.value.smallest.path == smallest.path and err.value.smallest.peak == smallest.peak
@@ -147,7 +188,7 @@ def test_infeasible_carries_the_checkpointing_plan_when_the_ilp_finds_nothing(st
     blocks_peak = solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak
     assert blocks_peak < solver.evaluate([gp], solver.greedy([gp], 0))[1].peak
     smallest = solver.smallest_peak([gp])
-    assert smallest.path.startswith("checkpoint-blocks") and smallest.peak <= blocks_peak, smallest.path
+    assert smallest.path.route is Route.CHECKPOINT_BLOCKS and smallest.peak <= blocks_peak, smallest.path
     with pytest.raises(solver.Infeasible) as err:
         solver.solve([gp], smallest.peak - 1)
     assert err.value.smallest.path == smallest.path and err.value.smallest.peak == smallest.peak
@@ -168,7 +209,7 @@ def test_smallest_peak_path_when_greedy_does_not_fit_either(stack, monkeypatch):
     floor = min(greedy_peak, blocks_peak)
     assert lo < floor, (lo, floor)  # a budget between: only the min-peak plan fits
     d = solver.solve([gp], (lo + floor) // 2)
-    assert d.path.startswith("ilp-min-peak"), d.path
+    assert d.path.route is Route.ILP_MIN_PEAK, d.path
     assert any("smallest-peak plan" in n for n in d.notes)
     with pytest.raises(solver.Infeasible):
         solver.solve([gp], lo - 1)
@@ -193,7 +234,7 @@ def test_the_min_peak_plan_found_while_calibrating_is_kept_when_it_fits(stack, m
     monkeypatch.setattr(solver.IlpModel, "solve", only_min_peak)
     monkeypatch.setattr(solver, "smallest_peak", no_search)
     d = solver.solve([gp], budget)
-    assert d.path.startswith("ilp-min-peak") and d.peak <= budget, (d.path, d.peak, budget)
+    assert d.path.route is Route.ILP_MIN_PEAK and d.peak <= budget, (d.path, d.peak, budget)
     assert any("smallest-peak plan" in n for n in d.notes), d.notes
 
 
@@ -226,7 +267,7 @@ def test_a_real_tiny_time_limit_still_gives_a_plan_that_fits_and_says_how():
     assert d.peak <= (hi + lo) // 2
     # Which path depends on the machine's speed; each is named. The block-mode walk is bounded by a count
     # of simulations, not by the time limit, so its plan is always in hand for the ILP to beat.
-    assert d.status in ("optimal", "time_limit", "greedy") or d.path.startswith("block-modes(") \
+    assert d.status in ("optimal", "time_limit", "greedy") or d.path.route is Route.BLOCK_MODES \
         or "smallest-peak" in " ".join(d.notes), d
 
 
@@ -271,16 +312,17 @@ def test_saving_values_back_lowers_checkpointings_peak_and_spends_slack_on_time(
     # Planned alone, as the torch.compile backend plans the third graph of a step: its steps name index 2.
     gp = dataclasses.replace(profile_graph(cg, "cpu"), index=2)
     blocks = solver.evaluate([gp], solver.checkpoint_blocks([gp]))
-    plan = solver.Decision(solver.checkpoint_blocks([gp]), blocks[0], blocks[1], blocks[2], "heuristic", "checkpoint")
+    plan = solver.Decision(solver.checkpoint_blocks([gp]), blocks[0], blocks[1], blocks[2], "heuristic",
+                           PlanPath(Route.CHECKPOINT_BLOCKS))
     lowered = solver.lower_peak([gp], plan, 1)
     assert lowered.peak < plan.peak and lowered.recompute_time_s <= plan.recompute_time_s, (lowered.peak, plan.peak)
-    assert lowered.path == "checkpoint+peak-lowered"
+    assert lowered.path == PlanPath(Route.CHECKPOINT_BLOCKS, refinements=(Refinement.PEAK_LOWERED,))
     schedules, tl, cost = solver.evaluate([gp], lowered.saved)  # the plan is what the simulator says it is
     assert (tl.peak, cost) == (lowered.peak, lowered.recompute_time_s)
 
     spent = solver.spend_slack([gp], plan, plan.peak + (plan.peak - lowered.peak), 1)
     assert spent.recompute_time_s < plan.recompute_time_s and spent.peak <= plan.peak + (plan.peak - lowered.peak)
-    assert "+slack-spent" in spent.path and any("saved back" in n for n in spent.notes), spent.notes
+    assert spent.path.refinements == (Refinement.SLACK_SPENT,) and any("saved back" in n for n in spent.notes), spent.notes
     assert solver.spend_slack([gp], plan, plan.peak, 1) is plan  # no slack: nothing to spend
 
 
@@ -336,7 +378,7 @@ def test_every_smallest_peak_candidate_is_lowered_before_one_is_kept(no_floors_r
     gp = profile_graph(cg, "cpu")
     floor = solver.smallest_peak([gp])
     blocks = solver.evaluate([gp], solver.checkpoint_blocks([gp]))
-    checkpointing = solver.Decision(solver.checkpoint_blocks([gp]), *blocks, "heuristic", "checkpoint-blocks")
+    checkpointing = solver.Decision(solver.checkpoint_blocks([gp]), *blocks, "heuristic", PlanPath(Route.CHECKPOINT_BLOCKS))
     assert floor.peak <= solver.lower_peak([gp], checkpointing, 1).peak
     assert solver.evaluate([gp], floor.saved)[1].peak == floor.peak
 
@@ -373,7 +415,7 @@ def test_the_heuristics_plans_do_not_depend_on_the_clock(monkeypatch):
     modes, spent, walked, greedy, best = fast
     assert greedy != solver.save_all([gp]), "greedy recomputed nothing: the comparison shows nothing"
     assert len(modes) >= 2 and walked <= 3 * (6 + 1), (modes, walked)
-    assert "+slack-spent" in spent[0] and spent[2] < best.recompute_time_s, (spent[0], best.path)
+    assert Refinement.SLACK_SPENT in spent[0].refinements and spent[2] < best.recompute_time_s, (spent[0], best.path)
 
 
 def test_a_simulation_given_a_limit_stops_at_the_first_step_over_it(stack):
@@ -452,7 +494,7 @@ def test_only_values_that_hold_back_a_recomputation_at_the_peak_are_tried_for_lo
              node("p", "backward", "c", nbytes=4, scratch=1000), node("w", "backward", "a", nbytes=4)]
     g = GraphProfile(nodes={n.name: n for n in nodes}, fw_outputs=["out"], grad_outputs=["v", "u", "p", "w"])
     schedules, timeline, cost = solver.evaluate([g], [set()])
-    plan = solver.Decision([set()], schedules, timeline, cost, "optimal", "by hand")
+    plan = solver.Decision([set()], schedules, timeline, cost, "optimal", PlanPath(Route.JOINT))
     assert schedules[0].backward == ["d", "v", "a", "b", "u", "c", "p", "w"]
     assert (timeline.peak_step.node, timeline.peak) == ("p", 1216)
     assert heuristics._held_back([g], plan, 0, ["d", "a", "b", "c"], 1) == ["a", "b", "c"]

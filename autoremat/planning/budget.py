@@ -15,7 +15,7 @@ from autoremat.model.profile import GraphProfile
 from autoremat.planning.calls import one_set_per_graph, repeats
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, PlanPath, Route, evaluate
 from autoremat.solve.solver import Infeasible, smallest_peak, solve
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
     if ledger.needs(tl.peak) > budget:
         return None
     plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
-    plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
+    plan.solver = {**plan.solver, "path": str(PlanPath(Route.CACHE)), "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
     ledger.activations = tl.peak
     plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
     return plan

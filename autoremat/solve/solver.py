@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import heuristics, lp
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, IlpVariant, PlanPath, Route, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult
 from autoremat.solve.ilp_data import block_twins
@@ -120,7 +120,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
             if low_tl.peak <= room:  # the rows' smallest peak may fit in the simulator: a plan in hand
                 best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
-                                "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
+                                PlanPath(Route.ILP_MIN_PEAK, IlpVariant(model.block_drag)), rounds=rounds,
                                 solver=type(backend).__name__,
                                 notes=["the ILP found no plan within the activations' room, but its smallest-peak plan "
                                        "fits the simulator and is used"])
@@ -132,8 +132,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= room:
             if best is None or cost < best.recompute_time_s:
-                path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.block_drag else "")
-                        + ("/shared-blocks" if model.shared_blocks else ""))
+                path = PlanPath(Route.ILP, IlpVariant(model.block_drag, model.shared_blocks, calibrated=rounds > 1))
                 best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
                                 solver=type(backend).__name__)
                 model.best_objective = result.objective
@@ -180,7 +179,7 @@ def solve(
     everything = save_all(graphs)
     schedules, tl, _ = evaluate(graphs, everything, granularity)
     if tl.peak <= room:  # no recomputation needed: nothing to solve
-        return Decision(everything, schedules, tl, 0.0, "optimal", "save-all", solver="none",
+        return Decision(everything, schedules, tl, 0.0, "optimal", PlanPath(Route.SAVE_ALL), solver="none",
                         solve_time_s=time.perf_counter() - t0, granularity=granularity)
     deadline = t0 + SOLVE_SHARE * time_limit
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
@@ -210,7 +209,7 @@ def solve(
         saved, fewer = heuristics.greedy_with(graphs, room, granularity, GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= room:
-            best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
+            best = Decision(saved, schedules, tl, cost, "greedy", PlanPath(Route.GREEDY), solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
     if best is None:
         # The floor query's own search (its candidates, not this room's): a refusal names the floor that a
@@ -239,7 +238,7 @@ def _has_twins(graphs: list[GraphProfile], model: IlpModel) -> bool:
 # so a later call on a busier machine could find a worse plan than the floor a BudgetError reported. Remembered,
 # the floor a process reports is reachable, and never rises, in it. The least recently used is forgotten first.
 FLOOR_MEMO_SIZE = 32
-_floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], str]] = OrderedDict()
+_floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], PlanPath]] = OrderedDict()
 
 
 def _floor_key(graphs: list[GraphProfile], granularity: int) -> tuple:
@@ -296,11 +295,11 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
         result = _min_peak(model, solver, min_peak_s)
         status = result.status
         if result.saved is not None:
-            options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
-    options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
+            options.append((result.saved, PlanPath(Route.ILP_MIN_PEAK, IlpVariant(model.block_drag))))
+    options.append((checkpoint_blocks(graphs), PlanPath(Route.CHECKPOINT_BLOCKS)))
     if greedy_plan is None:
         greedy_plan = greedy(graphs, 0, granularity, MIN_PEAK_GREEDY_TRIES)
-    options.append((greedy_plan, "greedy"))
+    options.append((greedy_plan, PlanPath(Route.GREEDY)))
     key = _floor_key(graphs, granularity)
     remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
     if remembered is not None:
@@ -330,8 +329,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
         # then values recomputed twice where that lowers the simulated peak: from the best, and from
         # checkpointing (whose recomputed blocks leave the cuts the most to gain)
         refined = [recompute_twice(graphs, best, granularity)]
-        blocks = next((d for d in candidates if d.path == "checkpoint-blocks"), None)
-        if blocks is not None and not best.path.startswith("checkpoint-blocks"):
+        blocks = next((d for d in candidates if d.path == PlanPath(Route.CHECKPOINT_BLOCKS)), None)
+        if blocks is not None and best.path.route is not Route.CHECKPOINT_BLOCKS:
             refined.append(lower_peak(graphs, recompute_twice(graphs, blocks, granularity), granularity))
         best = min(refined, key=lambda d: (d.peak, d.recompute_time_s))
         if (fits := _fastest_within(refined, room)) is not None:

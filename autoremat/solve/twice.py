@@ -16,7 +16,7 @@ import dataclasses
 
 from autoremat.model.cuts import MARK, base
 from autoremat.model.profile import GraphProfile
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, Refinement, evaluate
 from autoremat.solve.heuristics import lower_peak
 
 
@@ -79,7 +79,7 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
     if best is plan:
         return plan
     cuts = sum(len(s.again) for s in best.schedules) - sum(len(s.again) for s in plan.schedules)
-    return dataclasses.replace(best, path=plan.path + "+recomputed-twice", notes=[*plan.notes, (
+    return dataclasses.replace(best, path=plan.path.refined(Refinement.RECOMPUTED_TWICE), notes=[*plan.notes, (
         f"recomputed values twice at {cuts} cut(s) (GraphPlan.again): simulated peak {plan.peak:,} -> {best.peak:,} B, "
         f"predicted recompute {plan.recompute_time_s * 1e3:.2f} -> {best.recompute_time_s * 1e3:.2f} ms")])
 
