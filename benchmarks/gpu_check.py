@@ -163,7 +163,7 @@ def sanity(dev: torch.device) -> dict:
         (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
         gp = profile_graph(cg, "cpu")
         _, everything, _ = solver.evaluate([gp], solver.save_all([gp]))
-        d = solver.solve([gp], everything.peak - 1, time_limit=5.0)
+        d = solver.solve([gp], everything.peak - 1, options=solver.SolverOptions(time_limit=5.0))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         sys.exit(f"SANITY FAILED: autoremat's solver path raised {type(e).__name__}: {e} (PuLP {pulp.__version__}); "

@@ -23,6 +23,7 @@ from autoremat.model.profile import profile_graph
 from autoremat.planning.plan import Ledger, build_plan
 from autoremat.solve import decision, heuristics, solver
 from autoremat.solve.decision import BlockModes, IlpVariant, PlanPath, Refinement, Route
+from autoremat.solve.solver_options import SolverOptions
 from examples import models
 
 budget_module = importlib.import_module("autoremat.planning.budget")  # where every face calls the solver
@@ -222,7 +223,7 @@ def test_the_min_peak_plan_found_while_calibrating_is_kept_when_it_fits(stack, m
     search that would otherwise follow (made to fail here)."""
     gp, hi, lo = stack
     real = solver.IlpModel.solve
-    low = real(solver.IlpModel([gp], 1, block_drag=False), None, solver._pick_solver("auto", 10, 1e-3), min_peak=True)
+    low = real(solver.IlpModel([gp], 1, block_drag=False), None, SolverOptions(gap=1e-3).backend(), min_peak=True)
     budget = solver.evaluate([gp], low.saved)[1].peak  # the raw min-peak plan's simulated peak: it just fits
 
     def only_min_peak(self, budget, backend, min_peak=False):
@@ -252,7 +253,7 @@ def test_gap_and_time_limit_reach_the_solver(monkeypatch):
     base = autoremat.optimize(model, budget=10**9, example_inputs=ex, verify=False, compiler="eager").plan
     budget = Ledger.from_dict(base.ledger).fixed + (base.baseline_peak * 9) // 10
     autoremat.optimize(model, budget=budget, example_inputs=ex, verify=False, gap=0.05, time_limit=7.0, compiler="eager")
-    assert seen["gap"] == 0.05 and seen["time_limit"] == 7.0
+    assert seen["options"] == SolverOptions(time_limit=7.0, gap=0.05)
 
 
 @pytest.mark.slow
@@ -263,7 +264,7 @@ def test_a_real_tiny_time_limit_still_gives_a_plan_that_fits_and_says_how():
     gp = profile_graph(cg, "cpu")
     hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
     lo = solver.smallest_peak([gp]).peak
-    d = solver.solve([gp], (hi + lo) // 2, solver="highs", time_limit=0.05)
+    d = solver.solve([gp], (hi + lo) // 2, options=SolverOptions("highs", time_limit=0.05))
     assert d.peak <= (hi + lo) // 2
     # Which path depends on the machine's speed; each is named. The block-mode walk is bounded by a count
     # of simulations, not by the time limit, so its plan is always in hand for the ILP to beat.
@@ -337,12 +338,12 @@ def test_a_floor_once_found_is_found_again_when_the_search_runs_out_of_time(monk
     found = solver.smallest_peak([gp])
 
     monkeypatch.setattr(solver, "MIN_PEAK_MIP_S", 0.0)
-    again = solver.smallest_peak([gp], time_limit=0.0)
+    again = solver.smallest_peak([gp], options=SolverOptions(time_limit=0.0))
     assert (again.peak, again.saved) == (found.peak, found.saved), (again.peak, again.path, found.peak, found.path)
     assert solver.evaluate([gp], again.saved)[1].peak == found.peak  # the plan is what the simulator says
 
     solver.forget_floors()  # what the same rushed search finds on its own: no better
-    assert solver.smallest_peak([gp], time_limit=0.0).peak >= found.peak
+    assert solver.smallest_peak([gp], options=SolverOptions(time_limit=0.0)).peak >= found.peak
 
 
 def test_a_search_for_a_room_stops_at_the_first_plan_that_fits(stack, monkeypatch, no_floors_remembered):
@@ -448,7 +449,7 @@ def test_the_shared_block_models_are_solved_only_where_a_graph_has_identical_blo
     one = profile_graph(cg, "cpu")
     _, top, _ = solver.evaluate([one], solver.save_all([one]))
     room = (top.peak + solver.smallest_peak([one]).peak) // 2
-    backend = solver._pick_solver("auto", 10.0, solver.DEFAULT_GAP)
+    backend = SolverOptions().backend()
     for drag in (False, True):
         full, shared = (solver.IlpModel([one], 1, drag, s) for s in (False, True))
         assert full.prob.numVariables() == shared.prob.numVariables()
@@ -563,9 +564,10 @@ def test_a_min_peak_solve_that_stopped_on_time_is_solved_again_only_with_more_ti
     model = solver.IlpModel([gp], 1, block_drag=True)
     real, solves = solver.IlpModel.solve, []
     monkeypatch.setattr(solver.IlpModel, "solve", lambda self, *a, **k: solves.append(a) or real(self, *a, **k))
-    rushed = solver._min_peak(model, "highs", 1e-3)
+    highs = SolverOptions("highs")
+    rushed = solver._min_peak(model, highs, 1e-3)
     assert rushed.status != "optimal", "the MIP finished within a millisecond: this checks less than it says"
-    assert solver._min_peak(model, "highs", 1e-3) is rushed and len(solves) == 1
-    full = solver._min_peak(model, "highs", 60)
+    assert solver._min_peak(model, highs, 1e-3) is rushed and len(solves) == 1
+    full = solver._min_peak(model, highs, 60)
     assert full.status == "optimal" and len(solves) == 2
-    assert solver._min_peak(model, "highs", 120) is full and len(solves) == 2
+    assert solver._min_peak(model, highs, 120) is full and len(solves) == 2

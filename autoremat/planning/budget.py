@@ -42,18 +42,17 @@ def plan_graphs(
 
     one_set: a profile that appears at several positions (one compiled graph called several times)
     saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
-    solver, time_limit, gap = options.solver, options.time_limit, options.gap
+    solving = options.solving()
     budget = budget_or_memory(budget, device)
     room = room_for(budget, ledger, device)
     one_set = one_set and repeats(profiles)
 
     def smallest() -> Decision:
-        return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
+        return smallest_peak(profiles, granularity=device.alloc_granularity, options=solving)
     try:
         if room <= 0 or room < ledger.after_backward:  # optimizer.step() must fit too
             raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
-        decision = solve(profiles, room, granularity=device.alloc_granularity, solver=solver,
-                         time_limit=time_limit, gap=gap)
+        decision = solve(profiles, room, granularity=device.alloc_granularity, options=solving)
         if one_set:
             decision = one_set_per_graph(profiles, decision, room)
             if decision.peak > room:

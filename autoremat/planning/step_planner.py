@@ -364,7 +364,7 @@ class StepPlanner(Planner):
         only outputs and what may not be recomputed), the one whose boundary (what later calls see held) plus
         own peak is least."""
         g = self._dev.alloc_granularity
-        smallest = smallest_peak([gp], granularity=g, solver=self.options.solver, time_limit=self.options.time_limit)
+        smallest = smallest_peak([gp], granularity=g, options=self.options.solving())
         best, cost = save_all([gp])[0], None
         for saved in ([smallest.saved[0]] if smallest else []) + checkpoint_blocks([gp]):
             try:

@@ -33,15 +33,13 @@ from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, gree
 from autoremat.solve.ilp import IlpModel, IlpResult
 from autoremat.solve.ilp_data import block_twins
 from autoremat.solve.precision_choices import DtypeChoices
+from autoremat.solve.solver_options import DEFAULT_GAP, SOLVER_DEFAULTS, SolverOptions
 from autoremat.solve.twice import recompute_twice, refine_further
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
-           "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
+           "SolverOptions", "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
            "spend_slack"]
 
-# Relative optimality gap of each MIP: on deep stacks 1% solves many times faster than 0.1%, and to the
-# same objective (benchmarks/solver_scale.py times the solve by depth).
-DEFAULT_GAP = 0.01
 # Once one ILP model has given a plan, a later model's MIP stops as soon as it holds a solution as good
 # as that plan's (within MATCH) and its bound shows it cannot beat it by more than this share of the
 # step's time (the objective's unit, objective.py): the later models are there to find a better plan,
@@ -73,6 +71,8 @@ MIN_PEAK_GAP = 1e-3
 MIN_PEAK_MODELS_SHARE = 1 / 2
 # Greedy's changes toward the room, and when it looks for the smallest peak (each simulates the whole step).
 GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES = 300, 100
+# A floor query's options where its caller names none: more time than a solve's, for the floor a BudgetError names.
+FLOOR_DEFAULTS = SolverOptions(time_limit=30.0)
 
 
 def min_peak_seconds(time_limit: float) -> float:
@@ -80,10 +80,7 @@ def min_peak_seconds(time_limit: float) -> float:
     return max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit)
 
 
-_pick_solver = lp.named
-
-
-def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline,
+def _solve_model(model: IlpModel, graphs, room, options: SolverOptions, granularity, max_rounds, deadline,
                  stop_at: tuple[float, float] | None = None, min_peak_s: float = MIN_PEAK_MIP_S) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
@@ -106,7 +103,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
         # Each MIP gets most of what is left, less the time PuLP takes to hand the model to the
         # solver (outside the solver's own limit; about the model's build time).
         mip_s = MIP_SHARE * max(MIN_MIP_S, remaining - model.build_s)
-        backend = _pick_solver(solver, mip_s, gap, stop_at)
+        backend = options.backend(mip_s, stop_at=stop_at)
         result = model.solve(target, backend)
         status, saved = result.status, result.saved
         model.last_status = status
@@ -114,7 +111,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = _min_peak(model, solver, min(mip_s, min_peak_s))
+            low = _min_peak(model, options, min(mip_s, min_peak_s))
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
@@ -160,9 +157,7 @@ def solve(
     room: int,
     *,
     granularity: int = 1,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
+    options: SolverOptions = SOLVER_DEFAULTS,
     max_rounds: int = 5,
 ) -> Decision:
     """Fastest plan whose simulated activation peak fits `room` bytes; see the module docstring.
@@ -174,8 +169,8 @@ def solve(
     Raises `Infeasible` carrying the smallest activation peak any plan reached.
     """
     t0 = time.perf_counter()
-    backend = _pick_solver(solver, time_limit, gap)
-    solver_name = type(backend).__name__
+    time_limit = options.time_limit
+    solver_name = type(options.backend()).__name__
     everything = save_all(graphs)
     schedules, tl, _ = evaluate(graphs, everything, granularity)
     if tl.peak <= room:  # no recomputation needed: nothing to solve
@@ -196,7 +191,7 @@ def solve(
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
-        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
+        d = _solve_model(models[-1], graphs, room, options, granularity, max_rounds, deadline,
                          None if beat == float("inf") else (beat + MATCH, beat - LATER_MODEL_STEP_GAP),
                          min_peak_seconds(time_limit))
         if d is not None:
@@ -215,8 +210,8 @@ def solve(
         # The floor query's own search (its candidates, not this room's): a refusal names the floor that a
         # query with budget=1 names, whatever budget asked, and a room at or above that floor gets its plan.
         # No try of greedy's fitted the room, so its plan after fewer tries is the floor query's greedy plan.
-        best = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit, room=room,
-                             built=models, greedy_plan=fewer)
+        best = smallest_peak(graphs, granularity=granularity, options=options, room=room, built=models,
+                             greedy_plan=fewer)
         if best.peak > room:
             raise Infeasible(best, status)
         best.notes.append("the ILP found no plan within the activations' room; used the first plan of the "
@@ -262,7 +257,7 @@ def forget_floors() -> None:
     _floor_memo.clear()
 
 
-def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room: int | None = None,
+def smallest_peak(graphs, *, granularity=1, options: SolverOptions = FLOOR_DEFAULTS, room: int | None = None,
                   built: list[IlpModel] = (), greedy_plan: list[set[str]] | None = None) -> Decision:
     """The plan with the smallest simulated activation peak we can find; with `room`, the first plan
     the search reaches that fits it.
@@ -272,6 +267,7 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
     by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
     (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
 
+    options: the solver and time limit (each min-peak MIP gets a share of it, at MIN_PEAK_GAP: its gap is not used).
     built: ILP models a caller already built for these graphs (`solve`'s), used where they are the floor
     query's own (`_floor_model`), so their min-peak solutions are not solved again; greedy_plan: greedy's plan
     after MIN_PEAK_GREEDY_TRIES tries, where a caller's search already found it (a search toward a room no
@@ -283,29 +279,29 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
     time near the floor that benchmarks/plan_time.py --cliff shows) are not run. Such a plan is not remembered
     as the floor. A floor query, and a room below every plan, search to the end, and so name the same floor.
     """
-    start = time.perf_counter()
+    start, time_limit = time.perf_counter(), options.time_limit
     models = [_floor_model(graphs, granularity, block_drag, built) for block_drag in (False, True)]
     min_peak_s = min_peak_seconds(time_limit)
-    solver_name = type(_pick_solver(solver, min_peak_s, MIN_PEAK_GAP)).__name__
-    options = []
+    solver_name = type(options.backend(min_peak_s, MIN_PEAK_GAP)).__name__
+    starts = []  # (saved sets, the path that found them): the search's starting plans
     status = "infeasible"
     for model in models:
-        if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
+        if starts and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
             break  # one min-peak plan in hand; the rest of the time goes to the plans below
-        result = _min_peak(model, solver, min_peak_s)
+        result = _min_peak(model, options, min_peak_s)
         status = result.status
         if result.saved is not None:
-            options.append((result.saved, PlanPath(Route.ILP_MIN_PEAK, IlpVariant(model.block_drag))))
-    options.append((checkpoint_blocks(graphs), PlanPath(Route.CHECKPOINT_BLOCKS)))
+            starts.append((result.saved, PlanPath(Route.ILP_MIN_PEAK, IlpVariant(model.block_drag))))
+    starts.append((checkpoint_blocks(graphs), PlanPath(Route.CHECKPOINT_BLOCKS)))
     if greedy_plan is None:
         greedy_plan = greedy(graphs, 0, granularity, MIN_PEAK_GREEDY_TRIES)
-    options.append((greedy_plan, PlanPath(Route.GREEDY)))
+    starts.append((greedy_plan, PlanPath(Route.GREEDY)))
     key = _floor_key(graphs, granularity)
     remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
     if remembered is not None:
-        options.append((remembered, _floor_memo[key][2]))
+        starts.append((remembered, _floor_memo[key][2]))
     candidates: list[Decision] = []
-    for cand, path in options:
+    for cand, path in starts:
         if any(c.saved == cand for c in candidates):
             continue
         try:
@@ -353,14 +349,14 @@ def _floor_model(graphs, granularity: int, block_drag: bool, built) -> IlpModel:
     return IlpModel(graphs, granularity, block_drag, shared_blocks=True)
 
 
-def _min_peak(model: IlpModel, solver: str, time_limit: float) -> IlpResult:
+def _min_peak(model: IlpModel, options: SolverOptions, time_limit: float) -> IlpResult:
     """The model's min-peak solution at MIN_PEAK_GAP within `time_limit` (no stop_at: its objective is bytes),
     solved once: near the floor the calibration asks for it to learn the rows' pessimism, and `smallest_peak`
     asks again to start its search from it. Solved again only for a caller with more time than a solve that
     stopped on time had (single-threaded HiGHS finds nothing better in the same time)."""
     cached = model.min_peak
     if cached is None or (cached[0].status != lp.OPTIMAL and time_limit > cached[1]):
-        model.min_peak = (model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True), time_limit)
+        model.min_peak = (model.solve(None, options.backend(time_limit, MIN_PEAK_GAP), min_peak=True), time_limit)
     return model.min_peak[0]
 
 
@@ -384,9 +380,7 @@ def choose_dtypes(
     tolerance: float | None,
     *,
     granularity: int = 1,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
+    options: SolverOptions = SOLVER_DEFAULTS,
 ) -> list[dict[str, str]] | None:
     """Compute dtypes and save/recompute chosen together, on fp32-traced graphs: the first stage of
     precision="auto". Returns, per graph, the calls to run in bf16/fp16, or None if nothing fits.
@@ -398,7 +392,7 @@ def choose_dtypes(
     (the second stage), since the rows here only approximate a mixed graph.
     """
     model = IlpModel(graphs, granularity, block_drag=False, choices=choices, tolerance=tolerance)
-    result = model.solve(room, _pick_solver(solver, time_limit, gap))
+    result = model.solve(room, options.backend())
     if result.saved is None:
         return None
     return model.chosen_dtypes()
