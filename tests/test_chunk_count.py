@@ -19,8 +19,7 @@ from autoremat.passes.loss_chunks import LossOption
 from autoremat.planning.planner import CapturePlanner, compile_and_trace
 from autoremat.solve import lp
 from autoremat.solve import solver as solver_module
-from autoremat.solve.ilp import IlpModel
-from autoremat.solve.objective import TIE_BYTES
+from autoremat.solve.ilp import TIE_BYTES, IlpModel
 from autoremat.solve.rows_time import least_time, ops_once_time, trace_time
 from autoremat.solve.solver_options import SolverOptions
 from examples.models import gpt2

@@ -14,8 +14,7 @@ import pulp
 
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import lp
-from autoremat.solve.ilp import IlpModel
-from autoremat.solve.objective import TIE_BYTES
+from autoremat.solve.ilp import TIE_BYTES, IlpModel
 from autoremat.solve.solver_options import SOLVER_DEFAULTS, SolverOptions
 
 __all__ = ["least_time", "ops_once_time", "trace_time"]
@@ -65,7 +64,7 @@ def _backend(options: SolverOptions, stop_bound: float | None) -> lp.Solver:
     return options.backend(stop_at=None if stop_bound is None else (float("inf"), stop_bound))
 
 
-# The objective (objective.py) is the recomputation's share of the step's ops plus at most TIE_BYTES for the
+# The objective (ilp.IlpModel._set_objective) is the recomputation's share of the step's ops plus at most TIE_BYTES for the
 # saved bytes it breaks ties by; a bound on it bounds the recomputation by that much less.
 def _objective_of(model: IlpModel, recompute_s: float) -> float:
     return recompute_s / model.total_time + TIE_BYTES

@@ -30,8 +30,7 @@ from autoremat.model.profile import GraphProfile
 from autoremat.solve import heuristics, lp
 from autoremat.solve.decision import Decision, IlpVariant, PlanPath, Route, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
-from autoremat.solve.ilp import IlpModel, IlpResult
-from autoremat.solve.ilp_data import block_twins
+from autoremat.solve.ilp import IlpModel, IlpResult, block_twins
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.solver_options import DEFAULT_GAP, SOLVER_DEFAULTS, SolverOptions
 from autoremat.solve.twice import recompute_twice, refine_further
@@ -42,7 +41,7 @@ __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "bl
 
 # Once one ILP model has given a plan, a later model's MIP stops as soon as it holds a solution as good
 # as that plan's (within MATCH) and its bound shows it cannot beat it by more than this share of the
-# step's time (the objective's unit, objective.py): the later models are there to find a better plan,
+# step's time (the objective's unit, ilp.py): the later models are there to find a better plan,
 # and one better by less is not worth the proof. The MIP's own gap is relative to the recomputation: where a
 # plan recomputes a small share of the step, a later model can hold the plan already found at once and then
 # spend seconds of branching proving a gain worth a hundredth of a percent of the step
