@@ -152,7 +152,7 @@ def test_the_no_recompute_budget_is_the_least_that_recomputes_nothing():
 
 def test_block_modes_path_when_the_ilp_finds_nothing(stack, monkeypatch, no_floors_remembered):
     # between save-all and checkpointing (one of the modes): the smallest peak, with values recomputed
-    # twice (twice.py), is below every per-block mode
+    # twice (cut_search.py), is below every per-block mode
     gp, hi, _ = stack
     budget = (hi + solver.evaluate([gp], solver.checkpoint_blocks([gp]))[1].peak) // 2
     _no_ilp(monkeypatch)
@@ -174,7 +174,7 @@ def test_greedy_path_when_the_ilp_and_the_block_modes_find_nothing(monkeypatch, 
     assert d.path == PlanPath(Route.GREEDY) and d.status == "greedy", (d.status, d.path)
     assert d.peak <= budget and any("used the greedy plan" in n for n in d.notes), d.notes
     smallest = solver.smallest_peak([gp])  # the lowest of greedy's and checkpointing's plans, each lowered
-    # where saving values back can lower it (here none can), then values recomputed twice (twice.py) lower it
+    # where saving values back can lower it (here none can), then values recomputed twice (cut_search.py) lower it
     assert smallest.peak < budget and Refinement.RECOMPUTED_TWICE in smallest.path.refinements, (smallest.path, smallest.peak, budget)
     with pytest.raises(solver.Infeasible) as err:  # below that: nothing fits
         solver.solve([gp], smallest.peak - 1)

@@ -39,7 +39,7 @@ class Refinement(Enum):
 
     SLACK_SPENT = "slack-spent"  # recomputed values saved back into unused room (heuristics.spend_slack)
     PEAK_LOWERED = "peak-lowered"  # values saved back where that lowers the peak (heuristics.lower_peak)
-    RECOMPUTED_TWICE = "recomputed-twice"  # cuts that lower the peak (twice.recompute_twice)
+    RECOMPUTED_TWICE = "recomputed-twice"  # cuts that lower the peak (cut_search.recompute_twice)
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,12 @@ from collections import OrderedDict
 
 from autoremat.model.profile import GraphProfile
 from autoremat.solve import heuristics, lp
+from autoremat.solve.cut_search import recompute_twice, refine_further
 from autoremat.solve.decision import Decision, IlpVariant, PlanPath, Route, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
 from autoremat.solve.ilp import IlpModel, IlpResult, block_twins
 from autoremat.solve.precision_choices import DtypeChoices
 from autoremat.solve.solver_options import DEFAULT_GAP, SOLVER_DEFAULTS, SolverOptions
-from autoremat.solve.twice import recompute_twice, refine_further
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
            "SolverOptions", "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
@@ -264,7 +264,7 @@ def smallest_peak(graphs, *, granularity=1, options: SolverOptions = FLOOR_DEFAU
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, greedy, and
     the best plan an earlier call found for the same graphs (`_floor_memo`); each is lowered further
     by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
-    (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
+    (`cut_search.recompute_twice`), and checkpointing too, and the lowest is kept.
 
     options: the solver and time limit (each min-peak MIP gets a share of it, at MIN_PEAK_GAP: its gap is not used).
     built: ILP models a caller already built for these graphs (`solve`'s), used where they are the floor

@@ -1,4 +1,4 @@
-"""Which values to recompute twice: cuts (cuts.py) that lower the simulated peak.
+"""The search for cuts (cuts.py) that lower a plan's simulated peak: which values to recompute twice.
 
 At the peak step of a backward, the recomputed values alive there that the step does not read were
 emitted for an earlier reader and are held for a later one. A cut before that later reader frees
