@@ -16,7 +16,7 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -251,7 +251,8 @@ def _cache_fields(budget: int, step: TrainingStep) -> dict:
     return {"budget": budget, "ledger": step.ledger.to_dict(), "device": step.dev.name, "where": str(step.where),
             "precision": precision_mode(str(step.where)), "verify": step.checked, "compiler": step.compiler,
             "regions": o.regions, "release_grads": o.release_grads,
-            "dtypes": {"mode": o.precision, "tolerance": o.tolerance, "fp32_ops": o.fp32_ops}, **o.solving()}
+            "dtypes": {"mode": o.precision, "tolerance": o.tolerance, "fp32_ops": o.fp32_ops},
+            **asdict(o.solving())}
 
 
 def _reapply(step: TrainingStep, budget: int, plan: Plan, optimizer: Any) -> tuple[Plan, Any, CapturePlanner]:

@@ -71,7 +71,8 @@ def search(graphs: list, remember: bool) -> tuple[float, tuple]:
     memory.forget()
     start = time.perf_counter()
     with switches.using(remember=remember):
-        d = solver.smallest_peak(graphs, granularity=get_device("cpu").alloc_granularity, time_limit=10.0)
+        d = solver.smallest_peak(graphs, granularity=get_device("cpu").alloc_granularity,
+                                 options=solver.SolverOptions(time_limit=10.0))
     seconds = time.perf_counter() - start
     return seconds, (d.peak, round(d.recompute_time_s, 12), [sorted(s) for s in d.saved])
 

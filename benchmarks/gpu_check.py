@@ -156,19 +156,20 @@ def sanity(dev: torch.device) -> dict:
         from autoremat.capture.aot import capture
         from autoremat.model.profile import profile_graph
         from autoremat.solve import solver
+        from autoremat.solve.decision import Route
         from examples.models import transformer_stack
 
         model, ex = transformer_stack(n_layer=2, d=16, seq=8, batch=2)
         (cg,) = capture(model.to("meta"), (ex[0].to("meta"),))
         gp = profile_graph(cg, "cpu")
         _, everything, _ = solver.evaluate([gp], solver.save_all([gp]))
-        d = solver.solve([gp], everything.peak - 1, time_limit=5.0)
+        d = solver.solve([gp], everything.peak - 1, options=solver.SolverOptions(time_limit=5.0))
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         sys.exit(f"SANITY FAILED: autoremat's solver path raised {type(e).__name__}: {e} (PuLP {pulp.__version__}); "
                  "if this autoremat predates PuLP 4 support, carry pulp==3.3.2 + highspy instead")
-    if not d.path.startswith("ilp") or "highs" not in str(d.solver).lower():
-        sys.exit(f"SANITY FAILED: the tiny ILP was not solved by HiGHS (path {d.path!r}, solver {d.solver!r}, "
+    if d.path.route not in (Route.ILP, Route.ILP_MIN_PEAK) or "highs" not in str(d.solver).lower():
+        sys.exit(f"SANITY FAILED: the tiny ILP was not solved by HiGHS (path {str(d.path)!r}, solver {d.solver!r}, "
                  f"status {d.status!r})")
     torch._dynamo.reset()
     versions["sanity_s"] = round(time.monotonic() - t, 1)

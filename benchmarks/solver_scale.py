@@ -39,7 +39,7 @@ def measure(depth: int, d: int, seq: int, batch: int, time_limit: float, full_li
     trace_s = time.perf_counter() - t0
     hi = solver.evaluate([gp], solver.save_all([gp]))[1].peak
     t0 = time.perf_counter()
-    lo = solver.smallest_peak([gp], time_limit=time_limit).peak
+    lo = solver.smallest_peak([gp], options=solver.SolverOptions(time_limit=time_limit)).peak
     floor_s = time.perf_counter() - t0
     budget = (lo + hi) // 2
     ilp = solver.IlpModel([gp], 1, block_drag=False)
@@ -49,7 +49,7 @@ def measure(depth: int, d: int, seq: int, batch: int, time_limit: float, full_li
     mip_status = ilp.solve(budget, lp.highs(time_limit, solver.DEFAULT_GAP)).status
     mip_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    dec = solver.solve([gp], budget, time_limit=time_limit)
+    dec = solver.solve([gp], budget, options=solver.SolverOptions(time_limit=time_limit))
     solve_s = time.perf_counter() - t0
     full_ms, full_s = None, None
     if full_limit > 0:
@@ -60,7 +60,7 @@ def measure(depth: int, d: int, seq: int, batch: int, time_limit: float, full_li
     return {"full_ms": full_ms, "full_s": full_s, "depth": depth, "nodes": len(gp.nodes), "variables": variables, "constraints": constraints,
             "build_s": build_s, "mip_s": mip_s, "mip_status": mip_status,
             "trace_s": trace_s, "floor_s": floor_s, "solve_s": solve_s, "objective_ms": dec.recompute_time_s * 1e3,
-            "status": dec.status, "path": dec.path, "budget": budget, "peak": dec.peak, "lo": lo, "hi": hi}
+            "status": dec.status, "path": str(dec.path), "budget": budget, "peak": dec.peak, "lo": lo, "hi": hi}
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from autoremat.model.ledger import Ledger
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.compilers import inductor_problem
 from autoremat.planning.planner import trace_step
+from autoremat.solve.decision import PlanPath, Route
 from examples import models
 from tests.tolerances import assert_grads_close, batch_depth
 
@@ -41,12 +42,12 @@ def _assert_eager_gradients(model, step, ex):
 def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
     model, ex = _model()
     first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
-    assert first.plan.solver["path"] != "cache"
+    assert first.plan.solver_path.route is not Route.CACHE
     assert len(list(tmp_path.glob("*.json"))) == 1
     _no_solver(monkeypatch)
     second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
-    assert second.plan.solver["path"] == "cache"
-    assert second.plan.solver["solved_by"] == first.plan.solver["path"]
+    assert second.plan.solver_path.route is Route.CACHE
+    assert PlanPath.parse(second.plan.solver["solved_by"]) == first.plan.solver_path
     assert second.plan.graphs[0].saved == first.plan.graphs[0].saved
     assert second.plan.activation_peak == first.plan.activation_peak
     _assert_eager_gradients(model, second, ex)
@@ -56,9 +57,9 @@ def test_key_covers_budget_and_options(tmp_path):
     model, ex = _model()
     autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
     other = autoremat.optimize(model, budget="2GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
-    assert other.plan.solver["path"] != "cache"
+    assert other.plan.solver_path.route is not Route.CACHE
     sgd = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, optimizer="sgd", compiler="eager")
-    assert sgd.plan.solver["path"] != "cache"
+    assert sgd.plan.solver_path.route is not Route.CACHE
     assert len(list(tmp_path.glob("*.json"))) == 3
 
 
@@ -103,12 +104,12 @@ def test_damaged_entries_are_ignored_and_rewritten(tmp_path, damage):
     if damage == "too_big":  # make the lie matter: a budget the all-saved plan cannot meet
         return _too_big(tmp_path, model, ex, good)
     again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
-    assert again.plan.solver["path"] != "cache"
+    assert again.plan.solver_path.route is not Route.CACHE
     assert again.plan.graphs[0].saved == good.graphs[0].saved
     fresh = json.loads(_entry(tmp_path).read_text())  # rewritten with a good plan
     assert fresh["plan"]["graphs"][0]["saved"] == good.graphs[0].saved
     assert autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
-                              verify=False, compiler="eager").plan.solver["path"] == "cache"
+                              verify=False, compiler="eager").plan.solver_path.route is Route.CACHE
 
 
 def _too_big(tmp_path, model, ex, good):
@@ -124,7 +125,7 @@ def _too_big(tmp_path, model, ex, good):
     entry["plan"]["graphs"][0]["recomputed"] = []
     path.write_text(json.dumps(entry))
     again = autoremat.optimize(model, budget=budget, example_inputs=ex, cache=tmp_path, verify=False, compiler="eager")
-    assert again.plan.solver["path"] != "cache"  # re-simulated: it would overshoot, so not trusted
+    assert again.plan.solver_path.route is not Route.CACHE  # re-simulated: it would overshoot, so not trusted
     assert again.plan.graphs[0].saved == tight.graphs[0].saved
 
 
@@ -145,7 +146,7 @@ def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
     first = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
     _no_solver(monkeypatch)
     second = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
-    assert second.num_graphs == 2 and second.plan.solver["path"] == "cache"
+    assert second.num_graphs == 2 and second.plan.solver_path.route is Route.CACHE
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
 
 
@@ -175,7 +176,7 @@ def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_pa
     second = autoremat.optimize(model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager",
                                 outputs="loss", cache=tmp_path, progress=False)
     assert len(traced) == 1  # the remembered count, captured; the cached plan is swapped into its code
-    assert second.plan.solver["path"] == "cache"
+    assert second.plan.solver_path.route is Route.CACHE
     assert second.plan.loss["chunks"] == first.plan.loss["chunks"]
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
 
@@ -204,7 +205,7 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
     _no_solver(monkeypatch)
     second, traces = _aot_traces(lambda: autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None,
                                                             compiler="eager", cache=tmp_path, progress=False))
-    assert second.plan.solver["path"] == "cache"
+    assert second.plan.solver_path.route is Route.CACHE
     assert traces == len({g.fingerprint for g in graphs}) == 3
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in graphs]
     grads = []
@@ -229,7 +230,7 @@ def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):
     _no_solver(monkeypatch)
     second, hit = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
                                                          compiler="eager", progress=False))
-    assert second.plan.solver["path"] == "cache" and second.num_graphs == 1
+    assert second.plan.solver_path.route is Route.CACHE and second.num_graphs == 1
     assert hit == 1 < cold, (hit, cold)
     assert not [r for r in caplog.records if "cached plan" in r.getMessage()]
     _assert_eager_gradients(model, second, ex)
@@ -247,7 +248,7 @@ def test_a_remembered_one_graph_form_whose_plan_is_gone_is_captured_per_block(tm
     plans[0].unlink()
     again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager",
                                progress=False)
-    assert again.plan.solver["path"] != "cache" and again.num_graphs == 1
+    assert again.plan.solver_path.route is not Route.CACHE and again.num_graphs == 1
     assert [g.saved for g in again.plan.graphs] == [g.saved for g in first.plan.graphs]
 
 
@@ -267,7 +268,7 @@ def test_a_stale_entry_is_planned_again(tmp_path, compiler, caplog):
     path.write_text(json.dumps(entry))
     again, traces = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
                                                            verify=False, compiler=compiler, progress=False))
-    assert again.plan.solver["path"] != "cache"
+    assert again.plan.solver_path.route is not Route.CACHE
     assert [g.saved for g in again.plan.graphs] == [g.saved for g in good.plan.graphs]
     assert any("no longer fits" in r.getMessage() for r in caplog.records)
     assert traces == cold + (compiler == "inductor")
@@ -286,7 +287,7 @@ def test_a_hit_that_cannot_be_swapped_in_is_planned_again(tmp_path, monkeypatch,
     monkeypatch.setattr(pipeline, "compile_with", broken)
     again = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, verify=False,
                                compiler="eager", progress=False)
-    assert again.plan.solver["path"] != "cache"
+    assert again.plan.solver_path.route is not Route.CACHE
     assert [g.saved for g in again.plan.graphs] == [g.saved for g in good.plan.graphs]
     assert any("could not be applied (RuntimeError: swap failed)" in r.getMessage() for r in caplog.records)
     _assert_eager_gradients(model, again, ex)

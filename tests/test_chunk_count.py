@@ -19,15 +19,15 @@ from autoremat.passes.loss_chunks import LossOption
 from autoremat.planning.planner import CapturePlanner, compile_and_trace
 from autoremat.solve import lp
 from autoremat.solve import solver as solver_module
-from autoremat.solve.ilp import IlpModel
-from autoremat.solve.objective import TIE_BYTES
+from autoremat.solve.ilp import TIE_BYTES, IlpModel
 from autoremat.solve.rows_time import least_time, ops_once_time, trace_time
+from autoremat.solve.solver_options import SolverOptions
 from examples.models import gpt2
 from tests.models import HeadLM
 
 BATCH, SEQ, VOCAB = 2, 32, 2048
 COUNTS = (1, 4, 16)
-EXACT = {"solver": "highs", "time_limit": 30, "gap": 0}  # trace_time / least_time solved to the end
+EXACT = SolverOptions("highs", time_limit=30, gap=0)  # trace_time / least_time solved to the end
 
 
 def traces() -> dict[int, list]:
@@ -56,7 +56,7 @@ def test_with_room_for_everything_one_chunk_is_fastest(alternatives) -> None:
     """With memory for everything, each trace costs its ops once plus only what may not be saved (a view,
     which would hold its base) recomputed; more chunks are the same FLOPs in more, smaller kernels, each
     launched, so the whole loss region is the fastest."""
-    times = {k: trace_time(graphs, 10**12, solver="highs", time_limit=30, gap=0) for k, graphs in alternatives.items()}
+    times = {k: trace_time(graphs, 10**12, options=EXACT) for k, graphs in alternatives.items()}
     for k, graphs in alternatives.items():
         assert times[k] >= ops_once_time(graphs), k
     assert min(times, key=times.get) == 1, times
@@ -72,8 +72,8 @@ def test_near_the_least_peak_only_a_chunked_trace_has_a_plan(alternatives) -> No
     assert lowest > 1 and least[1] > least[lowest], least
     budget = int(least[lowest] * 1.02)
     assert budget < least[1]
-    assert trace_time(alternatives[1], budget, solver="highs", time_limit=30, gap=0) is None
-    assert trace_time(alternatives[lowest], budget, solver="highs", time_limit=30, gap=0) is not None
+    assert trace_time(alternatives[1], budget, options=EXACT) is None
+    assert trace_time(alternatives[lowest], budget, options=EXACT) is not None
 
 
 @pytest.mark.slow
@@ -132,13 +132,13 @@ def test_a_trace_that_cannot_beat_another_stops_at_its_bound(alternatives, monke
     graphs = alternatives[4]
     least = IlpModel(graphs, 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
     budget = math.ceil(least * 1.05)
-    exact = trace_time(graphs, budget, solver="highs", time_limit=30, gap=0)
+    exact = trace_time(graphs, budget, options=EXACT)
     ops = ops_once_time(graphs)
     assert exact is not None and exact > ops, "no recomputation at this budget: this checks less than it says"
-    assert trace_time(graphs, budget, solver="highs", time_limit=30, gap=0, beat=2 * exact) == pytest.approx(exact)
+    assert trace_time(graphs, budget, options=EXACT, beat=2 * exact) == pytest.approx(exact)
     beat, made, real = ops + 0.5 * (exact - ops), [], lp.highs
     monkeypatch.setattr(lp, "highs", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    bounded = trace_time(graphs, budget, solver="highs", time_limit=30, gap=0, beat=beat)
+    bounded = trace_time(graphs, budget, options=EXACT, beat=beat)
     assert made[-1].stopped_at is not None, "the MIP ended before its bound reached `beat`"
     assert beat <= bounded <= exact * (1 + 1e-9), (beat, bounded, exact)
 
@@ -152,16 +152,16 @@ def test_a_lower_bound_stops_once_it_reaches_its_target_or_a_plan_shows_it_canno
     graphs = alternatives[4]
     least = IlpModel(graphs, 1, block_drag=True, shared_blocks=True).solve(None, solver(), min_peak=True).predicted_peak
     budget = math.ceil(least * 1.05)
-    exact, ops = trace_time(graphs, budget, **EXACT), ops_once_time(graphs)
+    exact, ops = trace_time(graphs, budget, options=EXACT), ops_once_time(graphs)
     assert exact is not None and exact > ops, "no recomputation at this budget: this checks less than it says"
     # to the end: the time, less what the objective's saved-bytes tie-break may add (TIE_BYTES of the ops)
-    assert exact - TIE_BYTES * ops <= least_time(graphs, budget, at_least=float("inf"), **EXACT) <= exact
+    assert exact - TIE_BYTES * ops <= least_time(graphs, budget, at_least=float("inf"), options=EXACT) <= exact
     made, real = [], lp.highs
     monkeypatch.setattr(lp, "highs", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
     target = ops + 0.5 * (exact - ops)
-    bounded = least_time(graphs, budget, at_least=target, **EXACT)
+    bounded = least_time(graphs, budget, at_least=target, options=EXACT)
     assert made[-1].stopped_at is not None and target <= bounded <= exact * (1 + 1e-9), (target, bounded, exact)
-    bounded = least_time(graphs, budget, at_least=2 * exact, **EXACT)
+    bounded = least_time(graphs, budget, at_least=2 * exact, options=EXACT)
     assert made[-1].gave_up and ops <= bounded < 2 * exact, (bounded, exact)
 
 
@@ -464,7 +464,7 @@ def test_no_count_recomputes_less_outside_the_loss_region_than_its_rows_with_the
         room = math.ceil(least + (everything - least) * i / 4)
         bounds.append(least_outside(four, room, float("inf"), 1, EXACT))
         for k, g in graphs.items():
-            time_s = trace_time(g, room, **EXACT)
+            time_s = trace_time(g, room, options=EXACT)
             assert time_s is None or ops_once_time(g) + bounds[-1] <= time_s * (1 + 1e-9), (k, room, bounds[-1])
     assert bounds[0] > 0, "nothing recomputed outside the region at the least room: this checks less than it says"
 
@@ -485,11 +485,11 @@ def test_a_count_the_rows_outside_the_region_rule_out_is_not_traced(two_layers, 
                      .solve(None, solver(), min_peak=True).predicted_peak)
     dev = get_device("cpu")
     step = SimpleNamespace(compiler="eager", dev=dev, ledger=SimpleNamespace(room=lambda budget: budget),
-                           options=SimpleNamespace(solving=lambda: dict(EXACT)))
+                           options=SimpleNamespace(solving=lambda: EXACT))
     traces = loss_region.Traces(step, _four_chunks(graphs, loss), room, [])
     traces.counts = [4, 16]
     traces.traced[4], traces.base_time[4] = _four_chunks(graphs, loss), ops_once_time(graphs[4])
-    four_time, least16 = trace_time(graphs[4], room, **EXACT), traces.least_base_time(16)[0]
+    four_time, least16 = trace_time(graphs[4], room, options=EXACT), traces.least_base_time(16)[0]
     outside = least_outside(_four_chunks(graphs, loss), room, float("inf"), dev.alloc_granularity, EXACT)
     assert least16 < four_time <= least16 + outside, (least16, four_time, outside)  # the case this checks
 

@@ -180,14 +180,15 @@ def test_the_exact_start_ilp_accepts_fused_chains():
     """Fused values are always recomputed where they are read, so a fused reader drags its inputs in
     every model (lifetimes.follows): the local ILP, which forbids other drags, must stay feasible."""
     from autoremat.solve.ilp import IlpModel
-    from autoremat.solve.solver import _pick_solver, evaluate
+    from autoremat.solve.solver import evaluate
+    from autoremat.solve.solver_options import SolverOptions
 
     model, x = _mlp(), torch.randn(128, 64)
     (cg,) = capture(model, (x,))
     ind = profile_graph(dataclasses.replace(cg, compiler="inductor"))
     everything = save_all([ind])
     peak = evaluate([ind], everything, 1)[1].peak
-    result = IlpModel([ind], 1, block_drag=False).solve(peak, _pick_solver("auto", 10.0, 0.01))
+    result = IlpModel([ind], 1, block_drag=False).solve(peak, SolverOptions(gap=0.01).backend())
     assert result.status == "optimal" and result.saved is not None, result.status
 
 

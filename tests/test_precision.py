@@ -296,7 +296,7 @@ def test_bf16_lowers_the_floor_of_an_hf_gpt2_and_auto_says_what_it_chose(monkeyp
     # whole only (its chunk counts are test_loss_chunks.py's). Measured on a loaded 2-core CPU: this test
     # 140 s; the 4-layer d=64 model at 128 tokens with every chunk count spent 500 s in its two floor queries
     # and the bf16 plan alone (bf16 floor 0.76 x fp32's; at 64 tokens, with values recomputed twice,
-    # twice.py, fp32's fell below bf16's: 620,948 vs 632,196 B).
+    # cut_search.py, fp32's fell below bf16's: 620,948 vs 632,196 B).
     from autoremat.passes import loss_chunks
 
     monkeypatch.setattr(loss_chunks, "CANDIDATES", (1,))
@@ -379,7 +379,7 @@ def test_weight_copies_are_cast_again_for_the_backward_same_gradients_lower_floo
         m.setattr(capture, "split_weight_casts", lambda joint: 0)
         held = _smallest(model, ex, precision="bf16")
     floor = _smallest(model, ex, precision="bf16")
-    # On this small Llama, values recomputed twice (twice.py) recompute the single cast again before its
+    # On this small Llama, values recomputed twice (cut_search.py) recompute the single cast again before its
     # backward use too, so the split's floor is now within 0.1% of the one without it (2,166,724 vs
     # 2,166,468 B; before the cuts it was lower): it must not be higher than that.
     assert floor <= held * 1.001, (floor, held)

@@ -13,7 +13,7 @@ the first such reader recomputes it again (with whatever of its recomputed input
 first copies die at their last readers before c. The plan names its cuts among a graph's saved values (a
 backward node is never a saved value, so the two cannot be confused; a narrow cut is the node's name
 followed by `__again`): `GraphPlan.again` lists them.
-Which cuts pay is found by the exact simulator (`autoremat.solve.twice.recompute_twice`), never assumed.
+Which cuts pay is found by the exact simulator (`autoremat.solve.cut_search.recompute_twice`), never assumed.
 
 A copy is named `<value>__again<k>`; `base` gives the value's own name back.
 """

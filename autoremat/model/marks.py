@@ -10,7 +10,7 @@ checkpoint (wrap.py's `_always_prefer_recompute`). `user_mark` reads that tag in
 What autoremat does with them (docs/user_checkpoints.md):
   must_save          never recomputed; saved whenever the backward (or a recomputation) reads it
   must_recompute     never saved; recomputed where the backward reads it
-  prefer_save, prefer_recompute   hints only: they break ties in the ILP's objective (solve/user_marks.py)
+  prefer_save, prefer_recompute   hints only: they break ties in the ILP's objective (solve/ilp.py)
 
 `must_marks` turns the per-node marks into the two sets every plan is held to; `force_marks` applies them
 to a saved set, and `schedule.make_schedule` calls it, so no plan from any source (the ILP, the

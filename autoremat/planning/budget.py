@@ -15,7 +15,7 @@ from autoremat.model.ledger import Ledger
 from autoremat.planning.calls import one_set_per_graph, repeats
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, PlanPath, Route, evaluate
 from autoremat.solve.solver import Infeasible, smallest_peak, solve
 
 if TYPE_CHECKING:
@@ -42,18 +42,17 @@ def plan_graphs(
 
     one_set: a profile that appears at several positions (one compiled graph called several times)
     saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
-    solver, time_limit, gap = options.solver, options.time_limit, options.gap
+    solving = options.solving()
     budget = budget_or_memory(budget, device)
     room = room_for(budget, ledger, device)
     one_set = one_set and repeats(profiles)
 
     def smallest() -> Decision:
-        return smallest_peak(profiles, granularity=device.alloc_granularity, solver=solver, time_limit=time_limit)
+        return smallest_peak(profiles, granularity=device.alloc_granularity, options=solving)
     try:
         if room <= 0 or room < ledger.after_backward:  # optimizer.step() must fit too
             raise Infeasible(smallest(), "the fixed parts and optimizer.step()'s temporaries exceed the budget")
-        decision = solve(profiles, room, granularity=device.alloc_granularity, solver=solver,
-                         time_limit=time_limit, gap=gap)
+        decision = solve(profiles, room, granularity=device.alloc_granularity, options=solving)
         if one_set:
             decision = one_set_per_graph(profiles, decision, room)
             if decision.peak > room:
@@ -89,7 +88,7 @@ def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: Devi
     if ledger.needs(tl.peak) > budget:
         return None
     plan = Plan.from_dict(cached.to_dict())  # a copy: the caller may append notes
-    plan.solver = {**plan.solver, "path": "cache", "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
+    plan.solver = {**plan.solver, "path": str(PlanPath(Route.CACHE)), "solved_by": cached.solver.get("path"), "solve_time_s": 0.0}
     ledger.activations = tl.peak
     plan.activation_peak, plan.predicted_peak, plan.recompute_time_s = tl.peak, ledger.total, cost
     return plan

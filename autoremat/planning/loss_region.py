@@ -41,6 +41,7 @@ from autoremat.planning.planner import (
 )
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.rows_time import ops_once_time, trace_time
+from autoremat.solve.solver_options import SolverOptions
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class Traces:
             self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
         return self.traced[k]
 
-    def least_outside(self, room: int, at_least: float, granularity: int, opts: dict) -> float:
+    def least_outside(self, room: int, at_least: float, granularity: int, opts: SolverOptions) -> float:
         """more_chunks.least_outside on the first chunked trace, solved again only to reach a higher at_least."""
         if self.outside_s is None or self.outside_s[0] < at_least and self.outside_s[1] < at_least:
             first = self.traced[min(c for c in self.traced if c > 1)]
@@ -238,7 +239,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
         progress.info("solving the ILP for the loss region in %d chunk(s)", k)
         along(f"{sum(len(g.nodes) for g in profiles)} nodes")
         beat = min(fastest.values(), default=None)
-        time_s = trace_time(profiles, room, granularity=dev.alloc_granularity, beat=beat, **opts)
+        time_s = trace_time(profiles, room, granularity=dev.alloc_granularity, beat=beat, options=opts)
         outside = False  # a plan in full that fits, peaking where more chunks free nothing
         if time_s is not None and beat is not None and time_s >= beat:
             table[k] += f"; the ILP's bound: at least {1e3 * time_s:.3f} ms"

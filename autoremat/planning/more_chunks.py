@@ -15,6 +15,7 @@ from autoremat.passes.matmul_accumulation import ACCUMULATING
 from autoremat.planning.plan import BudgetError
 from autoremat.solve.decision import Decision
 from autoremat.solve.rows_time import least_time, ops_once_time
+from autoremat.solve.solver_options import SolverOptions
 
 if TYPE_CHECKING:
     from autoremat.model.graph_profile import GraphProfile
@@ -147,16 +148,17 @@ def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
     return out
 
 
-def least_outside(candidate: ChunkCountTrace, room: int, at_least: float, granularity: int, opts: dict) -> float:
+def least_outside(candidate: ChunkCountTrace, room: int, at_least: float, granularity: int,
+                  opts: SolverOptions) -> float:
     """A lower bound of the recomputation the ILP's rows need at any chunk count: what they need for this
     chunked trace with its loss region free (`region_free`), proved by the MIP until it reaches `at_least`.
     Every count recomputes at least this outside the region, so a larger count whose ops once fall short of
     a smaller count's plan by less than it cannot beat that plan, and is not traced."""
     free = region_free(candidate)
     ops = ops_once_time(free)
-    limit = OUTSIDE_SHARE * opts.get("time_limit", 10.0)
+    limit = OUTSIDE_SHARE * opts.time_limit
     return least_time(free, room, at_least=ops + at_least, granularity=granularity,
-                      **{**opts, "time_limit": limit}) - ops
+                      options=dataclasses.replace(opts, time_limit=limit)) - ops
 
 
 def least_ops_time(graphs: list, ops_once: float, rows: int, b: int, k: int, dev) -> float | None:

@@ -3,7 +3,7 @@
 The faces check their arguments once, into these two objects, and hand them down whole: every
 planning function reads the option it needs from `step.options` instead of taking it as one more
 parameter. The stages below planning (solve/, model/) take plain values: `PlanOptions.solving()` is
-what the solver is given.
+what the solver is given (a `SolverOptions`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from autoremat.passes.loss_chunks import OUTPUTS
 from autoremat.planning import precision_plan
 from autoremat.planning.compilers import check_compiler
 from autoremat.solve.lp import check_solver
-from autoremat.solve.solver import DEFAULT_GAP
+from autoremat.solve.solver_options import DEFAULT_GAP, SolverOptions
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ class PlanOptions:
                              "does not), which meta tensors do not have: give real example inputs, or use "
                              "precision='bf16' or 'auto' on meta (auto then offers bf16 only, with estimated errors)")
 
-    def solving(self) -> dict[str, Any]:
-        """The solve stage's keyword arguments."""
-        return {"solver": self.solver, "time_limit": self.time_limit, "gap": self.gap}
+    def solving(self) -> SolverOptions:
+        """What the solve stage is given: the solver, its time limit and gap."""
+        return SolverOptions(self.solver, self.time_limit, self.gap)
 
 
 # The options of a caller that names none (a planner built in a test, the backend's defaults).

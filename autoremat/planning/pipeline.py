@@ -312,8 +312,7 @@ def pareto_points(profiles: list, plan: Plan, device: str, options: PlanOptions 
     """(budget, predicted recompute overhead) at `count` budgets from the smallest that fits to none."""
     dev = get_device(device)
     ledger = Ledger.from_dict(plan.ledger)
-    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, solver=options.solver,
-                             time_limit=options.time_limit)
+    smallest = smallest_peak(profiles, granularity=dev.alloc_granularity, options=options.solving())
     low = ledger.needs(smallest.peak)
     high = max(plan.no_recompute_budget, ledger.needs(plan.activation_peak))
     budgets = sorted({round(low + (high - low) * i / (count - 1)) for i in range(count)})

@@ -22,7 +22,7 @@ from autoremat.model.marks import mark_counts, must_marks
 from autoremat.model.memory import Timeline, live_at_peak
 from autoremat.model.schedule import Schedule
 from autoremat.passes.loss_chunks import describe as describe_loss
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, PlanPath, evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.units import format_bytes
 
@@ -77,6 +77,12 @@ class Plan:
     def overhead(self) -> float:
         """Predicted step-time increase from recomputation, as a fraction."""
         return self.recompute_time_s / self.forward_time_s if self.forward_time_s else 0.0
+
+    @property
+    def solver_path(self) -> PlanPath:
+        """The route that produced the plan and the refinements after it, typed; `solver["path"]` holds its text,
+        as the JSON stores it."""
+        return PlanPath.parse(self.solver["path"])
 
     @property
     def no_recompute_budget(self) -> int:
@@ -220,7 +226,7 @@ def build_plan(
         peak_at=peak_at,
         forward_time_s=sum(p.time_s for g in profiles for p in g.nodes.values()),
         recompute_time_s=decision.recompute_time_s,
-        solver={"status": decision.status, "path": decision.path, "solver": decision.solver,
+        solver={"status": decision.status, "path": str(decision.path), "solver": decision.solver,
                 "solve_time_s": round(decision.solve_time_s, 4), "rounds": decision.rounds},
         device=device,
         timeline=_compress(decision.timeline),

@@ -103,7 +103,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
         room = min(room, fp32[0].activation_peak)
     ilp_tol, ilp_dtypes = tol, None
     for attempt in range(AUTO_TRIES):
-        dtypes = precision_plan.auto_dtypes(an, room, ilp_tol, step.dev, **step.options.solving())
+        dtypes = precision_plan.auto_dtypes(an, room, ilp_tol, step.dev, step.options.solving())
         reason = ("the joint ILP found no dtypes within the budget" if dtypes is None
                   else "the joint ILP chose fp32 for every call" if not any(dtypes)
                   else _no_faster(an, dtypes, fp32, step))

@@ -24,6 +24,7 @@ from autoremat.model.profile import profile_graph
 from autoremat.passes.dtypes import apply_dtypes
 from autoremat.solve.precision_choices import DtypeChoices, dtype_choices
 from autoremat.solve.solver import choose_dtypes
+from autoremat.solve.solver_options import SolverOptions
 
 MODES = ("fp32", "bf16", "fp16", "auto")
 # Without values (the meta device), a call's bf16 error is taken as bf16's unit roundoff: the relative
@@ -109,10 +110,10 @@ def choices_of(an: Analysis, device: DeviceSpec) -> list[DtypeChoices]:
 
 
 def auto_dtypes(an: Analysis, room: int, tolerance: float, device: DeviceSpec,
-                **solver_opts) -> list[dict[str, str]] | None:
+                options: SolverOptions) -> list[dict[str, str]] | None:
     """The joint ILP's dtypes within `room` bytes (what the budget leaves the activations) and `tolerance`; None if none fits."""
     return choose_dtypes(an.profiles, choices_of(an, device), room, tolerance,
-                         granularity=device.alloc_granularity, **solver_opts)
+                         granularity=device.alloc_granularity, options=options)
 
 
 def predicted_gain(an: Analysis, dtypes: list[dict[str, str]], device: DeviceSpec) -> float:

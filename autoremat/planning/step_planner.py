@@ -35,7 +35,7 @@ from autoremat.planning.compilers import (
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.planner import Planner
 from autoremat.planning.window import StepWindow
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, PlanPath, Route, evaluate
 from autoremat.solve.heuristics import checkpoint_blocks, save_all
 from autoremat.solve.solver import smallest_peak
 from autoremat.torch_internals import in_backward, tree_leaves
@@ -334,7 +334,7 @@ class StepPlanner(Planner):
         return Ledger(parameters=parameters, gradients=gradients, optimizer_state=state,
                       inputs=sum(c.inputs for c in calls), workspaces=workspaces)
 
-    def _plan_of(self, calls: list[GraphCall], saved: list, path: str) -> Plan:
+    def _plan_of(self, calls: list[GraphCall], saved: list, path: PlanPath) -> Plan:
         profiles, g = [c.gp or c.use.gp for c in calls], self._dev.alloc_granularity
         schedules, tl, cost = evaluate(profiles, [set(s) for s in saved], g)
         decision = Decision([set(s) for s in saved], schedules, tl, cost, "fits", path, granularity=g)
@@ -356,7 +356,7 @@ class StepPlanner(Planner):
         saved = set(use.frugal if asked is None else asked)
         modules, applied = self._split(cg, gp, saved, need, budget_or_memory(self.budget, self._dev))
         self._applied = frozenset(applied)
-        self.plans.append(self._plan_of(self.step[-1:], [applied], "most frugal" if asked is None else "joint"))
+        self.plans.append(self._plan_of(self.step[-1:], [applied], PlanPath(Route.FRUGAL if asked is None else Route.JOINT)))
         return modules
 
     def _frugal(self, gp: GraphProfile) -> frozenset[str]:
@@ -364,7 +364,7 @@ class StepPlanner(Planner):
         only outputs and what may not be recomputed), the one whose boundary (what later calls see held) plus
         own peak is least."""
         g = self._dev.alloc_granularity
-        smallest = smallest_peak([gp], granularity=g, solver=self.options.solver, time_limit=self.options.time_limit)
+        smallest = smallest_peak([gp], granularity=g, options=self.options.solving())
         best, cost = save_all([gp])[0], None
         for saved in ([smallest.saved[0]] if smallest else []) + checkpoint_blocks([gp]):
             try:

@@ -17,7 +17,7 @@ from autoremat.model.cuts import base
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import lifetimes
 from autoremat.model.memory import live_at_peak
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import BlockModes, Decision, PlanPath, Refinement, Route, evaluate
 
 
 def save_all(graphs: list[GraphProfile]) -> list[set[str]]:
@@ -156,7 +156,7 @@ def block_mode_plans(graphs: list[GraphProfile], room: int, granularity: int) ->
             return None
         if tl.peak > room:
             return None
-        return Decision(saved, schedules, tl, cost, "heuristic", f"block-modes(checkpoint {k}, selective {j})")
+        return Decision(saved, schedules, tl, cost, "heuristic", PlanPath(Route.BLOCK_MODES, BlockModes(k, j)))
 
     found, top = [], n
     for k in range(n + 1):
@@ -207,7 +207,7 @@ def spend_slack(graphs: list[GraphProfile], plan: Decision, room: int, granulari
             half = len(group) // 2
             groups += [group[half:], group[:half]]  # the higher-ranked half is tried first
     if best is not plan:
-        best = dataclasses.replace(best, path=plan.path + "+slack-spent", notes=[*plan.notes, (
+        best = dataclasses.replace(best, path=plan.path.refined(Refinement.SLACK_SPENT), notes=[*plan.notes, (
             f"saved back recomputed values into the {room - plan.peak:,} B the plan left unused "
             f"({tries} simulation{'s' if tries != 1 else ''}): predicted recompute {plan.recompute_time_s * 1e3:.2f} -> "
             f"{best.recompute_time_s * 1e3:.2f} ms")])
@@ -254,7 +254,7 @@ def lower_peak(graphs: list[GraphProfile], plan: Decision, granularity: int, max
         if found is None:
             break
         best = found
-    return best if best is plan else dataclasses.replace(best, path=plan.path + "+peak-lowered")
+    return best if best is plan else dataclasses.replace(best, path=plan.path.refined(Refinement.PEAK_LOWERED))
 
 
 def _held_back(graphs: list[GraphProfile], plan: Decision, at: int, before: list[str], granularity: int) -> list[str]:

@@ -1,9 +1,10 @@
 """The save/recompute ILP of one training step, written the way its formulation reads.
 
 The step runs graphs 1..G (dynamo graphs or regions): their forwards in order, then their backwards
-in reverse. `solver.py` decides which models to build and solves them; this module is the model.
+in reverse. `solver.py` decides which models to build and solves them; this module is the model, in the
+order below: its data, its variables, its rows, its objective, then solving it and reading the answer.
 
-Data, per graph (computed by ilp_data.py, lifetimes.py and memory.py):
+Data, per graph (computed here, by lifetimes.py and by memory.py):
   F            forward-side nodes, in joint order; N in F those a backward node reads directly
   in(v)        v's forward-side inputs (parameters and step inputs are always there)
   size_v       bytes v owns, rounded up to the allocator's granularity (0 for a view or an output)
@@ -33,7 +34,7 @@ Rows, one method of `IlpModel` per family:
                     s_v + r_v <= 1 for v in F;  s_v + r_v >= 1 for v in N;
                     r_v = 0 where v may not be recomputed; s_v = 0 where v is a view of a base that
                     owns bytes (saving it would hold the base: recompute the view instead);
-                    the user's MUST_SAVE / MUST_RECOMPUTE marks fix s_v, r_v (user_marks.py)
+                    the user's MUST_SAVE / MUST_RECOMPUTE marks fix s_v, r_v (`_bound_marks`)
   recompute inputs  (`_recompute_inputs`)  r_v <= s_u + r_u for u in in(v) cap F
   locality          (`_recompute_inputs`)  r_u + r_v <= 1 where a recomputed v would need u before
                     first(u) accounts for (first(v) < first(u) and v is not one of u's drag users)
@@ -52,7 +53,7 @@ Each memory sum is a chain of equalities m_k = m_{k-1} + delta_k (`_running`), s
 variable sits in O(1) rows; consecutive steps that share a chain keep only their largest static
 part (`_step_rows`); rows with no variable at all give `floor`, the least any plan peaks at.
 
-Objective (`_objective`), with T = sum_v t_v r_v + sum_c cast_c (b_c + f_c) - sum_v speedup_v pi_O(v),
+Objective (`_set_objective`), with T = sum_v t_v r_v + sum_c cast_c (b_c + f_c) - sum_v speedup_v pi_O(v),
 T_all the step's compute time and B_all its bytes:
   within the room (cap = room): min T / T_all + TIE_BYTES * sum_v S_v / B_all + FP16_PENALTY * sum_c f_c
   smallest peak (cap free):       min cap + MIN_PEAK_TIME_WEIGHT * (B_all / T_all) * T
@@ -61,6 +62,15 @@ With `shared_blocks`, the nodes of identical repeated blocks share the first blo
 (a smaller model for deep stacks; dtype choices are then not offered). first(v) is a lower and
 last(v) an upper bound of the real lifetime, so the rows are conservative; solver.py replays each
 solution in the exact simulator and calibrates the room against it.
+
+The user's checkpoint marks (model/marks.py) enter as bounds and as a tie-break:
+  must_save v        r_v = 0, and s_v = 1 where the backward reads v
+  must_recompute v   s_v = 0 (the choice row s_v + r_v >= 1 then recomputes it where the backward reads it)
+  prefer_*           no row: in the objective's tie-break on saved bytes (TIE_BYTES, far below any recompute
+                     time) a PREFER_RECOMPUTE value's bytes count twice and a PREFER_SAVE value's not at all,
+                     so a hint decides only among plans of the same predicted time
+`schedule.make_schedule` forces the MUST marks onto every saved set, whichever planner chose it; these
+bounds make the ILP optimise over exactly those plans, and its smallest peak (BudgetError's floor) too.
 """
 
 from __future__ import annotations
@@ -70,25 +80,88 @@ from dataclasses import dataclass
 
 import pulp
 
+from autoremat.capture.regions import block_of
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import Lifetimes, lifetimes, output_spans, waiting_bytes
-from autoremat.model.memory import INF
+from autoremat.model.marks import PREFER_RECOMPUTE, PREFER_SAVE, must_marks
+from autoremat.model.memory import INF, TANGENTS_HELD, Timeline, _Heap, _run
+from autoremat.model.schedule import forward_slots
 from autoremat.solve import lp
-from autoremat.solve.ilp_data import base_size, block_twins, owned_size, static_profile
-from autoremat.solve.objective import Terms, set_objective
 from autoremat.solve.precision_choices import DtypeChoices
-from autoremat.solve.user_marks import bound_marks, hinted_bytes
+
+# The objective's weights (docstring, Objective).
+# Weight of saved bytes in the budgeted objective: small enough never to outweigh recompute time,
+# large enough to break its ties toward saving less (keeps the plan's peak monotonic in the room).
+TIE_BYTES = 1e-4
+# Weight of each fp16 call in the budgeted objective: fp16 needs loss scaling, so on a tie prefer bf16.
+FP16_PENALTY = 1e-3
+# Weight of recompute time (scaled to bytes) when minimising the peak: among plans with the same
+# peak, the cheapest one, without letting time move the peak by more than a rounding.
+MIN_PEAK_TIME_WEIGHT = 1e-3
 
 
-@dataclass
-class IlpResult:
-    """One solve of the model."""
+# -- data: fw_t and bw_t, size_v, and the identical blocks whose decisions may be shared -----------
 
-    status: str  # "optimal", "time_limit" (an incumbent at the limit), or PuLP's status ("infeasible", ...)
-    saved: list[set[str]] | None = None  # per graph, the values the solution saves; None without a solution
-    predicted_peak: float | None = None  # the largest row at the solution: the ILP's own (conservative) peak
-    objective: float | None = None  # the objective at the solution (objective.py)
+def static_profile(g: GraphProfile, granularity: int) -> tuple[list[int], list[int], list[str], dict[str, int]]:
+    """fw_t and bw_t: live bytes at each forward and backward step when nothing is saved or
+    recomputed; also the core forward that runs then, and each forward-side node's slot in it
+    (schedule.forward_slots)."""
+    heap = _Heap(granularity)
+    forward, backward = Timeline(), Timeline()
+    core, slot = forward_slots(g)
+    bw = [n for n, p in g.nodes.items() if p.kind == "backward"]
+    _run(g, core, heap, set(g.fw_outputs), [], "forward", forward)
+    tangents = [n for n, p in g.nodes.items() if p.kind == "tangent" and p.nbytes]
+    for t in tangents:
+        heap.add(g.nodes[t].storage, g.nodes[t].nbytes)
+    held = set(g.grad_outputs) | set(g.fw_outputs) | (set(tangents) if TANGENTS_HELD else set())
+    _run(g, bw, heap, held, tangents, "backward", backward)
+    return forward.during, backward.during, core, slot
 
+
+def owned_size(g: GraphProfile, v: str, granularity: int) -> int:
+    """size_v: the bytes v owns, rounded up to `granularity`."""
+    p = g.nodes[v]
+    if p.storage != v or v in g.fw_outputs:  # aliases own nothing; outputs are alive anyway
+        return 0
+    return -(-p.nbytes // granularity) * granularity if granularity > 1 else p.nbytes
+
+
+def base_size(g: GraphProfile, v: str) -> int:
+    """Bytes of the storage v is a view of (v's own, if it is no view)."""
+    root = g.nodes[v].storage
+    return g.nodes[root].nbytes if root in g.nodes else 0
+
+
+def block_twins(g: GraphProfile, life: Lifetimes) -> dict[str, str]:
+    """Map each node of a repeated block to the same node of the first identical block.
+
+    Two blocks are identical when their forward nodes, in order, have the same ops, shapes,
+    dtypes, recompute bans and wiring (inputs named by position inside the block). Sharing their
+    decisions shrinks the ILP by the number of repeats: the transformer-stack case.
+    """
+    blocks: dict[str, list[str]] = {}
+    for v in life.fw_pos:
+        key = block_of(g.nodes[v].module)
+        if key:
+            blocks.setdefault(key, []).append(v)
+    first: dict[tuple, list[str]] = {}
+    twins: dict[str, str] = {}
+    for members in blocks.values():
+        where = {v: i for i, v in enumerate(members)}
+        sig = tuple(
+            (g.nodes[v].target, g.nodes[v].shape, g.nodes[v].dtype, bool(g.nodes[v].recompute_ban),
+             g.nodes[v].is_tuple, tuple(where.get(u, -1) for u in g.nodes[v].inputs))
+            for v in members
+        )
+        if sig in first:
+            twins.update(zip(members, first[sig]))
+        else:
+            first[sig] = members
+    return twins
+
+
+# -- the model: variables, rows, objective, solve ------------------------------------------------
 
 class IlpModel:
     """The ILP for a list of graphs that run one after another in one step (see the module docstring)."""
@@ -140,7 +213,7 @@ class IlpModel:
             self.low.append(self._dtype(gi, choice, size, s, r, saved_bytes, recomputed_bytes) if choice else {})
             graph_saved = pulp.lpSum(saved_bytes.values())
             saved_total.append(self._running(lp.zero(), graph_saved))
-            self.bytes_expr += graph_saved + hinted_bytes(g, saved_bytes)  # PREFER_* marks: ties only
+            self.bytes_expr += graph_saved + self._hinted_bytes(g, saved_bytes)  # PREFER_* marks: ties only
             fw_rows = self._forward_memory(g, life, saved_bytes, fw_static, core, slot)
             bw_rows = self._backward_memory(life, saved_bytes, recomputed_bytes, bw_static)
             per_graph_rows.append((fw_rows, bw_rows))
@@ -151,7 +224,7 @@ class IlpModel:
         self.total_bytes = max(1, sum(owned_size(g, v, 1) for g in graphs for v in g.nodes))  # B_all
         self.total_time = max(1e-12, sum(p.time_s for g in graphs for p in g.nodes.values()))  # T_all
 
-    # -- variables and the choice / recompute-input families ------------------------------------
+    # -- variables, with the choice and recompute-input rows of each --------------------------
 
     def _decisions(self, gi: int, g: GraphProfile, life: Lifetimes):
         """s_v and r_v for every forward-side node, with the choice and recompute-input rows."""
@@ -178,13 +251,24 @@ class IlpModel:
             r[v] = r[t]
             if t in s:
                 s[v] = s[t]
-        bound_marks(g, life, s, r)  # the user's MUST marks
+        self._bound_marks(g, life, s, r)  # the user's MUST marks
         for v in life.fw_pos:
             if v in life.needed:
                 self._choice_needed(s.get(v), r[v])
             self._recompute_inputs(v, nodes[v].inputs, life, s, r)
             self.time_expr += nodes[v].time_s * r[v]
         return s, r
+
+    @staticmethod
+    def _bound_marks(g: GraphProfile, life: Lifetimes, s: dict, r: dict) -> None:
+        """The user's MUST marks as bounds of one graph's s_v / r_v (module docstring)."""
+        marks = must_marks(g)
+        for v in sorted(marks.save & r.keys()):
+            r[v].upBound = 0
+            if v in life.needed and v in s and s[v].upBound != 0:
+                s[v].lowBound = 1
+        for v in sorted(marks.recompute & s.keys()):
+            s[v].upBound = 0
 
     def _choice_exclusive(self, s_v: lp.Variable, r_v: lp.Variable) -> None:
         """choice: s_v + r_v <= 1 (a value is saved, recomputed, or neither)."""
@@ -244,19 +328,6 @@ class IlpModel:
                     self.prob += prod <= pi
                     out[v] = out[v] - half * prod
         return low
-
-    def chosen_dtypes(self) -> list[dict[str, str]]:
-        """Per graph, the castable calls the current solution runs in bf16 or fp16."""
-        out = []
-        for low in self.low:
-            pick = {}
-            for c, (b, f, _) in low.items():
-                if b is not None and (b.value() or 0) > 0.5:
-                    pick[c] = "bf16"
-                elif f is not None and (f.value() or 0) > 0.5:
-                    pick[c] = "fp16"
-            out.append(pick)
-        return out
 
     # -- the memory families -------------------------------------------------------------------
 
@@ -368,7 +439,7 @@ class IlpModel:
         self.prob += m == acc + delta
         return lp.of(m)
 
-    # -- objective, error row, solve -----------------------------------------------------------
+    # -- the error row -------------------------------------------------------------------------
 
     def _error(self) -> None:
         """error: the measured errors of the chosen 16-bit calls sum to at most the tolerance. Built with
@@ -376,17 +447,59 @@ class IlpModel:
         if self.tolerance is not None and self.err_expr.keys():
             self.prob += self.err_expr <= self.tolerance
 
+    # -- the objective -------------------------------------------------------------------------
+
+    def _set_objective(self, min_peak: bool) -> None:
+        """The objective: within the room (`solve` has fixed `cap` to it), the least time, ties toward fewer saved
+        bytes and bf16 over fp16; with `min_peak` (`cap` free), the least cap, ties toward the least time."""
+        if min_peak:
+            self.prob.setObjective(self.cap + MIN_PEAK_TIME_WEIGHT * self.total_bytes / self.total_time
+                                   * self.time_expr)
+        else:
+            self.prob.setObjective(self.time_expr / self.total_time + TIE_BYTES * self.bytes_expr / self.total_bytes
+                                   + FP16_PENALTY * self.fp16_expr)
+
+    @staticmethod
+    def _hinted_bytes(g: GraphProfile, saved_bytes: dict) -> lp.Expression:
+        """What the PREFER marks add to the tie-break's saved bytes: +S_v for PREFER_RECOMPUTE, -S_v for PREFER_SAVE."""
+        sign = {PREFER_RECOMPUTE: 1, PREFER_SAVE: -1}
+        return pulp.lpSum(sign[g.nodes[v].mark] * b for v, b in saved_bytes.items() if g.nodes[v].mark in sign)
+
+    # -- solve and read the answer back --------------------------------------------------------
+
     def solve(self, room: int | None, solver: lp.Solver, min_peak: bool = False) -> IlpResult:
         """Solve under `room` bytes, or (`min_peak`) for the smallest peak the rows allow."""
         if not min_peak and self.floor > room:
             return IlpResult("infeasible")
         # The room is the bound of `cap`, the right-hand side of every memory row (`_capacity`).
         self.cap.lowBound, self.cap.upBound = (0, None) if min_peak else (room, room)
-        set_objective(self.prob, self.cap, min_peak, Terms(self.time_expr, self.bytes_expr, self.fp16_expr,
-                                                           self.total_time, self.total_bytes))
+        self._set_objective(min_peak)
         status = lp.solve(self.prob, solver)
         if lp.has_solution(status):
             saved = [{v for v, var in s.items() if (var.value() or 0) > 0.5} for s in self.s]
             predicted = max((static + (pulp.value(expr) or 0) for static, expr in self.rows), default=0)
             return IlpResult(status, saved, predicted, pulp.value(self.prob.objective))
         return IlpResult(status)
+
+    def chosen_dtypes(self) -> list[dict[str, str]]:
+        """Per graph, the castable calls the current solution runs in bf16 or fp16."""
+        out = []
+        for low in self.low:
+            pick = {}
+            for c, (b, f, _) in low.items():
+                if b is not None and (b.value() or 0) > 0.5:
+                    pick[c] = "bf16"
+                elif f is not None and (f.value() or 0) > 0.5:
+                    pick[c] = "fp16"
+            out.append(pick)
+        return out
+
+
+@dataclass
+class IlpResult:
+    """One solve of the model."""
+
+    status: str  # "optimal", "time_limit" (an incumbent at the limit), or PuLP's status ("infeasible", ...)
+    saved: list[set[str]] | None = None  # per graph, the values the solution saves; None without a solution
+    predicted_peak: float | None = None  # the largest row at the solution: the ILP's own (conservative) peak
+    objective: float | None = None  # the objective at the solution (`_set_objective`)

@@ -14,9 +14,8 @@ import pulp
 
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.solve import lp
-from autoremat.solve.ilp import IlpModel
-from autoremat.solve.objective import TIE_BYTES
-from autoremat.solve.solver import DEFAULT_GAP
+from autoremat.solve.ilp import TIE_BYTES, IlpModel
+from autoremat.solve.solver_options import SOLVER_DEFAULTS, SolverOptions
 
 __all__ = ["least_time", "ops_once_time", "trace_time"]
 
@@ -26,13 +25,13 @@ def ops_once_time(graphs: list[GraphProfile]) -> float:
     return sum(p.time_s for g in graphs for p in g.nodes.values())
 
 
-def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, solver: str = "auto",
-               time_limit: float = 10.0, gap: float = DEFAULT_GAP, beat: float | None = None) -> float | None:
+def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1,
+               options: SolverOptions = SOLVER_DEFAULTS, beat: float | None = None) -> float | None:
     """The least predicted step time of one trace under `room` bytes as the ILP's rows see it: T0 plus the
     recomputation of the ILP's plan; None where the rows see no plan. With `beat` (another trace's least
     time), the MIP stops once its bound shows this trace no faster, and returns that bound."""
     model, ops = _model(graphs, granularity), ops_once_time(graphs)
-    backend = _backend(solver, time_limit, gap, None if beat is None else _objective_of(model, beat - ops))
+    backend = _backend(options, None if beat is None else _objective_of(model, beat - ops))
     result = model.solve(room, backend)
     if getattr(backend, "stopped_at", None) is not None:
         return ops + _time_of(model, backend.stopped_at)
@@ -40,14 +39,14 @@ def trace_time(graphs: list[GraphProfile], room: int, *, granularity: int = 1, s
 
 
 def least_time(graphs: list[GraphProfile], room: int, *, at_least: float, granularity: int = 1,
-               solver: str = "auto", time_limit: float = 10.0, gap: float = DEFAULT_GAP) -> float:
+               options: SolverOptions = SOLVER_DEFAULTS) -> float:
     """A lower bound of `trace_time(graphs, room)`: T0 plus the least recomputation the MIP has proved its rows
     need. The caller only asks whether it reaches `at_least`: the MIP stops once its bound does, or once it
     holds a plan below it (then no bound can reach it). An infinite `at_least` asks for the bound itself: the
     MIP runs to its gap or time limit. T0 alone where the MIP proved nothing (no plan, or no bound by its time
     limit)."""
     model, ops = _model(graphs, granularity), ops_once_time(graphs)
-    backend = _backend(solver, time_limit, gap, _objective_of(model, at_least - ops))
+    backend = _backend(options, _objective_of(model, at_least - ops))
     if math.isfinite(at_least):
         backend.give_up_below = (at_least - ops) / model.total_time  # a plan's objective is at least its time's share
     result = model.solve(room, backend)
@@ -61,11 +60,11 @@ def _model(graphs: list[GraphProfile], granularity: int) -> IlpModel:
     return IlpModel(graphs, granularity, block_drag=True, shared_blocks=True)
 
 
-def _backend(solver: str, time_limit: float, gap: float, stop_bound: float | None) -> lp.Solver:
-    return lp.named(solver, time_limit, gap, None if stop_bound is None else (float("inf"), stop_bound))
+def _backend(options: SolverOptions, stop_bound: float | None) -> lp.Solver:
+    return options.backend(stop_at=None if stop_bound is None else (float("inf"), stop_bound))
 
 
-# The objective (objective.py) is the recomputation's share of the step's ops plus at most TIE_BYTES for the
+# The objective (ilp.IlpModel._set_objective) is the recomputation's share of the step's ops plus at most TIE_BYTES for the
 # saved bytes it breaks ties by; a bound on it bounds the recomputation by that much less.
 def _objective_of(model: IlpModel, recompute_s: float) -> float:
     return recompute_s / model.total_time + TIE_BYTES

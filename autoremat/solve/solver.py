@@ -28,23 +28,20 @@ from collections import OrderedDict
 
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.solve import heuristics, lp
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.cut_search import recompute_twice, refine_further
+from autoremat.solve.decision import Decision, IlpVariant, PlanPath, Route, evaluate
 from autoremat.solve.heuristics import block_mode_plans, checkpoint_blocks, greedy, lower_peak, save_all, spend_slack
-from autoremat.solve.ilp import IlpModel, IlpResult
-from autoremat.solve.ilp_data import block_twins
+from autoremat.solve.ilp import IlpModel, IlpResult, block_twins
 from autoremat.solve.precision_choices import DtypeChoices
-from autoremat.solve.twice import recompute_twice, refine_further
+from autoremat.solve.solver_options import DEFAULT_GAP, SOLVER_DEFAULTS, SolverOptions
 
 __all__ = ["DEFAULT_GAP", "Decision", "IlpModel", "IlpResult", "Infeasible", "block_mode_plans", "checkpoint_blocks",
-           "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
+           "SolverOptions", "choose_dtypes", "evaluate", "greedy", "lower_peak", "save_all", "smallest_peak", "solve",
            "spend_slack"]
 
-# Relative optimality gap of each MIP: on deep stacks 1% solves many times faster than 0.1%, and to the
-# same objective (benchmarks/solver_scale.py times the solve by depth).
-DEFAULT_GAP = 0.01
 # Once one ILP model has given a plan, a later model's MIP stops as soon as it holds a solution as good
 # as that plan's (within MATCH) and its bound shows it cannot beat it by more than this share of the
-# step's time (the objective's unit, objective.py): the later models are there to find a better plan,
+# step's time (the objective's unit, ilp.py): the later models are there to find a better plan,
 # and one better by less is not worth the proof. The MIP's own gap is relative to the recomputation: where a
 # plan recomputes a small share of the step, a later model can hold the plan already found at once and then
 # spend seconds of branching proving a gain worth a hundredth of a percent of the step
@@ -73,6 +70,8 @@ MIN_PEAK_GAP = 1e-3
 MIN_PEAK_MODELS_SHARE = 1 / 2
 # Greedy's changes toward the room, and when it looks for the smallest peak (each simulates the whole step).
 GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES = 300, 100
+# A floor query's options where its caller names none: more time than a solve's, for the floor a BudgetError names.
+FLOOR_DEFAULTS = SolverOptions(time_limit=30.0)
 
 
 def min_peak_seconds(time_limit: float) -> float:
@@ -80,10 +79,7 @@ def min_peak_seconds(time_limit: float) -> float:
     return max(MIN_PEAK_MIP_S, MIN_PEAK_MIP_SHARE * time_limit)
 
 
-_pick_solver = lp.named
-
-
-def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_rounds, deadline,
+def _solve_model(model: IlpModel, graphs, room, options: SolverOptions, granularity, max_rounds, deadline,
                  stop_at: tuple[float, float] | None = None, min_peak_s: float = MIN_PEAK_MIP_S) -> Decision | None:
     """Solve one ILP model, calibrating its (conservative) rows against the exact simulator.
 
@@ -106,7 +102,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
         # Each MIP gets most of what is left, less the time PuLP takes to hand the model to the
         # solver (outside the solver's own limit; about the model's build time).
         mip_s = MIP_SHARE * max(MIN_MIP_S, remaining - model.build_s)
-        backend = _pick_solver(solver, mip_s, gap, stop_at)
+        backend = options.backend(mip_s, stop_at=stop_at)
         result = model.solve(target, backend)
         status, saved = result.status, result.saved
         model.last_status = status
@@ -114,13 +110,13 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
             if learned or best is not None:
                 break
             learned = True
-            low = _min_peak(model, solver, min(mip_s, min_peak_s))
+            low = _min_peak(model, options, min(mip_s, min_peak_s))
             if low.saved is None:
                 break
             low_schedules, low_tl, low_cost = evaluate(graphs, low.saved, granularity)
             if low_tl.peak <= room:  # the rows' smallest peak may fit in the simulator: a plan in hand
                 best = Decision(low.saved, low_schedules, low_tl, low_cost, low.status,
-                                "ilp-min-peak" + ("/block-drag" if model.block_drag else ""), rounds=rounds,
+                                PlanPath(Route.ILP_MIN_PEAK, IlpVariant(model.block_drag)), rounds=rounds,
                                 solver=type(backend).__name__,
                                 notes=["the ILP found no plan within the activations' room, but its smallest-peak plan "
                                        "fits the simulator and is used"])
@@ -132,8 +128,7 @@ def _solve_model(model: IlpModel, graphs, room, solver, gap, granularity, max_ro
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= room:
             if best is None or cost < best.recompute_time_s:
-                path = (("ilp" if rounds == 1 else "ilp+calibrated") + ("/block-drag" if model.block_drag else "")
-                        + ("/shared-blocks" if model.shared_blocks else ""))
+                path = PlanPath(Route.ILP, IlpVariant(model.block_drag, model.shared_blocks, calibrated=rounds > 1))
                 best = Decision(saved, schedules, tl, cost, status, path, rounds=rounds,
                                 solver=type(backend).__name__)
                 model.best_objective = result.objective
@@ -161,9 +156,7 @@ def solve(
     room: int,
     *,
     granularity: int = 1,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
+    options: SolverOptions = SOLVER_DEFAULTS,
     max_rounds: int = 5,
 ) -> Decision:
     """Fastest plan whose simulated activation peak fits `room` bytes; see the module docstring.
@@ -175,12 +168,12 @@ def solve(
     Raises `Infeasible` carrying the smallest activation peak any plan reached.
     """
     t0 = time.perf_counter()
-    backend = _pick_solver(solver, time_limit, gap)
-    solver_name = type(backend).__name__
+    time_limit = options.time_limit
+    solver_name = type(options.backend()).__name__
     everything = save_all(graphs)
     schedules, tl, _ = evaluate(graphs, everything, granularity)
     if tl.peak <= room:  # no recomputation needed: nothing to solve
-        return Decision(everything, schedules, tl, 0.0, "optimal", "save-all", solver="none",
+        return Decision(everything, schedules, tl, 0.0, "optimal", PlanPath(Route.SAVE_ALL), solver="none",
                         solve_time_s=time.perf_counter() - t0, granularity=granularity)
     deadline = t0 + SOLVE_SHARE * time_limit
     # Per-block modes (save / selective / checkpoint): cheap to search, a plan for the ILP to beat,
@@ -197,7 +190,7 @@ def solve(
         if time.perf_counter() > deadline - NEXT_MODEL_MARGIN_S - 2 * (models[-1].build_s if models else 0.0):
             break
         models.append(IlpModel(graphs, granularity, block_drag, shared))
-        d = _solve_model(models[-1], graphs, room, solver, gap, granularity, max_rounds, deadline,
+        d = _solve_model(models[-1], graphs, room, options, granularity, max_rounds, deadline,
                          None if beat == float("inf") else (beat + MATCH, beat - LATER_MODEL_STEP_GAP),
                          min_peak_seconds(time_limit))
         if d is not None:
@@ -210,14 +203,14 @@ def solve(
         saved, fewer = heuristics.greedy_with(graphs, room, granularity, GREEDY_TRIES, MIN_PEAK_GREEDY_TRIES)
         schedules, tl, cost = evaluate(graphs, saved, granularity)
         if tl.peak <= room:
-            best = Decision(saved, schedules, tl, cost, "greedy", "greedy", solver=solver_name,
+            best = Decision(saved, schedules, tl, cost, "greedy", PlanPath(Route.GREEDY), solver=solver_name,
                             notes=[f"ILP gave no plan that fits ({status}); used the greedy plan"])
     if best is None:
         # The floor query's own search (its candidates, not this room's): a refusal names the floor that a
         # query with budget=1 names, whatever budget asked, and a room at or above that floor gets its plan.
         # No try of greedy's fitted the room, so its plan after fewer tries is the floor query's greedy plan.
-        best = smallest_peak(graphs, granularity=granularity, solver=solver, time_limit=time_limit, room=room,
-                             built=models, greedy_plan=fewer)
+        best = smallest_peak(graphs, granularity=granularity, options=options, room=room, built=models,
+                             greedy_plan=fewer)
         if best.peak > room:
             raise Infeasible(best, status)
         best.notes.append("the ILP found no plan within the activations' room; used the first plan of the "
@@ -239,7 +232,7 @@ def _has_twins(graphs: list[GraphProfile], model: IlpModel) -> bool:
 # so a later call on a busier machine could find a worse plan than the floor a BudgetError reported. Remembered,
 # the floor a process reports is reachable, and never rises, in it. The least recently used is forgotten first.
 FLOOR_MEMO_SIZE = 32
-_floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], str]] = OrderedDict()
+_floor_memo: OrderedDict[tuple, tuple[int, list[frozenset[str]], PlanPath]] = OrderedDict()
 
 
 def _floor_key(graphs: list[GraphProfile], granularity: int) -> tuple:
@@ -263,7 +256,7 @@ def forget_floors() -> None:
     _floor_memo.clear()
 
 
-def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room: int | None = None,
+def smallest_peak(graphs, *, granularity=1, options: SolverOptions = FLOOR_DEFAULTS, room: int | None = None,
                   built: list[IlpModel] = (), greedy_plan: list[set[str]] | None = None) -> Decision:
     """The plan with the smallest simulated activation peak we can find; with `room`, the first plan
     the search reaches that fits it.
@@ -271,8 +264,9 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
     Candidates: each ILP model's min-peak solution, checkpointing every repeated block, greedy, and
     the best plan an earlier call found for the same graphs (`_floor_memo`); each is lowered further
     by saving values back (`heuristics.lower_peak`), the lowest then by recomputing values twice
-    (`twice.recompute_twice`), and checkpointing too, and the lowest is kept.
+    (`cut_search.recompute_twice`), and checkpointing too, and the lowest is kept.
 
+    options: the solver and time limit (each min-peak MIP gets a share of it, at MIN_PEAK_GAP: its gap is not used).
     built: ILP models a caller already built for these graphs (`solve`'s), used where they are the floor
     query's own (`_floor_model`), so their min-peak solutions are not solved again; greedy_plan: greedy's plan
     after MIN_PEAK_GREEDY_TRIES tries, where a caller's search already found it (a search toward a room no
@@ -284,29 +278,29 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
     time near the floor that benchmarks/plan_time.py --cliff shows) are not run. Such a plan is not remembered
     as the floor. A floor query, and a room below every plan, search to the end, and so name the same floor.
     """
-    start = time.perf_counter()
+    start, time_limit = time.perf_counter(), options.time_limit
     models = [_floor_model(graphs, granularity, block_drag, built) for block_drag in (False, True)]
     min_peak_s = min_peak_seconds(time_limit)
-    solver_name = type(_pick_solver(solver, min_peak_s, MIN_PEAK_GAP)).__name__
-    options = []
+    solver_name = type(options.backend(min_peak_s, MIN_PEAK_GAP)).__name__
+    starts = []  # (saved sets, the path that found them): the search's starting plans
     status = "infeasible"
     for model in models:
-        if options and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
+        if starts and time.perf_counter() - start > MIN_PEAK_MODELS_SHARE * time_limit:
             break  # one min-peak plan in hand; the rest of the time goes to the plans below
-        result = _min_peak(model, solver, min_peak_s)
+        result = _min_peak(model, options, min_peak_s)
         status = result.status
         if result.saved is not None:
-            options.append((result.saved, "ilp-min-peak" + ("/block-drag" if model.block_drag else "")))
-    options.append((checkpoint_blocks(graphs), "checkpoint-blocks"))
+            starts.append((result.saved, PlanPath(Route.ILP_MIN_PEAK, IlpVariant(model.block_drag))))
+    starts.append((checkpoint_blocks(graphs), PlanPath(Route.CHECKPOINT_BLOCKS)))
     if greedy_plan is None:
         greedy_plan = greedy(graphs, 0, granularity, MIN_PEAK_GREEDY_TRIES)
-    options.append((greedy_plan, "greedy"))
+    starts.append((greedy_plan, PlanPath(Route.GREEDY)))
     key = _floor_key(graphs, granularity)
     remembered = [set(s) for s in _floor_memo[key][1]] if key in _floor_memo else None
     if remembered is not None:
-        options.append((remembered, _floor_memo[key][2]))
+        starts.append((remembered, _floor_memo[key][2]))
     candidates: list[Decision] = []
-    for cand, path in options:
+    for cand, path in starts:
         if any(c.saved == cand for c in candidates):
             continue
         try:
@@ -330,8 +324,8 @@ def smallest_peak(graphs, *, granularity=1, solver="auto", time_limit=30.0, room
         # then values recomputed twice where that lowers the simulated peak: from the best, and from
         # checkpointing (whose recomputed blocks leave the cuts the most to gain)
         refined = [recompute_twice(graphs, best, granularity)]
-        blocks = next((d for d in candidates if d.path == "checkpoint-blocks"), None)
-        if blocks is not None and not best.path.startswith("checkpoint-blocks"):
+        blocks = next((d for d in candidates if d.path == PlanPath(Route.CHECKPOINT_BLOCKS)), None)
+        if blocks is not None and best.path.route is not Route.CHECKPOINT_BLOCKS:
             refined.append(lower_peak(graphs, recompute_twice(graphs, blocks, granularity), granularity))
         best = min(refined, key=lambda d: (d.peak, d.recompute_time_s))
         if (fits := _fastest_within(refined, room)) is not None:
@@ -354,14 +348,14 @@ def _floor_model(graphs, granularity: int, block_drag: bool, built) -> IlpModel:
     return IlpModel(graphs, granularity, block_drag, shared_blocks=True)
 
 
-def _min_peak(model: IlpModel, solver: str, time_limit: float) -> IlpResult:
+def _min_peak(model: IlpModel, options: SolverOptions, time_limit: float) -> IlpResult:
     """The model's min-peak solution at MIN_PEAK_GAP within `time_limit` (no stop_at: its objective is bytes),
     solved once: near the floor the calibration asks for it to learn the rows' pessimism, and `smallest_peak`
     asks again to start its search from it. Solved again only for a caller with more time than a solve that
     stopped on time had (single-threaded HiGHS finds nothing better in the same time)."""
     cached = model.min_peak
     if cached is None or (cached[0].status != lp.OPTIMAL and time_limit > cached[1]):
-        model.min_peak = (model.solve(None, _pick_solver(solver, time_limit, MIN_PEAK_GAP), min_peak=True), time_limit)
+        model.min_peak = (model.solve(None, options.backend(time_limit, MIN_PEAK_GAP), min_peak=True), time_limit)
     return model.min_peak[0]
 
 
@@ -385,9 +379,7 @@ def choose_dtypes(
     tolerance: float | None,
     *,
     granularity: int = 1,
-    solver: str = "auto",
-    time_limit: float = 10.0,
-    gap: float = DEFAULT_GAP,
+    options: SolverOptions = SOLVER_DEFAULTS,
 ) -> list[dict[str, str]] | None:
     """Compute dtypes and save/recompute chosen together, on fp32-traced graphs: the first stage of
     precision="auto". Returns, per graph, the calls to run in bf16/fp16, or None if nothing fits.
@@ -399,7 +391,7 @@ def choose_dtypes(
     (the second stage), since the rows here only approximate a mixed graph.
     """
     model = IlpModel(graphs, granularity, block_drag=False, choices=choices, tolerance=tolerance)
-    result = model.solve(room, _pick_solver(solver, time_limit, gap))
+    result = model.solve(room, options.backend())
     if result.saved is None:
         return None
     return model.chosen_dtypes()

@@ -1,4 +1,4 @@
-"""Which values to recompute twice: cuts (cuts.py) that lower the simulated peak.
+"""The search for cuts (cuts.py) that lower a plan's simulated peak: which values to recompute twice.
 
 At the peak step of a backward, the recomputed values alive there that the step does not read were
 emitted for an earlier reader and are held for a later one. A cut before that later reader frees
@@ -16,7 +16,7 @@ import dataclasses
 
 from autoremat.model.cuts import MARK, base
 from autoremat.model.graph_profile import GraphProfile
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.solve.decision import Decision, Refinement, evaluate
 from autoremat.solve.heuristics import lower_peak
 
 
@@ -79,7 +79,7 @@ def recompute_twice(graphs: list[GraphProfile], plan: Decision, granularity: int
     if best is plan:
         return plan
     cuts = sum(len(s.again) for s in best.schedules) - sum(len(s.again) for s in plan.schedules)
-    return dataclasses.replace(best, path=plan.path + "+recomputed-twice", notes=[*plan.notes, (
+    return dataclasses.replace(best, path=plan.path.refined(Refinement.RECOMPUTED_TWICE), notes=[*plan.notes, (
         f"recomputed values twice at {cuts} cut(s) (GraphPlan.again): simulated peak {plan.peak:,} -> {best.peak:,} B, "
         f"predicted recompute {plan.recompute_time_s * 1e3:.2f} -> {best.recompute_time_s * 1e3:.2f} ms")])
 
