@@ -347,7 +347,7 @@ def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
     schedule = Schedule(forward=[], backward=order, saved=[], recomputed=[])
     plan = Decision([set()], [schedule], simulate([(g, schedule)]), 0.0, "optimal", "by hand")
     loss = LossOption("loss", 4, [Report(sites=1, rewritten=1, rows=rows, vocab=vocab)])
-    return ChunkCountTrace(SimpleNamespace(sequence=lambda: [g]), None, loss), plan
+    return ChunkCountTrace(SimpleNamespace(calls=(g,)), loss), plan
 
 
 def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -> None:
@@ -363,13 +363,13 @@ def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -
 
     count, plan = _four_chunk_backward(8, 3)
     assert (plan.timeline.peak_step.node, plan.peak) == ("s4", 384)
-    (g,) = count.planner.sequence()
+    (g,) = count.trace.calls
     assert {n: b for _, n, b in live_at_peak([(g, plan.schedules[0])])} == {
         "h1": 24, "h2": 24, "h3": 24, "h4": 24, "s3": 96, "w4": 96, "s4": 96}
     assert binds_outside(count, plan)
     count, plan = _four_chunk_backward(64, 1)
     assert (plan.timeline.peak_step.node, plan.peak) == ("h4", 1056)
-    (g,) = count.planner.sequence()
+    (g,) = count.trace.calls
     assert {n: b for _, n, b in live_at_peak([(g, plan.schedules[0])])} == {
         "h1": 8, "h2": 8, "h3": 8, "s3": 256, "g4": 512, "w4": 256, "h4": 8}
     assert not binds_outside(count, plan)
@@ -392,7 +392,7 @@ def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(
     compile_and_trace(copy.deepcopy(model), planner, "eager", (), ex)
     base = {k: ops_once_time(g) for k, g in {**alternatives, 64: planner.profiles}.items()}
     loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
-    traces = Traces(None, ChunkCountTrace(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
+    traces = Traces(None, ChunkCountTrace(SimpleNamespace(graphs=tuple(alternatives[1])), loss), 1, [])
     traces.base_time.update({k: base[k] for k in COUNTS})  # as tracing those counts would have set them
     least, how = traces.least_base_time(64)
     assert least == pytest.approx(base[16] + 4 * (base[16] - base[4])) and "4- and 16-chunk" in how
@@ -414,8 +414,8 @@ def test_the_largest_chunked_trace_bounds_a_larger_count_op_by_op(alternatives) 
     base = {k: ops_once_time(g) for k, g in alternatives.items()}
     loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
     step = SimpleNamespace(compiler="eager", dev=get_device("cpu"))
-    traces = Traces(step, ChunkCountTrace(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
-    traces.traced[4] = ChunkCountTrace(SimpleNamespace(profiles=alternatives[4]), None, loss)
+    traces = Traces(step, ChunkCountTrace(SimpleNamespace(graphs=tuple(alternatives[1])), loss), 1, [])
+    traces.traced[4] = ChunkCountTrace(SimpleNamespace(graphs=tuple(alternatives[4])), loss)
     traces.base_time[4] = base[4]
     least, how = traces.least_base_time(16)
     assert base[4] < least <= base[16] and "4-chunk trace" in how, (least, base)
@@ -444,7 +444,7 @@ def _four_chunks(graphs: dict[int, list], loss: LossOption):
 
     from autoremat.planning.chunk_count_trace import ChunkCountTrace
 
-    return ChunkCountTrace(SimpleNamespace(profiles=graphs[4]), None, loss)
+    return ChunkCountTrace(SimpleNamespace(graphs=tuple(graphs[4])), loss)
 
 
 def test_no_count_recomputes_less_outside_the_loss_region_than_its_rows_with_the_region_free(two_layers) -> None:

@@ -38,8 +38,7 @@ def test_a_count_traced_from_the_kept_graph_profiles_as_a_full_trace_does(n_laye
     torch.manual_seed(0)
     model, ex = gpt2(batch=2, seq=32, n_layer=n_layer, n_embd=32, vocab=512, dropout=0.0)
     first = _planner(None, keep=True)
-    compile_and_trace(model, first, "eager", (), ex)
-    graph = first.source  # the kept graph the step's later traces start from
+    graph = compile_and_trace(model, first, "eager", (), ex).source  # the kept graph the step's later traces start from
     assert graph is not None
     full, again = _planner(4), _planner(4)
     compile_and_trace(copy.deepcopy(model), full, "eager", (), ex)
@@ -67,9 +66,9 @@ def test_the_kept_graph_is_not_used_where_dynamo_broke_the_step_in_two():
 
     model = Broken()
     planner = CapturePlanner(None, device="cpu", optimizer=None, keep_graphs=True)
-    compile_and_trace(model, planner, "eager", (torch.randn(4, 8),), {})
+    trace = compile_and_trace(model, planner, "eager", (torch.randn(4, 8),), {})
     assert len(planner.dynamo_graphs) == 2
-    assert planner.source is None
+    assert trace.source is None
 
 
 @pytest.mark.slow

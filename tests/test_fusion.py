@@ -492,9 +492,9 @@ def _at_the_chunked_floor(model: nn.Module, kwargs: dict, chunks: int, outputs: 
     step = TrainingStep(model, (), kwargs, where, dev, ledger, options, "inductor")
     with pytest.raises(autoremat.BudgetError) as refused:
         build(step, 1, [], None, {}, chunks=chunks)
-    plan, compiled, planner = build(step, refused.value.smallest_budget, [], None, {}, chunks=chunks)
+    plan, compiled, applier, _ = build(step, refused.value.smallest_budget, [], None, {}, chunks=chunks)
     assert plan.loss["chunks"] == chunks
-    return plan.activation_peak, measure_step(model, compiled, planner, (), kwargs, where, warm=True)
+    return plan.activation_peak, measure_step(model, compiled, applier, (), kwargs, where, warm=True)
 
 
 def test_a_biased_head_in_chunks_under_inductor_holds_at_its_floor():

@@ -19,7 +19,7 @@ from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.solver import Infeasible, smallest_peak, solve
 
 if TYPE_CHECKING:
-    from autoremat.planning.planner import CapturePlanner
+    from autoremat.planning.step_trace import StepTrace
 
 progress = logging.getLogger("autoremat.progress")  # the planning stages, at INFO (planner.progress)
 
@@ -77,9 +77,9 @@ def room_for(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
     return ledger.room(budget_or_memory(budget, device))
 
 
-def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
-    """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
-    cached, profiles = planner.cached, planner.sequence()
+def check_cached(trace: StepTrace, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
+    """Re-simulate the cached plan `trace` found on the graphs it traced; return it only if it is what it claims."""
+    cached, profiles = trace.cached, list(trace.calls)
     if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
         return None
     try:

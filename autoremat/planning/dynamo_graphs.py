@@ -46,6 +46,7 @@ log = logging.getLogger("autoremat")
 if TYPE_CHECKING:
     from autoremat.planning.options import TrainingStep
     from autoremat.planning.planner import CapturePlanner
+    from autoremat.planning.step_trace import StepTrace
 
 
 @dataclass
@@ -138,26 +139,24 @@ def trace_again(model: torch.nn.Module, compiler: str, planner: CapturePlanner, 
     with errors(), Restore(model), torch.enable_grad(), tracing_like_dynamo(), \
             meta_traces_like_real() if on_meta else contextlib.nullcontext():
         code = backend(graph.fresh(), list(graph.example_inputs))
-    planner.source, planner.code = graph, code
     return backend, code
 
 
-def compile_planned(step: TrainingStep, applier: CapturePlanner, traced: CapturePlanner,
-                    errors: Callable[[], Any]) -> Any:
+def compile_planned(step: TrainingStep, applier: CapturePlanner, traced: StepTrace,
+                    errors: Callable[[], Any]) -> StepTrace:
     """The step compiled with `applier`'s plan, made from `traced`'s trace of the dynamo graph kept, and handed
     to the frame dynamo compiled it from: its code re-pointed, and its recompiles (a guard failing) sent to
     the applier's backend. The plan is swapped into the code of `traced`'s trace where it can be
-    (planned_in_place.py), else that graph is traced again with it. Returns the step as the user calls it
-    (that frame's torch.compile'd model)."""
+    (planned_in_place.py), else that graph is traced again with it. Returns the applier's trace, whose
+    `compiled` is the step as the user calls it (that frame's torch.compile'd model)."""
     graph = traced.source
     assert graph is not None
     with tracing_like_dynamo():  # the context the partition runs in when traced (FX's dead-code elimination reads it)
         why_not = swap_in_plan(traced, applier)
     if why_not is None:
         backend, code = step_backend(applier, step.compiler, trace_only=False), traced.code
-        applier.source = graph
     else:
         log.debug("autoremat: the planned step is traced again: %s", why_not)
         backend, code = trace_again(step.model, step.compiler, applier, graph, errors, trace_only=False)
     graph.runs.target, graph.kept.backend, graph.kept.graphs = code, backend, None
-    return graph.compiled
+    return applier.trace(graph.compiled, graph, code)

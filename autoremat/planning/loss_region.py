@@ -23,6 +23,7 @@ budget named. A floor query (no room at all) goes straight to the plans in full.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,19 +33,14 @@ from autoremat.planning import more_chunks, precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
 from autoremat.planning.chunk_count_trace import ChunkCountTrace
 from autoremat.planning.plan import BudgetError
-from autoremat.planning.planner import (
-    CapturePlanner,
-    along,
-    planner_for,
-    progress,
-    trace_step,
-)
+from autoremat.planning.planner import along, planner_for, progress, trace_step
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.rows_time import ops_once_time, trace_time
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
     from autoremat.planning.options import TrainingStep
+    from autoremat.planning.step_trace import PlannedStep, StepTrace
 
 # Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
 # gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
@@ -52,21 +48,21 @@ if TYPE_CHECKING:
 LOSS_REGION_SHARE = 0.01
 
 
-def loss_region_matters(planner: CapturePlanner, loss: LossOption, granularity: int) -> bool:
+def loss_region_matters(trace: StepTrace, loss: LossOption, granularity: int) -> bool:
     """Whether the loss region is large enough for its chunk count to be worth planning."""
     vocab = max(r.vocab for r in loss.reports)
     region = 4 * loss.rows() * vocab * 4
-    return region >= LOSS_REGION_SHARE * save_all_peak(planner.profiles, granularity)
+    return region >= LOSS_REGION_SHARE * save_all_peak(list(trace.graphs), granularity)
 
 
-def fits_unchunked(planner: CapturePlanner, budget: int, ledger, dev) -> str | None:
+def fits_unchunked(trace: StepTrace, budget: int, ledger, dev) -> str | None:
     """Why no other chunk count is worth tracing, when the step as first traced (1 chunk) fits the budget
     with nothing recomputed; else None.
 
     Under the roofline a chunked trace's ops cost at least the whole's (the same FLOPs and bytes in
     more kernels, each launched), so with nothing to free no count beats 1.
     """
-    whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), room_for(budget, ledger, dev)
+    whole, room = save_all_peak(list(trace.calls), dev.alloc_granularity), room_for(budget, ledger, dev)
     if whole > room:
         return None
     return (f"with everything saved the step needs {format_bytes(whole)} of activations, within the "
@@ -80,16 +76,16 @@ class Traces:
         self.step, self.budget, self.dtypes = step, budget, dtypes
         self.counts = loss_chunks.candidates(first.loss.rows())
         self.traced: dict[int, ChunkCountTrace] = {1: first}
-        self.base_time: dict[int, float] = {1: ops_once_time(first.planner.profiles)}
+        self.base_time: dict[int, float] = {1: ops_once_time(list(first.trace.graphs))}
         self.outside_s: tuple[float, float] | None = None  # (least_outside's bound, the at_least it was given)
 
     def __getitem__(self, k: int) -> ChunkCountTrace:
         if k not in self.traced:
             progress.info("tracing the loss region in %d chunks", k)
             first = self.traced[1]
-            self.traced[k] = _trace(self.step, first.planner, first.loss, k, self.budget, self.dtypes,
+            self.traced[k] = _trace(self.step, first.trace, first.loss, k, self.budget, self.dtypes,
                                     f"chunk count {self.counts.index(k) + 1} of {len(self.counts)}")
-            self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
+            self.base_time[k] = ops_once_time(list(self.traced[k].trace.graphs))
         return self.traced[k]
 
     def least_outside(self, room: int, at_least: float, granularity: int, opts: dict) -> float:
@@ -120,7 +116,7 @@ class Traces:
             bounds.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
         b = even[-1]
         if b in self.traced and self.step.compiler == "eager" and (least := more_chunks.least_ops_time(
-                self.traced[b].planner.profiles, self.base_time[b], rows, b, k, self.step.dev)) is not None:
+                list(self.traced[b].trace.graphs), self.base_time[b], rows, b, k, self.step.dev)) is not None:
             bounds.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
         return max(bounds, default=None)
 
@@ -139,13 +135,13 @@ def choose_chunks(step: TrainingStep, first: ChunkCountTrace, budget: int, dtype
     """Trace the step at more chunk counts while more chunks pay, and `build` it with the fastest count.
 
     `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
-    trace (and its plan, if one was made here). Returns build's (plan, compiled, planner), with the
+    trace (and its plan, if one was made here). Returns build's PlannedStep, with the
     counts considered and how the count was chosen in `plan.loss`. With a plan cache, the count chosen is
     remembered for `remembered_count`.
     """
     out = _choose(step, first, budget, dtypes, store, fields, build)
     if store is not None:
-        store.store_count(_step_key(step, store, fields), out[0].loss["chunks"])
+        store.store_count(_step_key(step, store, fields), out.plan.loss["chunks"])
     return out
 
 
@@ -174,13 +170,13 @@ def _choose(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, sto
             else:
                 progress.info("the ILP chose %d chunk(s) for the loss region", k)
             try:
-                plan, compiled, planner = build_count(k)
+                planned = build_count(k)
             except BudgetError as e:
                 refused[k] = e
                 table[k] += "; chosen, refused by the exact simulator"
                 continue
             table[k] += "; chosen" if in_full else "; chosen by the ILP"
-            return _record(plan, table, "the fastest of the counts planned" if in_full else "ilp"), compiled, planner
+            return _record(planned, table, "the fastest of the counts planned" if in_full else "ilp")
         if floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
             _refuse_lowest(refused)
         if any(e.measured for e in refused.values()):
@@ -190,8 +186,7 @@ def _choose(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, sto
             _refuse_lowest(refused)
         progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
     k = _fastest_in_full(traces, refused, table, budget, step)
-    plan, compiled, planner = build_count(k)
-    return _record(plan, table, "each count planned in full"), compiled, planner
+    return _record(build_count(k), table, "each count planned in full")
 
 
 def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
@@ -230,7 +225,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                             f"{least[1]}; the ILP's rows recompute at least {1e3 * outside:.3f} ms outside the "
                             "loss region at any count)")
                 break
-        profiles = traces[k].planner.profiles
+        profiles = list(traces[k].trace.graphs)
         table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
         if fastest and traces.base_time[k] >= min(fastest.values()):
             table[k] += "; no faster than fewer chunks even with nothing recomputed: no more counts traced"
@@ -285,18 +280,18 @@ def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: 
     progress.info("planning the loss region in %d chunk(s) in full", k)
     candidate = traces[k]
     try:
-        d = plan_graphs(candidate.planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
+        d = plan_graphs(list(candidate.trace.calls), budget, step.ledger, step.dev, step.options, one_set=True)
     except BudgetError as e:
         refused[k] = e
         table[k] += "; planned in full: does not fit"
         return None, e.smallest_budget if e.smallest_budget is not None else 2**62
-    candidate.decision = d
+    traces.traced[k] = dataclasses.replace(candidate, decision=d)
     time_s = traces.base_time[k] + d.recompute_time_s
     table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
     return time_s, 0
 
 
-def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, budget: int, dtypes,
+def _trace(step: TrainingStep, first: StepTrace, loss: LossOption, k: int, budget: int, dtypes,
            which: str) -> ChunkCountTrace:
     """The step traced with the loss region in k chunks: from the dynamo graph the first trace kept where it
     can be (AOTAutograd alone: `dynamo_graphs`), else in full."""
@@ -307,7 +302,7 @@ def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, 
     planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
     along(f"{which}: " + ("the step's dynamo graph, kept from the first trace, traced again with the rewrite"
                           if first.source is not None else "the whole step is traced with the rewrite"))
-    return ChunkCountTrace(planner, trace_step(step, planner, first.source), option)
+    return ChunkCountTrace(trace_step(step, planner, first.source), option)
 
 
 def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:
@@ -379,7 +374,8 @@ def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
                       e.smallest_budget, e.peak_step, measured=e.measured, at_peak=e.at_peak) from None
 
 
-def _record(plan, table: dict, how: str):
-    plan.loss["candidates"] = {str(c): v for c, v in table.items()}
-    plan.loss["chosen_by"] = how
-    return plan
+def _record(planned: PlannedStep, table: dict, how: str) -> PlannedStep:
+    """`planned`, its plan recording the counts considered (`table`) and how the count was chosen."""
+    planned.plan.loss["candidates"] = {str(c): v for c, v in table.items()}
+    planned.plan.loss["chosen_by"] = how
+    return planned

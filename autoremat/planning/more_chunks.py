@@ -53,7 +53,7 @@ def binds_outside(candidate: ChunkCountTrace, plan: Decision | None) -> bool:
     known: no plan, or a torch that did not carry the loss region's tag onto the backward nodes."""
     if plan is None or plan.timeline.peak_step is None:
         return False
-    graphs = candidate.planner.sequence()
+    graphs = list(candidate.trace.calls)
     if not any(p.loss_region and p.kind == "backward" for g in graphs for p in g.nodes.values()):
         return False
     rows, k = candidate.loss.rows(), candidate.loss.chunks or 1
@@ -132,7 +132,7 @@ def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
     size = -(-rows // k)
     sizes = {size, rows - (k - 1) * size}
     out = []
-    for g in candidate.planner.profiles:  # the trace's own, as trace_time solves it
+    for g in candidate.trace.graphs:  # the trace's own, as trace_time solves it
         free: set[str] = set()
         nodes = dict(g.nodes)
         for name, p in g.nodes.items():  # in the graph's order: a value's inputs come before it

@@ -11,6 +11,7 @@ straight on) and checks the result against fp32 and torch.autocast.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ from autoremat.planning.planner import (
     solve_step,
     trace_step,
 )
+from autoremat.planning.step_trace import PlannedStep, StepTrace
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.solver import smallest_peak
@@ -71,21 +73,22 @@ class _Tracer:
         looked = len(self.keys)
         planner = self.planner(split)
         if self.source is not None and self.store is None:
-            return Traced(planner, trace_step(self.step, planner, self.source), None)
+            return Traced(trace_step(self.step, planner, self.source), planner, None)
         try:
-            compiled = trace_step(self.step, planner)
+            trace = trace_step(self.step, planner)
         except StaleCache as e:
             log.warning("autoremat: ignoring cached plan %s (%s)", self.store.path(self.keys[-1]), e)
             self.store.discard(self.keys[-1])
             planner = self.planner(split, lookup=False)
-            compiled = trace_step(self.step, planner)
-        require_graphs(self.step.model, planner)
-        self.source = self.source or planner.source
-        return Traced(planner, compiled, self.keys[-1] if len(self.keys) > looked else None)
+            trace = trace_step(self.step, planner)
+        require_graphs(self.step.model, trace)
+        self.source = self.source or trace.source
+        return Traced(trace, planner, self.keys[-1] if len(self.keys) > looked else None)
 
 
 def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
-          chunks: int | None = None, first: ChunkCountTrace | None = None, cached_only: bool = False) -> Any:
+          chunks: int | None = None, first: ChunkCountTrace | None = None,
+          cached_only: bool = False) -> PlannedStep | None:
     """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
 
     The loss region is chunked into `chunks` pieces (autoremat.passes.loss_chunks; `step.options.outputs`
@@ -94,7 +97,7 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     first: the step already traced with these dtypes and `chunks` (the loss-region candidate
     `choose_chunks` chose), and its plan at the budget if one was solved: neither is done again
     (without a plan cache: a cached plan is looked up by a trace's first graph as it arrives).
-    Returns (plan, compiled, planner); with `cached_only`, None unless the plan came from the cache.
+    Returns the PlannedStep; with `cached_only`, None unless the plan came from the cache.
     """
     if chunks is None and first is None and (hit := region.remembered_count(step, budget, dtypes, store, fields, build)):
         return hit
@@ -109,98 +112,103 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     form_key = (store.step_key(step.model, step.args, step.kwargs, {**fields, "traced_dtypes": dtypes})
                 if store is not None and regions == "auto" else None)
     if first is not None and store is None:
-        traced = Traced(first.planner, first.compiled, None, decision=first.decision)
+        traced = Traced(first.trace, None, None, decision=first.decision)
     elif (hit := _remembered_form(step, trace, budget, form_key)) is not None:
         return hit
     else:
         progress.info("capturing the training step")
         traced = trace(regions if isinstance(regions, bool) else True)  # "auto" captures per block first
-    if (hit := _from_cache(step, traced, budget, trace)) is not None:
+    hit, traced = _from_cache(step, traced, budget, trace)
+    if hit is not None:
         return hit
     if cached_only:
         return None  # a step traced at a remembered chunk count whose plan is not in the cache
-    planner, compiled, store_key = traced.planner, traced.compiled, traced.store_key
     chunks_note = None
-    if chunks is None and loss.found and region.loss_region_matters(planner, loss, dev.alloc_granularity):
-        chunks_note = region.fits_unchunked(planner, budget, ledger, dev)
+    if chunks is None and loss.found and region.loss_region_matters(traced.trace, loss, dev.alloc_granularity):
+        chunks_note = region.fits_unchunked(traced.trace, budget, ledger, dev)
         if chunks_note is None:
-            return region.choose_chunks(step, ChunkCountTrace(planner, compiled, loss), budget, dtypes, store, fields, build=build)
+            return region.choose_chunks(step, ChunkCountTrace(traced.trace, loss), budget, dtypes, store, fields,
+                                        build=build)
     regions_note, cut_step = None, None
     checked = step.checked
-    if regions == "auto" and planner.cut:
+    if regions == "auto" and traced.trace.per_block:
         traced, cut_step = one_graph_if_free(traced, trace, budget, step)
-        if (hit := _from_cache(step, traced, budget, trace)) is not None:  # the one graph's plan, cached
+        hit, traced = _from_cache(step, traced, budget, trace)
+        if hit is not None:  # the one graph's plan, cached
             return hit
-        planner, compiled, store_key, regions_note = traced.planner, traced.compiled, traced.store_key, traced.note
-    decision = traced.decision or plan_graphs(say_solving(planner.sequence(), options), budget, ledger, dev, options,
-                                              one_set=True)
-    plan, compiled, planner = plan_jointly(step, planner, budget, decision)
+        regions_note = traced.note
+    store_key = traced.store_key
+    decision = traced.decision or plan_graphs(say_solving(list(traced.trace.calls), options), budget, ledger, dev,
+                                              options, one_set=True)
+    planned = plan_jointly(step, traced.trace, budget, decision)
     measured: Any = verification.UNMEASURED
     if cut_step is not None and checked:
-        measured = verification.measure_planned(step, compiled, planner)  # and whether one graph is kept
+        measured = verification.measure_planned(step, planned)  # and whether one graph is kept
         # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
         # planned and verified as usual.
-        if measured is not None and (ledger.step_peak(measured) > budget or measured > WHOLE_HELD * plan.activation_peak):
+        predicted = planned.plan.activation_peak
+        if measured is not None and (ledger.step_peak(measured) > budget or measured > WHOLE_HELD * predicted):
             store_key = cut_step.store_key
-            regions_note = f"{cut_step.note} ({measured} B of activations measured, {plan.activation_peak} B predicted)"
-            plan, compiled, planner = plan_jointly(step, cut_step.planner, budget,
-                                                   solve_step(step, cut_step.planner, budget))
+            regions_note = f"{cut_step.note} ({measured} B of activations measured, {predicted} B predicted)"
+            planned = plan_jointly(step, cut_step.trace, budget, solve_step(step, cut_step.trace, budget))
             measured = verification.UNMEASURED
     if checked:  # one graph kept: the step just measured is its verification
-        plan, compiled, planner = verification.verify_on_step(step, compiled, plan, planner, budget, measured=measured)
+        planned = verification.verify_on_step(step, planned, budget, measured=measured)
     elif step.where.type == "meta":
-        plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
-    _describe(plan, planner, loss, chunks, chunks_note, regions_note, dtypes, options)
+        planned.plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
+    _describe(planned, loss, chunks, chunks_note, regions_note, dtypes, options)
     if store is not None and store_key:
-        store.store(store_key, plan, fields)
+        store.store(store_key, planned.plan, fields)
         if form_key is not None:
-            store.store_form(form_key, planner.regions)  # kept only where one graph was planned
-    return plan, compiled, planner
+            store.store_form(form_key, planned.applier.regions)  # kept only where one graph was planned
+    return planned
 
 
-def _remembered_form(step: TrainingStep, trace: _Tracer, budget: int, form_key: str | None) -> tuple | None:
+def _remembered_form(step: TrainingStep, trace: _Tracer, budget: int, form_key: str | None) -> PlannedStep | None:
     """regions="auto": build's result from the plan cache where the last plan of this step was one graph, that
     form traced alone (its plan is stored under the one graph's key); None where it was not, or its plan is
     not in the cache (a stale one is discarded: the step is then captured per block as usual)."""
     if form_key is None or trace.store.load_form(form_key) is not False:
         return None
     progress.info("the plan cache has a plan of this step as one graph: tracing that form")
-    return _from_cache(step, trace(False), budget, trace)
+    return _from_cache(step, trace(False), budget, trace)[0]
 
 
-def _from_cache(step: TrainingStep, traced: Traced, budget: int, trace: _Tracer) -> tuple | None:
-    """build's (plan, compiled, planner) from the plan cache: the plan `traced`'s first graph found there,
-    re-simulated on the graphs traced and compiled with them. None if none was found, or if it is not
-    what it claims; then its entry is discarded and `traced` is left to plan afresh: the capture itself
-    where the plan was not applied while tracing (eager), else the step traced again without it."""
-    planner, store = traced.planner, trace.store
-    if planner.cached is None:
-        return None
+def _from_cache(step: TrainingStep, traced: Traced, budget: int,
+                trace: _Tracer) -> tuple[PlannedStep | None, Traced]:
+    """build's PlannedStep from the plan cache, and the form to plan from otherwise: the plan `traced`'s first
+    graph found there, re-simulated on the graphs traced and compiled with them. None if none was found, or
+    if it is not what it claims; then its entry is discarded and the form to plan afresh from is the capture
+    itself where the plan was not applied while tracing (eager), else the step traced again without it."""
+    found, store = traced.trace, trace.store
+    if found.cached is None:
+        return None, traced
     where = store.path(traced.store_key)
-    plan = check_cached(planner, budget, step.ledger, step.dev)
-    applied = planner.plan is not None  # while tracing: its trace is no capture to plan afresh from
+    plan = check_cached(found, budget, step.ledger, step.dev)
+    applied = found.cached_applied  # while tracing: its trace is no capture to plan afresh from
     why = "no longer fits"
     if plan is not None:
         try:
-            compiled, applier = (traced.compiled, planner) if applied else compile_with(step, planner, budget, plan)
+            if applied:
+                planned = PlannedStep(plan, found.compiled, traced.tracer, found)
+            else:
+                planned = compile_with(step, found, budget, plan)
             plan.notes.append(f"plan loaded from the cache ({where}); re-simulated, not solved")
-            return plan, compiled, applier
+            return planned, traced
         except Exception as e:  # noqa: BLE001 - an entry is never trusted: any failure means plan afresh
             why, applied = f"could not be applied ({type(e).__name__}: {e})", True  # the code may be half changed
     log.warning("autoremat: cached plan %s %s; planning again", where, why)
     store.discard(traced.store_key)
-    if applied:
-        planner = trace.planner(planner.regions, lookup=False)
-        traced.planner, traced.compiled = planner, trace_step(step, planner)
-    planner.cached = None
-    return None
+    afresh = traced.afresh(trace) if applied else dataclasses.replace(traced, trace=dataclasses.replace(found, cached=None))
+    return None, afresh
 
 
-def _describe(plan: Plan, planner: CapturePlanner, loss: LossOption, chunks: int | None, chunks_note: str | None,
+def _describe(planned: PlannedStep, loss: LossOption, chunks: int | None, chunks_note: str | None,
               regions_note: str | None, dtypes: list, options: PlanOptions) -> None:
     """What the plan records of how the step was traced: graphs, regions, the loss region, dtypes."""
-    plan.notes.append(f"{len(planner.profiles)} graph(s) captured")
-    plan.regions = planner.regions
+    plan = planned.plan
+    plan.notes.append(f"{len(planned.applier.profiles)} graph(s) captured")
+    plan.regions = planned.applier.regions
     if regions_note:
         plan.notes.append(regions_note)
     if loss.found:
@@ -222,15 +230,20 @@ def _describe(plan: Plan, planner: CapturePlanner, loss: LossOption, chunks: int
 WHOLE_HELD = 1.05
 
 
-@dataclass
+@dataclass(frozen=True)
 class Traced:
     """The step as traced in one form (one graph per block, or one graph): what planning starts from."""
 
-    planner: CapturePlanner
-    compiled: Any
+    trace: StepTrace
+    tracer: CapturePlanner | None  # the planner that traced it (it applies a cached plan it applied while tracing)
     store_key: str | None  # the plan cache's key for it, if the cache was looked up
     note: str = ""  # why this form (regions="auto")
     decision: Decision | None = None  # its plan at the budget, where one_graph_if_free already solved it
+
+    def afresh(self, tracer: _Tracer) -> Traced:
+        """This form traced again without the plan cache (a cached plan was applied while tracing it)."""
+        planner = tracer.planner(self.trace.regions, lookup=False)
+        return dataclasses.replace(self, trace=trace_step(tracer.step, planner), tracer=planner)
 
 
 def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
@@ -260,21 +273,21 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     """
     ledger, dev = step.ledger, step.dev
     room = room_for(budget, ledger, dev)
-    cut_graphs = cut.planner.sequence()
+    cut_graphs = list(cut.trace.calls)
     saved_cut, n_cut = save_all_peak(cut_graphs, dev.alloc_granularity), len(cut_graphs)
     per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
     if saved_cut > room:
-        cut.note = (f"{per_block}, so that gradients leave the backward as blocks finish: with everything saved the "
-                    f"step would need {format_bytes(saved_cut)} of activations, over the {format_bytes(room)} the "
-                    "budget leaves")
-        return cut, None
+        return dataclasses.replace(cut, note=(
+            f"{per_block}, so that gradients leave the backward as blocks finish: with everything saved the step "
+            f"would need {format_bytes(saved_cut)} of activations, over the {format_bytes(room)} the budget "
+            "leaves")), None
     if step.compiler == "inductor" and not step.checked:
-        cut.note = (f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not "
-                    "predicted exactly and no real step will measure it (verify=False, or the meta device)")
-        return cut, None
+        return dataclasses.replace(cut, note=(
+            f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not predicted "
+            "exactly and no real step will measure it (verify=False, or the meta device)")), None
     progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
     whole = trace(False)
-    graphs = whole.planner.sequence()
+    graphs = list(whole.trace.calls)
     saved_whole, calls = save_all_peak(graphs, dev.alloc_granularity), n_cut - len(graphs)
     calls_s = calls * dev.region_call_s
     over = (f"with everything saved one graph would need {format_bytes(saved_whole)}, over the {format_bytes(room)} "
@@ -283,28 +296,28 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
         progress.info("solving for %d nodes in one graph (time limit %g s per solve)",
                       sum(len(g.nodes) for g in graphs), step.options.time_limit)
         try:
-            whole.decision = plan_graphs(graphs, budget, ledger, dev, step.options, one_set=True)
-            recompute_s = whole.decision.recompute_time_s
+            decision = plan_graphs(graphs, budget, ledger, dev, step.options, one_set=True)
+            whole, recompute_s = dataclasses.replace(whole, decision=decision), decision.recompute_time_s
         except BudgetError:
             recompute_s = None
         if recompute_s is None or recompute_s >= calls_s:
             why = ("planned at the budget it does not fit" if recompute_s is None else
                    f"planned at the budget it would recompute {1e3 * recompute_s:.3f} ms a step, not less than the "
                    f"{1e3 * calls_s:.3f} ms of the {calls} graph calls it saves")
-            cut.note = (f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
-                        f"everything saved), but {over}; {why}")
-            return cut, None
-        whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): {over}, and "
-                      f"its plan recomputes {1e3 * recompute_s:.3f} ms a step, less than the {1e3 * calls_s:.3f} ms of "
-                      f"the {calls} AOTAutograd calls per step it saves (the cut step recomputes nothing)")
+            return dataclasses.replace(cut, note=(
+                f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
+                f"everything saved), but {over}; {why}")), None
+        note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): {over}, and "
+                f"its plan recomputes {1e3 * recompute_s:.3f} ms a step, less than the {1e3 * calls_s:.3f} ms of "
+                f"the {calls} AOTAutograd calls per step it saves (the cut step recomputes nothing)")
     else:
-        whole.note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
-                      f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, "
-                      f"within the {format_bytes(room)} the budget leaves), and one graph saves {calls} AOTAutograd "
-                      "calls per step")
-    cut.note = (f"{per_block}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over "
-                "its prediction on a real step")
-    return whole, cut
+        note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
+                f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, "
+                f"within the {format_bytes(room)} the budget leaves), and one graph saves {calls} AOTAutograd "
+                "calls per step")
+    return dataclasses.replace(whole, note=note), dataclasses.replace(cut, note=(
+        f"{per_block}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over its "
+        "prediction on a real step"))
 
 
 def pareto_points(profiles: list, plan: Plan, device: str, options: PlanOptions = DEFAULTS, *,

@@ -42,6 +42,7 @@ from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.same_regions import SameRegions
+from autoremat.planning.step_trace import PlannedStep, StepTrace
 from autoremat.solve.decision import Decision, evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import BackendCompilerFailed
@@ -239,16 +240,32 @@ class CapturePlanner(Planner):
         self.strict = True
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
         self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None  # kept: dynamo_graphs.py
-        self.source: DynamoGraph | None = None  # the kept dynamo graph its profiles were traced from, if any
-        # Under eager, the code each graph call of its trace runs (aot_backend's `codes`), and the traced step's
-        # code: a plan is swapped into them instead of tracing again (planning/planned_in_place.py).
+        # Under eager, the code each graph call of its trace runs (aot_backend's `codes`): see StepTrace.codes.
         self.codes: list[tuple[int | None, RegionLinks | None, GraphCode | None]] = []
-        self.code: Any = None
 
     def done(self) -> None:
-        """Planning is over: forgiving from now on (class docstring); the kept graph (and its inputs) let go."""
+        """Planning is over: forgiving from now on (class docstring)."""
         self.strict = False
-        self.source = None
+
+    def trace(self, compiled: Any, source: DynamoGraph | None, code: Any) -> StepTrace:
+        """What this planner's trace of the step leaves (`StepTrace`), once the function that traced is done:
+        `compiled` the step it traced, `source` the kept dynamo graph it was traced from, `code` that step's code."""
+        return StepTrace(compiled=compiled, calls=tuple(self.sequence()), graphs=tuple(self.profiles),
+                         codes=tuple(self.codes), code=code, source=source, per_block=self.cut, cached=self.cached,
+                         cached_applied=self.cached is not None and self.plan is self.cached,
+                         pre_pass=self.pre_pass, regions=self.regions)
+
+    def took_over(self, traced: StepTrace, swapped: list[GraphCode]) -> None:
+        """The plan was swapped into the codes of `traced` (planned_in_place.py): this planner ends as its own
+        trace would have left it: a profile per graph (the trace's own: the plan was solved on them), the
+        codes it may swap a later plan into, and no identical region taking a swapped code as a capture's."""
+        self.profiles.extend(traced.graphs)
+        self.codes, self.cut = list(traced.codes), traced.per_block
+        self.same.forget(swapped)
+
+    def untraced(self) -> None:
+        """What `apply` noted of graphs it partitioned outside a trace (planned_in_place.py): dropped."""
+        self.same.untraced()
 
     def sequence(self) -> list[GraphProfile]:
         """The step's graphs as it calls them: a graph compiled once and called per block appears per call."""
@@ -307,13 +324,14 @@ class CapturePlanner(Planner):
             self.plan = kept
 
 
-def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
+def require_graphs(model: torch.nn.Module, trace: StepTrace) -> None:
     """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
-    if not planner.profiles:
+    if not trace.graphs:
         raise no_graph_error(model)
 
 
-def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
+def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> StepTrace:
+    """Compile `model` with `planner` as its partition callback and run its forward once: the step's trace."""
     # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
     # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
     trace_only = planner.plan is None and planner.lookup is None and planner.strict
@@ -327,9 +345,8 @@ def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple
         remember_skipped(model)
         compiled = compile_blocks(model, blocks, backend)
         _trace(model, planner, compiled, args, kwargs)
-    planner.source = dynamo_graphs.source_of(model, planner.dynamo_graphs, compiled)
-    planner.code = planner.source.runs.target if planner.source is not None else None
-    return compiled
+    source = dynamo_graphs.source_of(model, planner.dynamo_graphs, compiled)
+    return planner.trace(compiled, source, source.runs.target if source is not None else None)
 
 
 def _trace(model: torch.nn.Module, planner: CapturePlanner, compiled: Any, args: tuple, kwargs: dict) -> None:
@@ -352,27 +369,28 @@ def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
                           regions_seen=step.regions_seen, **kw)
 
 
-def trace_step(step: TrainingStep, planner: CapturePlanner, source: DynamoGraph | None = None) -> Any:
-    """`compile_and_trace` for the step being planned; given `source`, that kept graph traced again (None)."""
+def trace_step(step: TrainingStep, planner: CapturePlanner, source: DynamoGraph | None = None) -> StepTrace:
+    """`compile_and_trace` for the step being planned; given `source`, that kept graph traced again (the
+    trace's `compiled` is then None: the step the user calls is the frame `source` came from)."""
     if source is None:
         return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
-    dynamo_graphs.trace_again(step.model, step.compiler, planner, source, own_errors)
-    return None
+    _, code = dynamo_graphs.trace_again(step.model, step.compiler, planner, source, own_errors)
+    return planner.trace(None, source, code)
 
 
-def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None) -> Decision:
+def solve_step(step: TrainingStep, trace: StepTrace, budget: int, reserve: Ledger | None = None) -> Decision:
     """Every graph of the step (graph breaks, regions) solved jointly under one budget (`plan_graphs`).
 
     `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the model
     does not predict); the plan built from the answer still reports `step.ledger`."""
-    profiles = say_solving(planner.sequence(), step.options)
+    profiles = say_solving(list(trace.calls), step.options)
     return plan_graphs(profiles, budget, reserve or step.ledger, step.dev, step.options, one_set=True)
 
 
-def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decision: Decision):
+def plan_jointly(step: TrainingStep, trace: StepTrace, budget: int, decision: Decision) -> PlannedStep:
     """The plan of `decision` (every graph of the step, solved jointly under `budget`), compiled."""
     ledger, dev = step.ledger, step.dev
-    profiles = planner.sequence()
+    profiles = list(trace.calls)
     plan = build_plan(profiles, decision, ledger, budget, dev.name)
     if skipped(step.model):
         blocks = repeated_blocks(step.model)
@@ -388,13 +406,15 @@ def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decis
     elif len(profiles) > 1:
         plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
                           "jointly under one budget")
-    return (plan, *compile_with(step, planner, budget, plan))
+    return compile_with(step, trace, budget, plan)
 
 
-def compile_with(step: TrainingStep, planner: CapturePlanner, budget: int, plan: Plan) -> tuple[Any, CapturePlanner]:
-    """The step `planner` traced, compiled with `plan`, and the planner that applied it."""
-    applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
+def compile_with(step: TrainingStep, trace: StepTrace, budget: int, plan: Plan) -> PlannedStep:
+    """The step `trace` traced, compiled with `plan`, with the planner that applied it and its trace."""
+    applier = planner_for(step, budget, plan=plan, pre_pass=trace.pre_pass, regions=trace.regions)
     # Inductor's compilers run in dynamo's own context: only eager's step is compiled from the kept graph
-    compiled = dynamo_graphs.compile_planned(step, applier, planner, own_errors) \
-        if planner.source is not None and step.compiler == "eager" else trace_step(step, applier)
-    return compiled, applier
+    if trace.source is not None and step.compiler == "eager":
+        planned = dynamo_graphs.compile_planned(step, applier, trace, own_errors)
+    else:
+        planned = trace_step(step, applier)
+    return PlannedStep(plan, planned.compiled, applier, planned)

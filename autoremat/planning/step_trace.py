@@ -1,0 +1,58 @@
+"""What planning reads of one trace of the training step, and what it hands the faces once planned.
+
+AOTAutograd calls the partition callback (`planner.CapturePlanner`) once per graph while the step is traced,
+so the callback accumulates. What leaves a trace is a `StepTrace`: a frozen value returned by the function
+that traced (`trace_step`), which every later stage (solving, compiling with a plan, the loss region's
+chunk count, the regions="auto" form) takes as an argument. A planned step is a `PlannedStep`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from autoremat.capture.graph_code import GraphCode
+    from autoremat.capture.regions import RegionLinks
+    from autoremat.model.profile import GraphProfile
+    from autoremat.planning.dynamo_graphs import DynamoGraph
+    from autoremat.planning.plan import Plan
+    from autoremat.planning.planner import CapturePlanner
+
+GraphCall = tuple["int | None", "RegionLinks | None", "GraphCode | None"]  # (graph index, links, its eager code)
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One trace of the step, once it is over."""
+
+    compiled: Any  # the step as traced (its torch.compile'd model); None where traced again from a kept graph
+    calls: tuple[GraphProfile, ...]  # the profiles in the order the step calls them (calls.CallLog.sequence)
+    graphs: tuple[GraphProfile, ...]  # one profile per graph traced, in the order they were traced
+    # Under eager, the code each graph call of the trace runs, and the traced step's code: a plan is swapped
+    # into them instead of tracing again (planned_in_place.py).
+    codes: tuple[GraphCall, ...]
+    code: Any
+    source: DynamoGraph | None  # the kept dynamo graph the profiles were traced from, if any (dynamo_graphs.py)
+    per_block: bool  # whether the step was traced as one graph per repeated block (capture/regions.py)
+    cached: Plan | None  # the plan cache's plan for the first graph's fingerprint, if one was found
+    cached_applied: bool  # whether that plan was applied while tracing (then the trace is no capture)
+    pre_pass: Callable | None  # the rewrite each dynamo graph was traced under (precision, the loss region)
+    regions: bool  # whether repeated blocks were asked for as graphs of their own
+
+
+class PlannedStep(NamedTuple):
+    """A planned step: the plan, the step compiled with it (as the user calls it), the partition callback
+    that applied the plan (it goes on serving recompiles), and that callback's trace of the compiled step
+    (what a re-plan starts from; None once planning is over, so that the kept graph is let go)."""
+
+    plan: Plan
+    compiled: Any
+    applier: CapturePlanner
+    trace: StepTrace | None
+
+    def finished(self) -> PlannedStep:
+        """Planning is over: the applier forgives from now on (CapturePlanner.done), the trace is let go."""
+        self.applier.done()
+        return self._replace(trace=None)
