@@ -34,15 +34,10 @@ from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_wi
 from autoremat.planning.options import PlanOptions, TrainingStep, one_options
 from autoremat.planning.pipeline import build
 from autoremat.planning.plan import Plan
-from autoremat.planning.planner import (
-    PlanMismatch,
-    describe,
-    planner_for,
-    require_graphs,
-    trace_step,
-)
+from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.planner import PlanMismatch, describe
 from autoremat.planning.precision_auto import plan_step
-from autoremat.planning.step_trace import PlannedStep
+from autoremat.planning.step_tracing import planner_for, require_graphs, trace_step
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
 from autoremat.solve.solver import DEFAULT_GAP

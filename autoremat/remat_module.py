@@ -15,8 +15,8 @@ import torch
 
 from autoremat.planning.collector import older_objects_set_aside
 from autoremat.planning.plan import Plan
+from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import CapturePlanner, describe, own_errors
-from autoremat.planning.step_trace import PlannedStep
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.torch_internals import recompile_limit, tree_flatten
 from autoremat.units import format_bytes

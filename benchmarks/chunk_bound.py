@@ -22,7 +22,8 @@ from common import bert, head_lm
 from autoremat.model.devices import get_device
 from autoremat.passes.loss_chunks import LossOption
 from autoremat.planning.more_chunks import least_ops_time
-from autoremat.planning.planner import CapturePlanner, compile_and_trace
+from autoremat.planning.planner import CapturePlanner
+from autoremat.planning.step_tracing import compile_and_trace
 from autoremat.solve.solver import ops_once_time
 from examples import models as ex
 

@@ -11,7 +11,7 @@ import autoremat
 from autoremat.model.ledger import Ledger
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.compilers import inductor_problem
-from autoremat.planning.planner import trace_step
+from autoremat.planning.step_tracing import trace_step
 from examples import models
 from tests.tolerances import assert_grads_close, batch_depth
 

@@ -16,7 +16,8 @@ import torch
 import autoremat
 from autoremat.passes import loss_chunks as LC
 from autoremat.passes.loss_chunks import LossOption
-from autoremat.planning.planner import CapturePlanner, compile_and_trace
+from autoremat.planning.planner import CapturePlanner
+from autoremat.planning.step_tracing import compile_and_trace
 from autoremat.solve import lp
 from autoremat.solve import solver as solver_module
 from autoremat.solve.ilp import IlpModel

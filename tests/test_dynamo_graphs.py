@@ -12,9 +12,9 @@ from torch._dynamo.utils import counters
 
 import autoremat
 from autoremat.passes.loss_chunks import LossOption
-from autoremat.planning import dynamo_graphs
 from autoremat.planning.options import PlanOptions
-from autoremat.planning.planner import CapturePlanner, compile_and_trace, own_errors
+from autoremat.planning.planner import CapturePlanner
+from autoremat.planning.step_tracing import compile_and_trace, trace_again
 from examples.models import gpt2
 from tests.tolerances import assert_grads_close, batch_depth
 
@@ -43,7 +43,7 @@ def test_a_count_traced_from_the_kept_graph_profiles_as_a_full_trace_does(n_laye
     full, again = _planner(4), _planner(4)
     compile_and_trace(copy.deepcopy(model), full, "eager", (), ex)
     frames = _dynamo_frames()
-    dynamo_graphs.trace_again(model, "eager", again, graph, own_errors)
+    trace_again(model, "eager", again, graph)
     assert _dynamo_frames() == frames, "dynamo ran the model again"
     assert len(again.profiles) == len(full.profiles) == (1 if n_layer == 1 else n_layer + 2)
     for a, b in zip(again.sequence(), full.sequence()):

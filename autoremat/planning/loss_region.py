@@ -33,14 +33,16 @@ from autoremat.planning import more_chunks, precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
 from autoremat.planning.chunk_count_trace import ChunkCountTrace
 from autoremat.planning.plan import BudgetError
-from autoremat.planning.planner import along, planner_for, progress, trace_step
+from autoremat.planning.planner import along, progress
+from autoremat.planning.step_tracing import planner_for, trace_step
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.rows_time import ops_once_time, trace_time
 from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
     from autoremat.planning.options import TrainingStep
-    from autoremat.planning.step_trace import PlannedStep, StepTrace
+    from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.step_trace import StepTrace
 
 # Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
 # gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot

@@ -26,21 +26,13 @@ from autoremat.planning.budget import check_cached, plan_graphs, room_for, say_s
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.chunk_count_trace import ChunkCountTrace
 from autoremat.planning.dynamo_graphs import DynamoGraph
+from autoremat.planning.joint_plan import compile_with, plan_jointly, solve_step
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
-from autoremat.planning.planner import (
-    CapturePlanner,
-    StaleCache,
-    compile_with,
-    log,
-    plan_jointly,
-    planner_for,
-    progress,
-    require_graphs,
-    solve_step,
-    trace_step,
-)
-from autoremat.planning.step_trace import PlannedStep, StepTrace
+from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.planner import CapturePlanner, StaleCache, log, progress
+from autoremat.planning.step_trace import StepTrace
+from autoremat.planning.step_tracing import planner_for, require_graphs, trace_step
 from autoremat.solve.decision import Decision
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.solver import smallest_peak

@@ -50,7 +50,7 @@ def swap_in_plan(traced: StepTrace, applier: CapturePlanner) -> str | None:
         return swaps
     for code, runners, runner_at in swaps:
         code.run(runners, runner_at)
-    applier.took_over(traced, [code for code, _, _ in swaps])
+    applier.took_over(traced.graphs, traced.codes, traced.per_block, [code for code, _, _ in swaps])
     return None
 
 

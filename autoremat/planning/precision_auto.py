@@ -29,8 +29,8 @@ from autoremat.planning import precision_plan
 from autoremat.planning.options import TrainingStep
 from autoremat.planning.pipeline import build
 from autoremat.planning.plan import BudgetError, Plan
+from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import Restore, progress
-from autoremat.planning.step_trace import PlannedStep
 from autoremat.planning.verify import loss_of
 
 # precision="auto": tries of the joint dtype ILP before its other candidates decide alone.

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.fx as fx
 
@@ -30,8 +30,21 @@ from autoremat.capture.graph_code import GraphCode, code_of
 from autoremat.capture.regions import RegionLinks
 from autoremat.model.profile import GraphProfile, module_path_of
 
-if TYPE_CHECKING:
-    from autoremat.planning.planner import CapturePlanner
+
+class RegionOwner(Protocol):
+    """The partition callback a `SameRegions` serves (planner.CapturePlanner)."""
+
+    def may_reuse(self) -> bool:
+        """Whether a region may take a code traced before now."""
+        ...
+
+    def saved_for(self, gp: GraphProfile, index: int) -> frozenset[str] | None:
+        """What the graph profiled as `gp` at `index` saves under the plan applied (None while capturing)."""
+        ...
+
+    def adopt(self, gp: GraphProfile) -> None:
+        """A region's profile, moved from an identical one traced before, is the callback's next profile."""
+        ...
 
 
 @dataclass
@@ -47,8 +60,8 @@ class Traced:
 class SameRegions:
     """The `capture.aot.SameRegions` of one planner, over a memo shared by every trace of the step."""
 
-    def __init__(self, planner: CapturePlanner, memo: dict) -> None:
-        self.planner = planner
+    def __init__(self, owner: RegionOwner, memo: dict) -> None:
+        self.owner = owner
         self.memo = memo  # region key -> [Traced, one per saved set compiled]
         self.pending: dict[tuple, Traced] = {}  # traced by the planner, its code not yet handed back
 
@@ -77,18 +90,17 @@ class SameRegions:
 
     def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
                only: Callable | None = None) -> Callable | None:
-        planner = self.planner
-        if (not switches.current().reuse or not planner.strict
-                or (planner.plan is None and planner.lookup is not None and not planner.profiles)):
-            return None  # after planning (a recompile), or before the plan cache was asked
+        owner = self.owner
+        if not switches.current().reuse or not owner.may_reuse():
+            return None
         here = _module_paths(gm)
         for done in self.memo.get(key, ()):
-            if (only is not None and done.compiled is not only) or done.saved != planner.saved_for(done.profile, index):
+            if (only is not None and done.compiled is not only) or done.saved != owner.saved_for(done.profile, index):
                 continue
             renames = _renames(done.modules, here)
             if renames is None:
                 continue
-            planner.adopt(relocated(done.profile, index, links, renames))
+            owner.adopt(relocated(done.profile, index, links, renames))
             return done.compiled
         return None
 

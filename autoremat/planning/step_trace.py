@@ -1,16 +1,16 @@
-"""What planning reads of one trace of the training step, and what it hands the faces once planned.
+"""What planning reads of one trace of the training step.
 
 AOTAutograd calls the partition callback (`planner.CapturePlanner`) once per graph while the step is traced,
 so the callback accumulates. What leaves a trace is a `StepTrace`: a frozen value returned by the function
-that traced (`trace_step`), which every later stage (solving, compiling with a plan, the loss region's
-chunk count, the regions="auto" form) takes as an argument. A planned step is a `PlannedStep`.
+that traced (step_tracing.py), which every later stage (solving, compiling with a plan, the loss region's
+chunk count, the regions="auto" form) takes as an argument.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from autoremat.capture.graph_code import GraphCode
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from autoremat.model.profile import GraphProfile
     from autoremat.planning.dynamo_graphs import DynamoGraph
     from autoremat.planning.plan import Plan
-    from autoremat.planning.planner import CapturePlanner
 
 GraphCall = tuple["int | None", "RegionLinks | None", "GraphCode | None"]  # (graph index, links, its eager code)
 
@@ -40,19 +39,3 @@ class StepTrace:
     cached_applied: bool  # whether that plan was applied while tracing (then the trace is no capture)
     pre_pass: Callable | None  # the rewrite each dynamo graph was traced under (precision, the loss region)
     regions: bool  # whether repeated blocks were asked for as graphs of their own
-
-
-class PlannedStep(NamedTuple):
-    """A planned step: the plan, the step compiled with it (as the user calls it), the partition callback
-    that applied the plan (it goes on serving recompiles), and that callback's trace of the compiled step
-    (what a re-plan starts from; None once planning is over, so that the kept graph is let go)."""
-
-    plan: Plan
-    compiled: Any
-    applier: CapturePlanner
-    trace: StepTrace | None
-
-    def finished(self) -> PlannedStep:
-        """Planning is over: the applier forgives from now on (CapturePlanner.done), the trace is let go."""
-        self.applier.done()
-        return self._replace(trace=None)

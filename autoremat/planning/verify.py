@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from autoremat.model.ledger import Ledger
+from autoremat.planning.joint_plan import plan_jointly, solve_step
 from autoremat.planning.options import TrainingStep
 from autoremat.planning.plan import BudgetError
-from autoremat.planning.planner import Restore, along, plan_jointly, progress, solve_step
-from autoremat.planning.step_trace import PlannedStep
+from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.planner import Restore, along, progress
 from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
 
