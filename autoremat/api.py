@@ -32,7 +32,7 @@ from autoremat.planning.cache import PlanCache, precision_mode
 from autoremat.planning.collector import older_objects_set_aside
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
 from autoremat.planning.options import PlanOptions, TrainingStep, one_options
-from autoremat.planning.pipeline import build
+from autoremat.planning.pipeline import plan_with_dtypes
 from autoremat.planning.plan import Plan
 from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import PlanMismatch, describe
@@ -218,7 +218,7 @@ def optimize(
             """A new input shape: the whole pipeline again, with the dtypes already chosen."""
             now, clock = time.perf_counter(), COMPILE_CLOCK.seconds
             shaped = step.shaped(new_args, new_kwargs, ledger_for(new_args, new_kwargs))
-            shape_plan, used = run_with_fallback(first_choice, lambda c: build(
+            shape_plan, used = run_with_fallback(first_choice, lambda c: plan_with_dtypes(
                 shaped.using(c), budget, chosen, None, {**fields, "compiler": c}))
             _stamp(shape_plan.plan, used, now, clock)
             return shape_plan

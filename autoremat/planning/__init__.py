@@ -1,7 +1,7 @@
 """Planning: the pipeline every face calls.
 
 The faces hand it one `options.PlanOptions` (checked once) and the `options.TrainingStep` it is for.
-`pipeline.build` captures every graph (`planner`, `calls`), chooses the loss region's chunk count
+`pipeline.plan_with_dtypes` captures every graph (`planner`, `calls`), chooses the loss region's chunk count
 (`loss_region`) and the dtypes (`precision_plan`, `precision_auto`), solves under the one budget
 (`budget`), compiles (`compilers`), verifies on a real step, and returns a `Plan` (`plan`, cached by
 `cache`).

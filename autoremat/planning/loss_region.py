@@ -12,7 +12,7 @@ than a smaller one: each count frees a quarter of the region the count before it
 kernels, so the gain only shrinks (the largest count's trace, the costliest, then is never traced at a
 budget where a smaller count is best).
 
-The fastest count is then built and verified (`pipeline.build`, from that trace, with its plan where it
+The fastest count is then built and verified (pipeline.py builds it with `CountChoice`, from that trace, with its plan where it
 was planned in full: the step is not traced again). If the full plan refuses a count the rows chose, the
 next fastest is built; if none is left, the counts are planned in full, each calibrated against the
 simulator, fastest first, skipping those that cannot beat the fastest plan that fits, and the fastest
@@ -24,7 +24,7 @@ budget named. A floor query (no room at all) goes straight to the plans in full.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from autoremat.passes import loss_chunks
@@ -123,72 +123,91 @@ class Traces:
         return max(bounds, default=None)
 
 
-def remembered_count(step: TrainingStep, budget: int, dtypes, store, fields, build: Callable):
-    """build's result from the plan cache at the chunk count a plan of this step was made with before, traced
-    alone; None if no count is remembered or the plan is not in the cache for that count's trace."""
-    known = store.load_count(_step_key(step, store, fields)) if store else None
-    if known is None:
-        return None
-    progress.info("the plan cache has a plan with the loss region in %d chunk(s): tracing that count", known)
-    return build(step, budget, dtypes, store, fields, chunks=known, cached_only=True)
+def remembered_count(step: TrainingStep, store, fields: dict) -> int | None:
+    """The chunk count a plan of this step was made with before (`remember_count`); None if none is remembered."""
+    return store.load_count(_step_key(step, store, fields)) if store else None
 
 
-def choose_chunks(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, store, fields, *, build: Callable):
-    """Trace the step at more chunk counts while more chunks pay, and `build` it with the fastest count.
-
-    `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
-    trace (and its plan, if one was made here). Returns build's PlannedStep, with the
-    counts considered and how the count was chosen in `plan.loss`. With a plan cache, the count chosen is
-    remembered for `remembered_count`.
-    """
-    out = _choose(step, first, budget, dtypes, store, fields, build)
+def remember_count(step: TrainingStep, store, fields: dict, chunks: int) -> None:
+    """With a plan cache, the count chosen for this step, for `remembered_count` to find."""
     if store is not None:
-        store.store_count(_step_key(step, store, fields), out.plan.loss["chunks"])
-    return out
+        store.store_count(_step_key(step, store, fields), chunks)
 
 
 def _step_key(step: TrainingStep, store, fields: dict) -> str:
-    """The cache's key for the step before it is traced, with the fields `build` adds for the first trace."""
+    """The cache's key for the step before it is traced, with the fields the pipeline adds for the first trace."""
     return store.step_key(step.model, step.args, step.kwargs,
                           {**fields, "outputs": step.options.outputs, "loss_chunks": None})
 
 
-def _choose(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, store, fields, build: Callable):
-    traces = Traces(step, first, budget, dtypes)
+class CountChoice:
+    """Which chunk count to build the step with, worked out from its traces at each count (module docstring).
 
-    def build_count(k: int):
-        return build(step, budget, dtypes, store, fields, chunks=k, first=traces[k])
-    if len(traces.counts) == 1:  # nothing to choose (too few token rows for a second count)
-        return build_count(1)
-    table: dict[int, str] = {}
-    refused: dict[int, BudgetError] = {}
-    # A floor query (budget=1) leaves no room: its counts go straight to the plans in full.
-    if room_for(budget, step.ledger, step.dev) > 0:
-        fastest, floors_stopped = _survey(traces, budget, step, table, refused)
+    `first` is the step as first traced (1 chunk). The pipeline builds the counts `ranked` returns in turn
+    (each from `trace(k)`, with its plan where one was made here), telling `refused` of one whose build was
+    refused, and `chosen` of the one built, which records on its plan the counts considered and how the count
+    was chosen (`plan.loss`). Once none is left, `planned_in_full` names the count to build (or raises the
+    BudgetError of the lowest floor), and `chosen_in_full` records it.
+    """
+
+    def __init__(self, step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes) -> None:
+        self.step, self.budget = step, budget
+        self.traces = Traces(step, first, budget, dtypes)
+        self.table: dict[int, str] = {}
+        self.refused_by: dict[int, BudgetError] = {}
+        self.surveyed = False  # whether the ILP's rows ranked the counts (not at a floor query: no room)
+        self.floors_stopped = False  # the survey stopped: none fits, and more chunks could not lower the floor
+        self.full: dict[int, bool] = {}  # count -> whether it was planned in full when ranked
+
+    def only_one(self) -> bool:
+        """Nothing to choose: too few token rows for a second count."""
+        return len(self.traces.counts) == 1
+
+    def trace(self, k: int) -> ChunkCountTrace:
+        """The step traced with the loss region in k chunks (traced now if it was not yet)."""
+        return self.traces[k]
+
+    def ranked(self) -> Iterator[int]:
+        """The counts whose plans fit as the survey found them (`_survey`), fastest first, each said on progress
+        as it is handed out. A floor query (budget=1) leaves no room: none, the counts go straight to the plans
+        in full."""
+        if room_for(self.budget, self.step.ledger, self.step.dev) <= 0:
+            return
+        self.surveyed = True
+        fastest, self.floors_stopped = _survey(self.traces, self.budget, self.step, self.table, self.refused_by)
         for k in sorted(fastest, key=lambda c: (fastest[c], c)):
-            in_full = traces[k].decision is not None
-            if in_full:
+            self.full[k] = self.traces[k].decision is not None
+            if self.full[k]:
                 progress.info("the loss region in %d chunk(s): the fastest count, planned in full", k)
             else:
                 progress.info("the ILP chose %d chunk(s) for the loss region", k)
-            try:
-                planned = build_count(k)
-            except BudgetError as e:
-                refused[k] = e
-                table[k] += "; chosen, refused by the exact simulator"
-                continue
-            table[k] += "; chosen" if in_full else "; chosen by the ILP"
-            return _record(planned, table, "the fastest of the counts planned" if in_full else "ilp")
-        if floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
-            _refuse_lowest(refused)
-        if any(e.measured for e in refused.values()):
-            # A real step measured more than the model predicted, and no plan of the counts with one held it:
-            # the counts' plans in full would be priced by the same model, and each compiled and measured, only
-            # to miss too and name the same budget (benchmarks/eager_code.py plans such steps at their floor).
-            _refuse_lowest(refused)
-        progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
-    k = _fastest_in_full(traces, refused, table, budget, step)
-    return _record(build_count(k), table, "each count planned in full")
+            yield k
+
+    def refused(self, k: int, error: BudgetError) -> None:
+        self.refused_by[k] = error
+        self.table[k] += "; chosen, refused by the exact simulator"
+
+    def chosen(self, k: int, planned: PlannedStep) -> PlannedStep:
+        self.table[k] += "; chosen" if self.full[k] else "; chosen by the ILP"
+        return _record(planned, self.table, "the fastest of the counts planned" if self.full[k] else "ilp")
+
+    def planned_in_full(self) -> int:
+        """No ranked count was built: the counts planned in full (`_fastest_in_full`), or the BudgetError of
+        the lowest floor where more plans could not help."""
+        if self.surveyed:
+            if self.floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
+                _refuse_lowest(self.refused_by)
+            if any(e.measured for e in self.refused_by.values()):
+                # A real step measured more than the model predicted, and no plan of the counts with one held it:
+                # the counts' plans in full would be priced by the same model, and each compiled and measured, only
+                # to miss too and name the same budget (benchmarks/eager_code.py plans such steps at their floor).
+                _refuse_lowest(self.refused_by)
+            progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, "
+                          "fastest first")
+        return _fastest_in_full(self.traces, self.refused_by, self.table, self.budget, self.step)
+
+    def chosen_in_full(self, planned: PlannedStep) -> PlannedStep:
+        return _record(planned, self.table, "each count planned in full")
 
 
 def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,

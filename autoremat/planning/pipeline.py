@@ -4,7 +4,9 @@
     -> run one real step in the accumulation steady state and measure it -> re-plan with the
     measured gap, or refuse with BudgetError: the budget never passes silently (verify.py).
 
-`build` is that pipeline for given compute dtypes. The stage before it, `precision_auto.plan_step`, is
+`plan_with_dtypes` is that pipeline for given compute dtypes: it captures the step, has the loss region's
+chunk count chosen from traces (loss_region.py), and `build` plans the step captured at that count. The
+stage before it, `precision_auto.plan_step`, is
 where every face's plan starts: it chooses the dtypes (precision="bf16" / "fp16" / "auto"; fp32 goes
 straight on) and checks the result against fp32 and torch.autocast.
 """
@@ -40,7 +42,7 @@ from autoremat.units import format_bytes
 
 
 class _Tracer:
-    """Traces the step for `build` in either form (one graph per block, or one graph): a cached plan,
+    """Traces the step for `capture` and `build` in either form (one graph per block, or one graph): a cached plan,
     if any, is looked up by the first graph's fingerprint as it arrives, and a stale one discarded."""
 
     def __init__(self, step: TrainingStep, budget: int, pre: Any, store: PlanCache | None, fields: dict) -> None:
@@ -78,33 +80,98 @@ class _Tracer:
         return Traced(trace, planner, self.keys[-1] if len(self.keys) > looked else None)
 
 
-def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict, *,
-          chunks: int | None = None, first: ChunkCountTrace | None = None,
-          cached_only: bool = False) -> PlannedStep | None:
-    """Trace the step with `dtypes` applied, plan it under `budget` (cache first), verify it.
+def plan_with_dtypes(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None,
+                     fields: dict) -> PlannedStep:
+    """Trace the step with `dtypes` applied, choose its loss region's chunk count, and `build` it with that
+    count under `budget` (cache first).
 
-    The loss region is chunked into `chunks` pieces (autoremat.passes.loss_chunks; `step.options.outputs`
-    says whether the logits output is kept), or, with chunks=None, into the count `choose_chunks`
-    finds best once the first trace has shown a projection -> cross-entropy pattern.
-    first: the step already traced with these dtypes and `chunks` (the loss-region candidate
-    `choose_chunks` chose), and its plan at the budget if one was solved: neither is done again
-    (without a plan cache: a cached plan is looked up by a trace's first graph as it arrives).
-    Returns the PlannedStep; with `cached_only`, None unless the plan came from the cache.
+    The count is the one a plan of this step was cached with, if its plan is still in the cache; else the
+    loss region as the model wrote it (one chunk), unless the first trace shows a projection -> cross-entropy
+    pattern large enough to matter that does not fit with nothing recomputed: then the loss region's choice
+    (autoremat.planning.loss_region.CountChoice) works from the traces at each count which count to build.
     """
-    if chunks is None and first is None and (hit := region.remembered_count(step, budget, dtypes, store, fields, build)):
-        return hit
-    options, ledger, dev = step.options, step.ledger, step.dev
+    known = region.remembered_count(step, store, fields)
+    if known is not None:
+        progress.info("the plan cache has a plan with the loss region in %d chunk(s): tracing that count", known)
+        hit = capture(step, budget, dtypes, store, fields, known)
+        if isinstance(hit, PlannedStep):
+            return hit  # else the step traced at the remembered count has no plan in the cache: planned afresh
+    captured = capture(step, budget, dtypes, store, fields, None)
+    if isinstance(captured, PlannedStep):
+        return captured
+    loss, traced, dev = captured.loss, captured.traced.trace, step.dev
+    chunks_note = None
+    if loss.found and region.loss_region_matters(traced, loss, dev.alloc_granularity):
+        chunks_note = region.fits_unchunked(traced, budget, step.ledger, dev)
+        if chunks_note is None:
+            planned = _build_chosen_count(step, budget, dtypes, store, fields, ChunkCountTrace(traced, loss))
+            region.remember_count(step, store, fields, planned.plan.loss["chunks"])
+            return planned
+    return build(step, budget, captured, chunks_note)
+
+
+def _build_chosen_count(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None,
+                        fields: dict, first: ChunkCountTrace) -> PlannedStep:
+    """The step built with the chunk count the loss region's choice ranks first, from that count's trace; if
+    its build is refused (the exact simulator, or a real step), the next; once none is left, the count the
+    choice plans in full (or its BudgetError)."""
+    choice = region.CountChoice(step, first, budget, dtypes)
+    if choice.only_one():  # nothing to choose (too few token rows for a second count)
+        return build_with_count(step, budget, dtypes, store, fields, 1, choice.trace(1))
+    for k in choice.ranked():
+        try:
+            planned = build_with_count(step, budget, dtypes, store, fields, k, choice.trace(k))
+        except BudgetError as e:
+            choice.refused(k, e)
+            continue
+        return choice.chosen(k, planned)
+    k = choice.planned_in_full()
+    return choice.chosen_in_full(build_with_count(step, budget, dtypes, store, fields, k, choice.trace(k)))
+
+
+def build_with_count(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None,
+                     fields: dict, chunks: int, traced_at: ChunkCountTrace | None = None) -> PlannedStep:
+    """The step captured with its loss region in `chunks` pieces (from `traced_at`, that count's trace, where
+    there is one) and built: the cache's plan for it, else planned, verified."""
+    captured = capture(step, budget, dtypes, store, fields, chunks, traced_at)
+    return captured if isinstance(captured, PlannedStep) else build(step, budget, captured)
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The step traced at one chunk count, the plan cache asked and no plan found there: what `build` plans."""
+
+    traced: Traced
+    tracer: _Tracer  # traces the step again in another form (regions="auto"), with the same rewrite and cache
+    loss: LossOption  # the loss region's rewrite, with what it found
+    chunks: int | None  # the loss region's chunk count (None: as the model wrote it)
+    dtypes: list[dict[str, str]]
+    fields: dict  # what the plan cache keys its plan by
+    form_key: str | None  # the cache's key for the form planned (regions="auto"), if there is a cache
+
+
+def capture(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None, fields: dict,
+            chunks: int | None, traced_at: ChunkCountTrace | None = None) -> PlannedStep | Captured:
+    """Trace the step with `dtypes` applied and the loss region in `chunks` pieces (autoremat.passes.loss_chunks;
+    `step.options.outputs` says whether the logits output is kept): the plan cache's plan for it where it has
+    one that holds, else the capture to plan.
+
+    traced_at: the step already traced with these dtypes and `chunks` (by the loss region's choice), and
+    its plan at the budget if one was solved: neither is done again (without a plan cache: a cached plan is
+    looked up by a trace's first graph as it arrives).
+    """
+    options = step.options
     outputs, regions = options.outputs, options.regions
     loss = LossOption(outputs, chunks)
     fields = {**fields, "outputs": outputs, "loss_chunks": chunks}
     pre = compose(precision_plan.pre_pass(dtypes, options.fp32_ops) if any(dtypes) else None, loss.pre_pass())
-    if first is not None:
-        loss.reports = list(first.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
+    if traced_at is not None:
+        loss.reports = list(traced_at.loss.reports)  # what the pass found in that trace (pre_pass() reset them)
     trace = _Tracer(step, budget, pre, store, fields)
     form_key = (store.step_key(step.model, step.args, step.kwargs, {**fields, "traced_dtypes": dtypes})
                 if store is not None and regions == "auto" else None)
-    if first is not None and store is None:
-        traced = Traced(first.trace, None, None, decision=first.decision)
+    if traced_at is not None and store is None:
+        traced = Traced(traced_at.trace, None, None, decision=traced_at.decision)
     elif (hit := _remembered_form(step, trace, budget, form_key)) is not None:
         return hit
     else:
@@ -113,17 +180,19 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
     hit, traced = _from_cache(step, traced, budget, trace)
     if hit is not None:
         return hit
-    if cached_only:
-        return None  # a step traced at a remembered chunk count whose plan is not in the cache
-    chunks_note = None
-    if chunks is None and loss.found and region.loss_region_matters(traced.trace, loss, dev.alloc_granularity):
-        chunks_note = region.fits_unchunked(traced.trace, budget, ledger, dev)
-        if chunks_note is None:
-            return region.choose_chunks(step, ChunkCountTrace(traced.trace, loss), budget, dtypes, store, fields,
-                                        build=build)
+    return Captured(traced, trace, loss, chunks, dtypes, fields, form_key)
+
+
+def build(step: TrainingStep, budget: int, captured: Captured, chunks_note: str | None = None) -> PlannedStep:
+    """Plan the captured step under `budget`, at the chunk count it was captured with, and verify it.
+
+    regions="auto" may take the step as one graph instead (`one_graph_if_free`). `chunks_note`: why no other
+    chunk count was traced, for the plan to record."""
+    options, ledger, dev = step.options, step.ledger, step.dev
+    traced, trace, store = captured.traced, captured.tracer, captured.tracer.store
     regions_note, cut_step = None, None
     checked = step.checked
-    if regions == "auto" and traced.trace.per_block:
+    if options.regions == "auto" and traced.trace.per_block:
         traced, cut_step = one_graph_if_free(traced, trace, budget, step)
         hit, traced = _from_cache(step, traced, budget, trace)
         if hit is not None:  # the one graph's plan, cached
@@ -148,11 +217,11 @@ def build(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: 
         planned = verification.verify_on_step(step, planned, budget, measured=measured)
     elif step.where.type == "meta":
         planned.plan.notes.append("planned on the meta device: no real step was run to verify the prediction")
-    _describe(planned, loss, chunks, chunks_note, regions_note, dtypes, options)
+    _describe(planned, captured.loss, captured.chunks, chunks_note, regions_note, captured.dtypes, options)
     if store is not None and store_key:
-        store.store(store_key, planned.plan, fields)
-        if form_key is not None:
-            store.store_form(form_key, planned.applier.regions)  # kept only where one graph was planned
+        store.store(store_key, planned.plan, captured.fields)
+        if captured.form_key is not None:
+            store.store_form(captured.form_key, planned.applier.regions)  # kept only where one graph was planned
     return planned
 
 

@@ -1,5 +1,5 @@
 """The precision stage, where planning a step starts (`plan_step`): choose the step's compute dtypes
-(precision="fp32" / "bf16" / "fp16" / "auto"), then run the pipeline (pipeline.build) with them.
+(precision="fp32" / "bf16" / "fp16" / "auto"), then run the pipeline (pipeline.plan_with_dtypes) with them.
 
 "bf16" and "fp16" run every castable call in that dtype (fp16 only where the example batch shows it
 is safe). "auto" weighs its candidates by predicted step time within the memory budget and an error
@@ -27,7 +27,7 @@ import torch
 from autoremat.measure import grad_rel_err
 from autoremat.planning import precision_plan
 from autoremat.planning.options import TrainingStep
-from autoremat.planning.pipeline import build
+from autoremat.planning.pipeline import plan_with_dtypes
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import Restore, progress
@@ -50,17 +50,17 @@ def step_time(plan: Plan) -> float:
 
 def plan_step(step: TrainingStep, budget: int, store, fields: dict) -> PlannedStep:
     """The step's dtypes chosen (`step.options.precision`; module docstring), then the step traced with them
-    and planned under `budget` (pipeline.build). fp32 goes straight to the pipeline."""
+    and planned under `budget` (pipeline.plan_with_dtypes). fp32 goes straight to the pipeline."""
     model, args, kwargs, where = step.model, step.args, step.kwargs, step.where
     mode, tolerance = step.options.precision, step.options.tolerance
     if mode == "fp32":
-        return build(step, budget, [], store, fields)
+        return plan_with_dtypes(step, budget, [], store, fields)
     with Restore(model), torch.enable_grad():
         an = precision_plan.analyse(model, args, kwargs, step.dev, step.options.fp32_ops, measure=where.type != "meta")
     info: dict[str, Any] = {"mode": mode}
     if mode in ("bf16", "fp16"):
         dtypes, unsafe = precision_plan.fixed_dtypes(an, mode)
-        planned = build(step, budget, dtypes, store, fields)
+        planned = plan_with_dtypes(step, budget, dtypes, store, fields)
         if unsafe:
             planned.plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
                               f"kept in fp32: {', '.join(unsafe[:8])}")
@@ -95,7 +95,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
         return as_accurate_as_autocast(errors)
 
     try:
-        fp32 = build(step, budget, [], None, fields)
+        fp32 = plan_with_dtypes(step, budget, [], None, fields)
     except BudgetError:
         fp32 = None
     candidates: dict[str, PlannedStep] = {} if fp32 is None else {"fp32": fp32}
@@ -113,7 +113,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
             why["ilp"] = reason
             break
         try:
-            result = build(step, min(budget, ledger.needs(room)), dtypes, store, fields)
+            result = plan_with_dtypes(step, min(budget, ledger.needs(room)), dtypes, store, fields)
         except BudgetError:
             why["ilp"] = "the ILP's dtypes did not fit once traced"
             room = int(room * AUTO_ROOM_SHRINK)
@@ -131,7 +131,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
         why["bf16"] = reason
     elif ilp_dtypes != bf16_dtypes and (bf16_error <= tol or not candidates):
         try:
-            result = build(step, budget, bf16_dtypes, store, fields)
+            result = plan_with_dtypes(step, budget, bf16_dtypes, store, fields)
         except BudgetError as e:
             why["bf16"] = "every call in bf16 does not fit"
             if not candidates:
