@@ -167,7 +167,7 @@ def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_pa
 
     def refuse(*a, **k):
         raise AssertionError("a chunk-count candidate was traced although the count was cached")
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.loss_region"), "_trace", refuse)
+    monkeypatch.setattr(importlib.import_module("autoremat.planning.loss_region.choice"), "_trace", refuse)
     _no_solver(monkeypatch)
     pipeline = importlib.import_module("autoremat.planning.pipeline")
     traced = []

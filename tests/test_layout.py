@@ -28,7 +28,8 @@ def _table() -> dict[str, tuple[int, str]]:
         _, _, folder_cell, modules_cell, *_ = line.split("|")
         folder = folder_cell.strip().strip("`").rstrip("/")
         prefix = "" if folder == "autoremat" else folder + "."
-        for name in re.findall(r"`(\w+)\.py`", modules_cell):
+        for path in re.findall(r"`([\w/]+)\.py`", modules_cell):  # `sub/name.py`: a module of a subpackage
+            name = path.replace("/", ".").removesuffix(".__init__")
             assert prefix + name not in table, f"{prefix}{name} is listed twice"
             table[prefix + name] = (position, folder)
     return table

@@ -21,14 +21,14 @@ from typing import Any
 from autoremat.model.devices import get_device
 from autoremat.model.ledger import Ledger
 from autoremat.passes.loss_chunks import LossOption, compose
-from autoremat.planning import loss_region as region
 from autoremat.planning import precision_plan
 from autoremat.planning import verify as verification
 from autoremat.planning.budget import check_cached, plan_graphs, room_for, say_solving
 from autoremat.planning.cache import PlanCache
-from autoremat.planning.chunk_count_trace import ChunkCountTrace
 from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.joint_plan import compile_with, plan_jointly, solve_step
+from autoremat.planning.loss_region import choice as region
+from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.planning.planned_step import PlannedStep

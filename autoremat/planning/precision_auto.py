@@ -167,7 +167,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
 def _no_faster(an, dtypes: list[dict[str, str]], fp32, step: TrainingStep) -> str | None:
     """Why a candidate's dtypes cannot beat fp32's plan even with nothing recomputed, so that it is not
     traced; None if they might, or fp32 does not fit. As with the loss region's chunk counts
-    (more_chunks.least_ops_time), each candidate is a trace, a plan and a compile: its ops once (fp32's, less what its 16-bit calls are
+    (loss_region.bounds.least_ops_time), each candidate is a trace, a plan and a compile: its ops once (fp32's, less what its 16-bit calls are
     predicted to save) are a lower bound of its step time."""
     cost = -precision_plan.predicted_gain(an, dtypes, step.dev)
     if fp32 is None or cost < fp32.plan.recompute_time_s:

@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING
 
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
-from autoremat.planning import more_chunks, precision_plan
+from autoremat.planning import precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
-from autoremat.planning.chunk_count_trace import ChunkCountTrace
+from autoremat.planning.loss_region import bounds
+from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 from autoremat.planning.plan import BudgetError
 from autoremat.planning.planner import along, progress
 from autoremat.planning.step_tracing import planner_for, trace_step
@@ -91,10 +92,10 @@ class Traces:
         return self.traced[k]
 
     def least_outside(self, room: int, at_least: float, granularity: int, opts: dict) -> float:
-        """more_chunks.least_outside on the first chunked trace, solved again only to reach a higher at_least."""
+        """bounds.least_outside on the first chunked trace, solved again only to reach a higher at_least."""
         if self.outside_s is None or self.outside_s[0] < at_least and self.outside_s[1] < at_least:
             first = self.traced[min(c for c in self.traced if c > 1)]
-            self.outside_s = (more_chunks.least_outside(first, room, at_least, granularity, opts), at_least)
+            self.outside_s = (bounds.least_outside(first, room, at_least, granularity, opts), at_least)
         return self.outside_s[0]
 
     def least_base_time(self, k: int) -> tuple[float, str] | None:
@@ -105,7 +106,7 @@ class Traces:
         copies cost max(its FLOPs, k x its per-chunk fixed bytes + its row bytes) plus k launches: convex in k.
         So is the trace's sum, so the slope past the two largest chunked counts traced is at least the slope
         between them. Without Inductor the largest chunked count traced bounds it alone too, op by op
-        (more_chunks.least_ops_time; Inductor fuses ops differently at another count: the chunks' weight
+        (bounds.least_ops_time; Inductor fuses ops differently at another count: the chunks' weight
         gradients are summed by one kernel, not one add each, and it fell below that bound). The larger bound
         is taken. Only counts that split the rows evenly (the last chunk as large as the others)."""
         rows = self.traced[1].loss.rows()
@@ -117,7 +118,7 @@ class Traces:
             (a, ta), (b, tb) = ((c, self.base_time[c]) for c in even[-2:])
             bounds.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
         b = even[-1]
-        if b in self.traced and self.step.compiler == "eager" and (least := more_chunks.least_ops_time(
+        if b in self.traced and self.step.compiler == "eager" and (least := bounds.least_ops_time(
                 list(self.traced[b].trace.graphs), self.base_time[b], rows, b, k, self.step.dev)) is not None:
             bounds.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
         return max(bounds, default=None)
@@ -267,7 +268,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if fastest:  # fewer chunks fit: the peak is outside the region, where more chunks change nothing
                     table[k] += "; fewer chunks fit the budget, so more cannot lower the floor: no more counts traced"
                     break
-                why = f"the floor {more_chunks.OUTSIDE}" if more_chunks.floor_outside(traces[k], refused[k]) else None
+                why = f"the floor {bounds.OUTSIDE}" if bounds.floor_outside(traces[k], refused[k]) else None
                 if why is None and falling is not None and floor >= falling[0]:
                     why = f"the floor was no lower than the {falling[1]}-chunk one"
                 if why is not None:
@@ -277,11 +278,11 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if falling is None or floor < falling[0]:
                     falling = (floor, k)
                 continue
-            outside = more_chunks.binds_outside(traces[k], traces[k].decision)
+            outside = bounds.binds_outside(traces[k], traces[k].decision)
         no_faster = bool(fastest) and time_s >= min(fastest.values())
         fastest[k] = time_s
         if no_faster or outside:
-            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {more_chunks.OUTSIDE}"
+            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {bounds.OUTSIDE}"
             table[k] += ": no more counts traced"
             break
     _untraced(traces, table, "fewer chunks were already as fast")
@@ -369,8 +370,8 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
         time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
             else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
         if time_s is None:
-            if more_chunks.floor_outside(candidate, refused[k]):
-                stopped = f"the {k}-chunk floor {more_chunks.OUTSIDE}"
+            if bounds.floor_outside(candidate, refused[k]):
+                stopped = f"the {k}-chunk floor {bounds.OUTSIDE}"
             elif best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
             if falling is None or floor < falling[0]:

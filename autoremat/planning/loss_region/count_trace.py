@@ -1,5 +1,5 @@
-"""The loss region traced at one chunk count: the value the loss region's search (loss_region.py) and its bounds
-(more_chunks.py) both read, in a module of its own so that neither imports the other."""
+"""The loss region traced at one chunk count: the value the count's choice (choice.py) and its bounds
+(bounds.py) both read, in a module of its own so that neither imports the other."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from autoremat.solve.rows_time import least_time, ops_once_time
 
 if TYPE_CHECKING:
     from autoremat.model.profile import GraphProfile
-    from autoremat.planning.chunk_count_trace import ChunkCountTrace
+    from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 
 OUTSIDE = "plan's peak holds nothing sized by the chunk's rows, which is all more chunks shrink"
 # least_outside's MIP gets this share of the time limit: it only spares a trace, a few seconds at most
@@ -127,7 +127,7 @@ def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
 
     A chunk count changes only those values; everything else is the same op on the same bytes at any count.
     So the ILP's rows of this copy need at most the recomputation any count's rows need (a lower bound:
-    loss_region.Traces.least_outside). A value freed that was not the region's only frees more."""
+    loss_region.choice.Traces.least_outside). A value freed that was not the region's only frees more."""
     rows, k = candidate.loss.rows(), candidate.loss.chunks or 1
     size = -(-rows // k)
     sizes = {size, rows - (k - 1) * size}
