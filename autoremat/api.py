@@ -29,8 +29,8 @@ from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
-from autoremat.planning.collector import older_objects_set_aside
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
+from autoremat.planning.gc_set_aside import older_objects_set_aside
 from autoremat.planning.options import PlanOptions, TrainingStep, one_options
 from autoremat.planning.pipeline import plan_with_dtypes
 from autoremat.planning.plan import Plan

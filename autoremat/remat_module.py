@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from autoremat.planning.collector import older_objects_set_aside
+from autoremat.planning.gc_set_aside import older_objects_set_aside
 from autoremat.planning.plan import Plan
 from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import CapturePlanner, describe, own_errors

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from autoremat.model.devices import DeviceSpec
 from autoremat.model.ledger import Ledger
 from autoremat.model.profile import GraphProfile
-from autoremat.planning.calls import one_set_per_graph, repeats
+from autoremat.planning.graph_calls import one_set_per_graph, repeats
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.solve.decision import Decision, evaluate
@@ -41,7 +41,7 @@ def plan_graphs(
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
 
     one_set: a profile that appears at several positions (one compiled graph called several times)
-    saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
+    saves the same values at each (graph_calls.one_set_per_graph); else each position is planned on its own."""
     solver, time_limit, gap = options.solver, options.time_limit, options.gap
     budget = budget_or_memory(budget, device)
     room = room_for(budget, ledger, device)

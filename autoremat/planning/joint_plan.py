@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from autoremat.capture.blocks import repeated_blocks, skipped
 from autoremat.model.ledger import Ledger
 from autoremat.planning.budget import plan_graphs, say_solving
-from autoremat.planning.calls import repeats
+from autoremat.planning.graph_calls import repeats
 from autoremat.planning.plan import Plan, build_plan
 from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import progress

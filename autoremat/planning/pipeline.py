@@ -27,7 +27,7 @@ from autoremat.planning.budget import check_cached, plan_graphs, room_for, say_s
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.dynamo_graphs import DynamoGraph
 from autoremat.planning.joint_plan import compile_with, plan_jointly, solve_step
-from autoremat.planning.loss_region import choice as region
+from autoremat.planning.loss_region import choice as chunk_count
 from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 from autoremat.planning.options import DEFAULTS, PlanOptions, TrainingStep
 from autoremat.planning.plan import BudgetError, Plan
@@ -61,13 +61,13 @@ class _Tracer:
                            pre_pass=self.pre, regions=split, keep_graphs=True,
                            apply_cached=self.step.compiler != "eager")
 
-    def __call__(self, split: bool) -> Traced:
+    def __call__(self, split: bool) -> TracedForm:
         """Capture the step, with the cache key used (None if the cache was not looked up). The second form
         traced (one graph, after one graph per block) is traced from the dynamo graph the first kept."""
         looked = len(self.keys)
         planner = self.planner(split)
         if self.source is not None and self.store is None:
-            return Traced(trace_step(self.step, planner, self.source), planner, None)
+            return TracedForm(trace_step(self.step, planner, self.source), planner, None)
         try:
             trace = trace_step(self.step, planner)
         except StaleCache as e:
@@ -77,7 +77,7 @@ class _Tracer:
             trace = trace_step(self.step, planner)
         require_graphs(self.step.model, trace)
         self.source = self.source or trace.source
-        return Traced(trace, planner, self.keys[-1] if len(self.keys) > looked else None)
+        return TracedForm(trace, planner, self.keys[-1] if len(self.keys) > looked else None)
 
 
 def plan_with_dtypes(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store: PlanCache | None,
@@ -90,7 +90,7 @@ def plan_with_dtypes(step: TrainingStep, budget: int, dtypes: list[dict[str, str
     pattern large enough to matter that does not fit with nothing recomputed: then the loss region's choice
     (autoremat.planning.loss_region.CountChoice) works from the traces at each count which count to build.
     """
-    known = region.remembered_count(step, store, fields)
+    known = chunk_count.remembered_count(step, store, fields)
     if known is not None:
         progress.info("the plan cache has a plan with the loss region in %d chunk(s): tracing that count", known)
         hit = capture(step, budget, dtypes, store, fields, known)
@@ -101,11 +101,11 @@ def plan_with_dtypes(step: TrainingStep, budget: int, dtypes: list[dict[str, str
         return captured
     loss, traced, dev = captured.loss, captured.traced.trace, step.dev
     chunks_note = None
-    if loss.found and region.loss_region_matters(traced, loss, dev.alloc_granularity):
-        chunks_note = region.fits_unchunked(traced, budget, step.ledger, dev)
+    if loss.found and chunk_count.loss_region_matters(traced, loss, dev.alloc_granularity):
+        chunks_note = chunk_count.fits_unchunked(traced, budget, step.ledger, dev)
         if chunks_note is None:
             planned = _build_chosen_count(step, budget, dtypes, store, fields, ChunkCountTrace(traced, loss))
-            region.remember_count(step, store, fields, planned.plan.loss["chunks"])
+            chunk_count.remember_count(step, store, fields, planned.plan.loss["chunks"])
             return planned
     return build(step, budget, captured, chunks_note)
 
@@ -115,7 +115,7 @@ def _build_chosen_count(step: TrainingStep, budget: int, dtypes: list[dict[str, 
     """The step built with the chunk count the loss region's choice ranks first, from that count's trace; if
     its build is refused (the exact simulator, or a real step), the next; once none is left, the count the
     choice plans in full (or its BudgetError)."""
-    choice = region.CountChoice(step, first, budget, dtypes)
+    choice = chunk_count.CountChoice(step, first, budget, dtypes)
     if choice.only_one():  # nothing to choose (too few token rows for a second count)
         return build_with_count(step, budget, dtypes, store, fields, 1, choice.trace(1))
     for k in choice.ranked():
@@ -141,7 +141,7 @@ def build_with_count(step: TrainingStep, budget: int, dtypes: list[dict[str, str
 class Captured:
     """The step traced at one chunk count, the plan cache asked and no plan found there: what `build` plans."""
 
-    traced: Traced
+    traced: TracedForm
     tracer: _Tracer  # traces the step again in another form (regions="auto"), with the same rewrite and cache
     loss: LossOption  # the loss region's rewrite, with what it found
     chunks: int | None  # the loss region's chunk count (None: as the model wrote it)
@@ -171,7 +171,7 @@ def capture(step: TrainingStep, budget: int, dtypes: list[dict[str, str]], store
     form_key = (store.step_key(step.model, step.args, step.kwargs, {**fields, "traced_dtypes": dtypes})
                 if store is not None and regions == "auto" else None)
     if traced_at is not None and store is None:
-        traced = Traced(traced_at.trace, None, None, decision=traced_at.decision)
+        traced = TracedForm(traced_at.trace, None, None, decision=traced_at.decision)
     elif (hit := _remembered_form(step, trace, budget, form_key)) is not None:
         return hit
     else:
@@ -190,10 +190,10 @@ def build(step: TrainingStep, budget: int, captured: Captured, chunks_note: str 
     chunk count was traced, for the plan to record."""
     options, ledger, dev = step.options, step.ledger, step.dev
     traced, trace, store = captured.traced, captured.tracer, captured.tracer.store
-    regions_note, cut_step = None, None
+    regions_note, per_block_step = None, None
     checked = step.checked
     if options.regions == "auto" and traced.trace.per_block:
-        traced, cut_step = one_graph_if_free(traced, trace, budget, step)
+        traced, per_block_step = one_graph_if_free(traced, trace, budget, step)
         hit, traced = _from_cache(step, traced, budget, trace)
         if hit is not None:  # the one graph's plan, cached
             return hit
@@ -203,15 +203,15 @@ def build(step: TrainingStep, budget: int, captured: Captured, chunks_note: str 
                                               options, one_set=True)
     planned = plan_jointly(step, traced.trace, budget, decision)
     measured: Any = verification.UNMEASURED
-    if cut_step is not None and checked:
+    if per_block_step is not None and checked:
         measured = verification.measure_planned(step, planned)  # and whether one graph is kept
-        # One graph is kept only if a real step of it fits and its prediction held: else the cut step,
+        # One graph is kept only if a real step of it fits and its prediction held: else the per-block step,
         # planned and verified as usual.
         predicted = planned.plan.activation_peak
         if measured is not None and (ledger.step_peak(measured) > budget or measured > WHOLE_HELD * predicted):
-            store_key = cut_step.store_key
-            regions_note = f"{cut_step.note} ({measured} B of activations measured, {predicted} B predicted)"
-            planned = plan_jointly(step, cut_step.trace, budget, solve_step(step, cut_step.trace, budget))
+            store_key = per_block_step.store_key
+            regions_note = f"{per_block_step.note} ({measured} B of activations measured, {predicted} B predicted)"
+            planned = plan_jointly(step, per_block_step.trace, budget, solve_step(step, per_block_step.trace, budget))
             measured = verification.UNMEASURED
     if checked:  # one graph kept: the step just measured is its verification
         planned = verification.verify_on_step(step, planned, budget, measured=measured)
@@ -235,8 +235,8 @@ def _remembered_form(step: TrainingStep, trace: _Tracer, budget: int, form_key: 
     return _from_cache(step, trace(False), budget, trace)[0]
 
 
-def _from_cache(step: TrainingStep, traced: Traced, budget: int,
-                trace: _Tracer) -> tuple[PlannedStep | None, Traced]:
+def _from_cache(step: TrainingStep, traced: TracedForm, budget: int,
+                trace: _Tracer) -> tuple[PlannedStep | None, TracedForm]:
     """build's PlannedStep from the plan cache, and the form to plan from otherwise: the plan `traced`'s first
     graph found there, re-simulated on the graphs traced and compiled with them. None if none was found, or
     if it is not what it claims; then its entry is discarded and the form to plan afresh from is the capture
@@ -292,7 +292,7 @@ WHOLE_HELD = 1.05
 
 
 @dataclass(frozen=True)
-class Traced:
+class TracedForm:
     """The step as traced in one form (one graph per block, or one graph): what planning starts from."""
 
     trace: StepTrace
@@ -301,20 +301,20 @@ class Traced:
     note: str = ""  # why this form (regions="auto")
     decision: Decision | None = None  # its plan at the budget, where one_graph_if_free already solved it
 
-    def afresh(self, tracer: _Tracer) -> Traced:
+    def afresh(self, tracer: _Tracer) -> TracedForm:
         """This form traced again without the plan cache (a cached plan was applied while tracing it)."""
         planner = tracer.planner(self.trace.regions, lookup=False)
         return dataclasses.replace(self, trace=trace_step(tracer.step, planner), tracer=planner)
 
 
-def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
-                      step: TrainingStep) -> tuple[Traced, Traced | None]:
+def one_graph_if_free(per_block: TracedForm, trace: Callable[[bool], TracedForm], budget: int,
+                      step: TrainingStep) -> tuple[TracedForm, TracedForm | None]:
     """regions="auto": the step as one graph when that costs less time than the graph calls it saves.
 
     Cutting the step into one graph per repeated block lets each block's gradients reach `.grad` as
     soon as its backward ends, which is what lowers the floor; but each region is one more
     AOTAutograd call per step (`DeviceSpec.region_call_s`), which a step of small kernels pays for
-    (benchmarks/speed.py --with-cut compares both forms at equal budgets). So when the cut step's
+    (benchmarks/speed.py --with-cut compares both forms at equal budgets). So when the per-block step's
     save-everything peak fits the budget (it recomputes nothing), the step is traced once more
     uncut. If that one's save-everything peak fits too, nothing is recomputed either way and one graph
     (no region calls; gradients at the end of the backward, as the memory model sees) is used. If it
@@ -324,32 +324,32 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
     Under Inductor the one-graph prediction can be low: the model runs the backward's kernels in the
     least-peak-first order where that peaks lower, as Inductor's reorder_for_peak_memory does by its
     own estimate, but where that estimate ties two orders Inductor keeps the graph's, which may peak
-    higher (tests/test_fusion.py's MLP is such a case; the cut step's prediction stays exact). So under
+    higher (tests/test_fusion.py's MLP is such a case; the per-block step's prediction stays exact). So under
     Inductor one graph is taken only when a real step will be measured (`checked`: verify on a real
-    device), and `build` goes back to the cut step if that step is over the budget or over its
+    device), and `build` goes back to the per-block step if that step is over the budget or over its
     prediction by more than WHOLE_HELD.
 
-    Returns the form to plan, its `note` saying why, and the cut step to fall back on (its `note`
+    Returns the form to plan, its `note` saying why, and the per-block step to fall back on (its `note`
     saying why) when one graph was taken, else None.
     """
     ledger, dev = step.ledger, step.dev
     room = room_for(budget, ledger, dev)
-    cut_graphs = list(cut.trace.calls)
-    saved_cut, n_cut = save_all_peak(cut_graphs, dev.alloc_granularity), len(cut_graphs)
-    per_block = f"regions='auto': {n_cut} graphs, one per repeated block (and per graph break)"
-    if saved_cut > room:
-        return dataclasses.replace(cut, note=(
-            f"{per_block}, so that gradients leave the backward as blocks finish: with everything saved the step "
-            f"would need {format_bytes(saved_cut)} of activations, over the {format_bytes(room)} the budget "
+    per_block_graphs = list(per_block.trace.calls)
+    saved_per_block, n_per_block = save_all_peak(per_block_graphs, dev.alloc_granularity), len(per_block_graphs)
+    said = f"regions='auto': {n_per_block} graphs, one per repeated block (and per graph break)"
+    if saved_per_block > room:
+        return dataclasses.replace(per_block, note=(
+            f"{said}, so that gradients leave the backward as blocks finish: with everything saved the step "
+            f"would need {format_bytes(saved_per_block)} of activations, over the {format_bytes(room)} the budget "
             "leaves")), None
     if step.compiler == "inductor" and not step.checked:
-        return dataclasses.replace(cut, note=(
-            f"{per_block}: nothing is recomputed with them, but one graph's peak under Inductor is not predicted "
+        return dataclasses.replace(per_block, note=(
+            f"{said}: nothing is recomputed with them, but one graph's peak under Inductor is not predicted "
             "exactly and no real step will measure it (verify=False, or the meta device)")), None
     progress.info("tracing the step again as one graph (nothing is recomputed with one graph per block)")
     whole = trace(False)
     graphs = list(whole.trace.calls)
-    saved_whole, calls = save_all_peak(graphs, dev.alloc_granularity), n_cut - len(graphs)
+    saved_whole, calls = save_all_peak(graphs, dev.alloc_granularity), n_per_block - len(graphs)
     calls_s = calls * dev.region_call_s
     over = (f"with everything saved one graph would need {format_bytes(saved_whole)}, over the {format_bytes(room)} "
             "the budget leaves")
@@ -365,19 +365,19 @@ def one_graph_if_free(cut: Traced, trace: Callable[[bool], Traced], budget: int,
             why = ("planned at the budget it does not fit" if recompute_s is None else
                    f"planned at the budget it would recompute {1e3 * recompute_s:.3f} ms a step, not less than the "
                    f"{1e3 * calls_s:.3f} ms of the {calls} graph calls it saves")
-            return dataclasses.replace(cut, note=(
-                f"{per_block}: nothing is recomputed with them ({format_bytes(saved_cut)} of activations with "
+            return dataclasses.replace(per_block, note=(
+                f"{said}: nothing is recomputed with them ({format_bytes(saved_per_block)} of activations with "
                 f"everything saved), but {over}; {why}")), None
-        note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): {over}, and "
+        note = (f"regions='auto': one graph for the step, not {n_per_block} (one per repeated block): {over}, and "
                 f"its plan recomputes {1e3 * recompute_s:.3f} ms a step, less than the {1e3 * calls_s:.3f} ms of "
-                f"the {calls} AOTAutograd calls per step it saves (the cut step recomputes nothing)")
+                f"the {calls} AOTAutograd calls per step it saves (the per-block step recomputes nothing)")
     else:
-        note = (f"regions='auto': one graph for the step, not {n_cut} (one per repeated block): nothing is "
+        note = (f"regions='auto': one graph for the step, not {n_per_block} (one per repeated block): nothing is "
                 f"recomputed either way ({format_bytes(saved_whole)} of activations with everything saved, "
                 f"within the {format_bytes(room)} the budget leaves), and one graph saves {calls} AOTAutograd "
                 "calls per step")
-    return dataclasses.replace(whole, note=note), dataclasses.replace(cut, note=(
-        f"{per_block}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over its "
+    return dataclasses.replace(whole, note=note), dataclasses.replace(per_block, note=(
+        f"{said}: one graph measured over the budget or more than {100 * (WHOLE_HELD - 1):.0f}% over its "
         "prediction on a real step"))
 
 

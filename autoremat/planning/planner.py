@@ -31,10 +31,10 @@ from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
 from autoremat.planning.budget import budget_or_memory, plan_graphs
-from autoremat.planning.calls import CallLog
+from autoremat.planning.graph_calls import CallLog
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
-from autoremat.planning.same_regions import SameRegions
+from autoremat.planning.same_regions import RegionReuse
 from autoremat.solve.decision import evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import BackendCompilerFailed
@@ -222,12 +222,12 @@ class CapturePlanner(Planner):
                  keep_graphs: bool = False, apply_cached: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # identical regions traced once, over a memo every trace of the step shares (same_regions.py)
-        self.same = SameRegions(self, {} if regions_seen is None else regions_seen)
+        self.same = RegionReuse(self, {} if regions_seen is None else regions_seen)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.regions = regions  # one graph per repeated block (autoremat.capture.regions)
         self.release_grads = self.options.release_grads  # each weight gradient to .grad as soon as it exists (regions)
         self.lookup, self.apply_cached = lookup, apply_cached
-        self.cut = False  # whether a dynamo graph was cut into regions (regions found repeated blocks)
+        self.per_block = False  # whether a dynamo graph was split per repeated block (capture/regions.py)
         self.cached: Plan | None = None
         self.strict = True
         self.log = CallLog(self.profiles)  # which graphs the traced step calls (step_tracing.compile_and_trace)
@@ -245,7 +245,7 @@ class CapturePlanner(Planner):
         trace would have left it: a profile per graph (the trace's own: the plan was solved on them), the
         codes it may swap a later plan into, and no identical region taking a swapped code as a capture's."""
         self.profiles.extend(profiles)
-        self.codes, self.cut = list(codes), per_block
+        self.codes, self.per_block = list(codes), per_block
         self.same.forget(swapped)
 
     def may_reuse(self) -> bool:
@@ -293,7 +293,7 @@ class CapturePlanner(Planner):
         whole step has been seen, then compiles again with that plan.
         """
         self._compiled(cg, self._profile(cg), None)
-        self.cut = self.cut or cg.links is not None
+        self.per_block = self.per_block or cg.links is not None
         return default_split(cg)
 
     def _compiled(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str] | None) -> None:
@@ -301,9 +301,9 @@ class CapturePlanner(Planner):
             self.same.traced(cg.region_key, gp, saved)
 
     def adopt(self, gp: GraphProfile) -> None:
-        """A region's profile moved from an identical one traced before (SameRegions.reused)."""
+        """A region's profile moved from an identical one traced before (RegionReuse.reused)."""
         self.profiles.append(gp)
-        self.cut = True
+        self.per_block = True
         along(f"{len(self.profiles)} graph(s) traced and profiled, the last reused from an identical block")
 
     def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:

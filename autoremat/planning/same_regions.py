@@ -11,7 +11,7 @@ So the first block of each kind is traced, and every block whose region has the 
 copy of its profile, moved to its own place in the step (`relocated`). The code is reused only where
 it would be the same code: while capturing (the default partition), or while applying a plan that
 saves the same values in both blocks; Inductor's compiled code only from the block just before
-(capture.aot.aot_backend says why). One `SameRegions` memo lives as long as the step being planned
+(capture.aot.aot_backend says why). One `RegionReuse` memo lives as long as the step being planned
 (`TrainingStep.regions_seen`): the loss region's chunk counts, which rewrite only the tail, trace only
 the regions they change: no candidate is traced twice for what it can be derived from.
 """
@@ -32,7 +32,7 @@ from autoremat.model.profile import GraphProfile, module_path_of
 
 
 class RegionOwner(Protocol):
-    """The partition callback a `SameRegions` serves (planner.CapturePlanner)."""
+    """The partition callback a `RegionReuse` serves (planner.CapturePlanner)."""
 
     def may_reuse(self) -> bool:
         """Whether a region may take a code traced before now."""
@@ -48,7 +48,7 @@ class RegionOwner(Protocol):
 
 
 @dataclass
-class Traced:
+class TracedRegion:
     """One region as traced: its profile, the values its compiled code saves, the code, its module paths."""
 
     profile: GraphProfile
@@ -57,18 +57,18 @@ class Traced:
     modules: tuple[str, ...] = ()
 
 
-class SameRegions:
-    """The `capture.aot.SameRegions` of one planner, over a memo shared by every trace of the step."""
+class RegionReuse:
+    """What `capture.aot.SameRegions` asks for (the Protocol AOTAutograd's backend calls), for one planner, over a memo shared by every trace of the step."""
 
     def __init__(self, owner: RegionOwner, memo: dict) -> None:
         self.owner = owner
-        self.memo = memo  # region key -> [Traced, one per saved set compiled]
-        self.pending: dict[tuple, Traced] = {}  # traced by the planner, its code not yet handed back
+        self.memo = memo  # region key -> [TracedRegion, one per saved set compiled]
+        self.pending: dict[tuple, TracedRegion] = {}  # traced by the planner, its code not yet handed back
 
     def traced(self, key: tuple | None, profile: GraphProfile, saved: set[str] | None) -> None:
         """The planner profiled and partitioned a region (saved: the plan's set; None: a capture)."""
         if key is not None:
-            self.pending[key] = Traced(profile, None if saved is None else frozenset(saved))
+            self.pending[key] = TracedRegion(profile, None if saved is None else frozenset(saved))
 
     def keep(self, key: tuple, compiled: Callable, gm: fx.GraphModule) -> None:
         done = self.pending.pop(key, None)

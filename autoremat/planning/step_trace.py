@@ -27,7 +27,7 @@ class StepTrace:
     """One trace of the step, once it is over."""
 
     compiled: Any  # the step as traced (its torch.compile'd model); None where traced again from a kept graph
-    calls: tuple[GraphProfile, ...]  # the profiles in the order the step calls them (calls.CallLog.sequence)
+    calls: tuple[GraphProfile, ...]  # the profiles in the order the step calls them (graph_calls.CallLog.sequence)
     graphs: tuple[GraphProfile, ...]  # one profile per graph traced, in the order they were traced
     # Under eager, the code each graph call of the trace runs, and the traced step's code: a plan is swapped
     # into them instead of tracing again (planned_in_place.py).

@@ -86,7 +86,7 @@ def trace_of(planner: CapturePlanner, compiled: Any, source: DynamoGraph | None,
     """What `planner`'s trace of the step leaves (`StepTrace`), once the function that traced is done:
     `compiled` the step it traced, `source` the kept dynamo graph it was traced from, `code` that step's code."""
     return StepTrace(compiled=compiled, calls=tuple(planner.sequence()), graphs=tuple(planner.profiles),
-                     codes=tuple(planner.codes), code=code, source=source, per_block=planner.cut,
+                     codes=tuple(planner.codes), code=code, source=source, per_block=planner.per_block,
                      cached=planner.cached, cached_applied=planner.cached is not None and planner.plan is planner.cached,
                      pre_pass=planner.pre_pass, regions=planner.regions)
 

@@ -47,7 +47,7 @@ from autoremat.planning.step_trace import StepTrace
 
 # Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
 # gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
-# change the plan much, and each candidate costs a trace and a solve: a 10-class head is left alone.
+# change the plan much, and each count costs a trace and a solve: a 10-class head is left alone.
 LOSS_REGION_SHARE = 0.01
 
 
@@ -297,17 +297,17 @@ def _untraced(traces: Traces, table: dict, why: str = "more chunks could not low
 def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: dict,
                 refused: dict) -> tuple[float | None, int]:
     """Count k planned in full, as `build` plans the step (plan_jointly: its calls, one saved set per
-    compiled graph), its plan kept on the candidate: (its predicted step time, 0), or (None, its floor)
+    compiled graph), its plan kept on its trace: (its predicted step time, 0), or (None, its floor)
     with its BudgetError in `refused` where it does not fit."""
     progress.info("planning the loss region in %d chunk(s) in full", k)
-    candidate = traces[k]
+    count_trace = traces[k]
     try:
-        d = plan_graphs(list(candidate.trace.calls), budget, step.ledger, step.dev, step.options, one_set=True)
+        d = plan_graphs(list(count_trace.trace.calls), budget, step.ledger, step.dev, step.options, one_set=True)
     except BudgetError as e:
         refused[k] = e
         table[k] += "; planned in full: does not fit"
         return None, e.smallest_budget if e.smallest_budget is not None else 2**62
-    traces.traced[k] = dataclasses.replace(candidate, decision=d)
+    traces.traced[k] = dataclasses.replace(count_trace, decision=d)
     time_s = traces.base_time[k] + d.recompute_time_s
     table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
     return time_s, 0
@@ -359,7 +359,7 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
                        f"no faster than the {best[1]}-chunk plan ({best[0] * 1e3:.3f} ms)")
             table[k] = f"not traced; not planned: {stopped}"
             continue
-        candidate = traces[k]
+        count_trace = traces[k]
         if not table.get(k, "").startswith("ops once"):
             table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
         if best is not None and traces.base_time[k] >= best[0]:
@@ -367,10 +367,10 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
                       f"({best[0] * 1e3:.3f} ms)"
             table[k] += f"; not planned: {stopped}"
             continue
-        time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
-            else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
+        time_s, floor = _plan_count(traces, k, budget, step, table, refused) if count_trace.decision is None \
+            else (traces.base_time[k] + count_trace.decision.recompute_time_s, 0)
         if time_s is None:
-            if bounds.floor_outside(candidate, refused[k]):
+            if bounds.floor_outside(count_trace, refused[k]):
                 stopped = f"the {k}-chunk floor {bounds.OUTSIDE}"
             elif best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
