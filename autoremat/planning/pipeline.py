@@ -5,7 +5,7 @@
     measured gap, or refuse with BudgetError: the budget never passes silently (verify.py).
 
 `plan_with_dtypes` is that pipeline for given compute dtypes: it captures the step, has the loss region's
-chunk count chosen from traces (loss_region.py), and `build` plans the step captured at that count. The
+chunk count chosen from traces (loss_region/), and `build` plans the step captured at that count. The
 stage before it, `precision_auto.plan_step`, is
 where every face's plan starts: it chooses the dtypes (precision="bf16" / "fp16" / "auto"; fp32 goes
 straight on) and checks the result against fp32 and torch.autocast.
@@ -88,7 +88,7 @@ def plan_with_dtypes(step: TrainingStep, budget: int, dtypes: list[dict[str, str
     The count is the one a plan of this step was cached with, if its plan is still in the cache; else the
     loss region as the model wrote it (one chunk), unless the first trace shows a projection -> cross-entropy
     pattern large enough to matter that does not fit with nothing recomputed: then the loss region's choice
-    (autoremat.planning.loss_region.CountChoice) works from the traces at each count which count to build.
+    (autoremat.planning.loss_region.choice.CountChoice) works from the traces at each count which count to build.
     """
     known = chunk_count.remembered_count(step, store, fields)
     if known is not None:
