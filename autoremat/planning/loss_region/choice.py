@@ -113,15 +113,15 @@ class Traces:
         even = sorted(c for c in self.base_time if c > 1 and rows % c == 0)
         if not even or k <= even[-1] or rows % k:
             return None
-        bounds = []
+        found = []
         if len(even) >= 2:
             (a, ta), (b, tb) = ((c, self.base_time[c]) for c in even[-2:])
-            bounds.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
+            found.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
         b = even[-1]
         if b in self.traced and self.step.compiler == "eager" and (least := bounds.least_ops_time(
                 list(self.traced[b].trace.graphs), self.base_time[b], rows, b, k, self.step.dev)) is not None:
-            bounds.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
-        return max(bounds, default=None)
+            found.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
+        return max(found, default=None)
 
 
 def remembered_count(step: TrainingStep, store, fields: dict) -> int | None:
