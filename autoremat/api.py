@@ -29,20 +29,15 @@ from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import LossOption, compose
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
-from autoremat.planning.collector import older_objects_set_aside
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
+from autoremat.planning.gc_set_aside import older_objects_set_aside
 from autoremat.planning.options import PlanOptions, TrainingStep, one_options
-from autoremat.planning.pipeline import build
+from autoremat.planning.pipeline import plan_with_dtypes
 from autoremat.planning.plan import Plan
-from autoremat.planning.planner import (
-    CapturePlanner,
-    PlanMismatch,
-    describe,
-    planner_for,
-    require_graphs,
-    trace_step,
-)
+from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.planner import PlanMismatch, describe
 from autoremat.planning.precision_auto import plan_step
+from autoremat.planning.step_tracing import planner_for, require_graphs, trace_step
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.remat_module import RematModule, input_key
 from autoremat.solve.solver import DEFAULT_GAP
@@ -207,27 +202,28 @@ def optimize(
         store = PlanCache.open(cache) if plan is None else None
         fields = _cache_fields(budget, step)
 
-        def attempt(c: str) -> tuple[Plan, Any, CapturePlanner]:
+        def attempt(c: str) -> PlannedStep:
             """Plan the step with compiler `c` (run_with_fallback may ask twice), or re-apply `plan`."""
             if plan is not None:
                 return _reapply(step.using(c), budget, plan, optimizer)
             return plan_step(step.using(c), budget, store, {**fields, "compiler": c})
-        (made, compiled, planner), choice = run_with_fallback(first_choice, attempt)
-        planner.done()
+        planned, choice = run_with_fallback(first_choice, attempt)
+        planned = planned.finished()
+        made = planned.plan
         _stamp(made, choice, started, compiling)
         made.notes.extend(hook_notes(model))
         chosen = made.precision.get("dtypes") or []
 
-        def plan_shape(new_args: tuple, new_kwargs: dict) -> tuple[Plan, Any, CapturePlanner]:
+        def plan_shape(new_args: tuple, new_kwargs: dict) -> PlannedStep:
             """A new input shape: the whole pipeline again, with the dtypes already chosen."""
             now, clock = time.perf_counter(), COMPILE_CLOCK.seconds
             shaped = step.shaped(new_args, new_kwargs, ledger_for(new_args, new_kwargs))
-            shape_plan, used = run_with_fallback(first_choice, lambda c: build(
+            shape_plan, used = run_with_fallback(first_choice, lambda c: plan_with_dtypes(
                 shaped.using(c), budget, chosen, None, {**fields, "compiler": c}))
-            _stamp(shape_plan[0], used, now, clock)
+            _stamp(shape_plan.plan, used, now, clock)
             return shape_plan
 
-        return RematModule(model, compiled, made, planner, key=input_key(model, args, kwargs), plan_shape=plan_shape,
+        return RematModule(model, planned, key=input_key(model, args, kwargs), plan_shape=plan_shape,
                            progress=progress)
 
 
@@ -255,7 +251,7 @@ def _cache_fields(budget: int, step: TrainingStep) -> dict:
             **asdict(o.solving())}
 
 
-def _reapply(step: TrainingStep, budget: int, plan: Plan, optimizer: Any) -> tuple[Plan, Any, CapturePlanner]:
+def _reapply(step: TrainingStep, budget: int, plan: Plan, optimizer: Any) -> PlannedStep:
     """Trace the step once more and apply `plan` to it as it is (no solving), refusing a step it was not for."""
     o = step.options
     dtypes = plan.precision.get("dtypes") or []
@@ -263,15 +259,15 @@ def _reapply(step: TrainingStep, budget: int, plan: Plan, optimizer: Any) -> tup
     if plan.loss:  # the loss region as planned (one chunk of 16-bit logits: the fused loss)
         pre = compose(pre, LossOption(plan.loss.get("outputs", "all"), plan.loss["chunks"]).pre_pass())
     applier = planner_for(step, budget, optimizer=optimizer, plan=plan, pre_pass=pre, regions=o.regions)
-    compiled = trace_step(step, applier)
-    require_graphs(step.model, applier)
-    traced = [p.fingerprint for p in applier.sequence()]
+    trace = trace_step(step, applier)
+    require_graphs(step.model, trace)
+    traced = [p.fingerprint for p in trace.calls]
     if traced != [g.fingerprint for g in plan.graphs]:  # e.g. one more block: every graph matches, the step not
         raise PlanMismatch(f"the plan was made for {len(plan.graphs)} graph(s), but the model traced to graph(s) "
                            f"{traced}: the model, its input shapes or dtypes, or the torch version differ. Plan "
                            "again instead of re-applying this plan.")
-    plan.notes.append(f"{len(applier.profiles)} graph(s) captured")
-    return plan, compiled, applier
+    plan.notes.append(f"{len(trace.graphs)} graph(s) captured")
+    return PlannedStep(plan, trace.compiled, applier, trace)
 
 
 def hook_notes(model: torch.nn.Module) -> list[str]:

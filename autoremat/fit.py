@@ -35,7 +35,7 @@ from autoremat.units import format_bytes, parse_budget
 
 
 @dataclass
-class Candidate:
+class MicroBatchPlan:
     """One micro-batch size as planned on the meta device."""
 
     micro_batch: int
@@ -66,7 +66,7 @@ class FitConfig:
     accumulation_steps: int
     model: RematModule
     plan: Plan
-    candidates: list[Candidate]
+    candidates: list[MicroBatchPlan]
     warnings: list[str] = field(default_factory=list)  # also raised with warnings.warn
     notes: list[str] = field(default_factory=list)
     budget: int = 0
@@ -279,7 +279,7 @@ def plan_candidates(
     warns: list[str] | None = None,
     options: PlanOptions | None = None,
     **optimize_kwargs: Any,
-) -> list[Candidate]:
+) -> list[MicroBatchPlan]:
     """Plan each micro-batch size on a meta twin of `model`, smallest first, until one does not fit.
 
     Nothing runs on the model's device and no weight is copied. Sizes after the first that does not
@@ -297,16 +297,16 @@ def plan_candidates(
     options, rest = split_options(options, optimize_kwargs)
     options = replace(options, verify=False)  # a meta twin cannot run a step
     keep = {"options": options, **{k: rest[k] for k in ("world_size", "sharding") if k in rest}}
-    out: list[Candidate] = []
+    out: list[MicroBatchPlan] = []
     with stages_on_stderr(rest.get("progress", True)):
         _plan_sizes(out, sizes, meta, budget, sample, global_batch, meta_opt, dev, accumulate_s, keep)
     return out
 
 
-def _plan_sizes(out: list[Candidate], sizes: list[int], meta: torch.nn.Module, budget: int, sample: Any,
+def _plan_sizes(out: list[MicroBatchPlan], sizes: list[int], meta: torch.nn.Module, budget: int, sample: Any,
                 global_batch: int, meta_opt: Any, dev: DeviceSpec, accumulate_s: float, keep: dict) -> None:
     for i, m in enumerate(sizes):
-        c = Candidate(m, global_batch // m, fits=False, accumulate_time_s=accumulate_s)
+        c = MicroBatchPlan(m, global_batch // m, fits=False, accumulate_time_s=accumulate_s)
         out.append(c)
         inputs = _as_example_inputs(_batched(sample, m, device="meta"))
         progress.info("planning micro-batch %d on the meta device (%d of %d sizes)", m, i + 1, len(sizes))
@@ -320,7 +320,7 @@ def _plan_sizes(out: list[Candidate], sizes: list[int], meta: torch.nn.Module, b
                 raise  # even the smallest micro-batch does not fit: the ledger says why
             c.smallest_budget = e.smallest_budget
             c.note = f"needs {format_bytes(e.smallest_budget)}" if e.smallest_budget else "fixed parts exceed budget"
-            out += [Candidate(n, global_batch // n, fits=False, note="not planned: a smaller one did not fit")
+            out += [MicroBatchPlan(n, global_batch // n, fits=False, note="not planned: a smaller one did not fit")
                     for n in sizes[i + 1:]]
             break
         plan = om.plan

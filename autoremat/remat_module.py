@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from autoremat.planning.collector import older_objects_set_aside
+from autoremat.planning.gc_set_aside import older_objects_set_aside
 from autoremat.planning.plan import Plan
-from autoremat.planning.planner import Planner, describe, own_errors
+from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.planner import CapturePlanner, describe, own_errors
 from autoremat.progress import pulse, stages_on_stderr
 from autoremat.torch_internals import recompile_limit, tree_flatten
 from autoremat.units import format_bytes
@@ -39,15 +40,15 @@ class RematModule(torch.nn.Module):
     checkpointing is refused: the plan already chooses what to recompute.
     """
 
-    def __init__(self, model: torch.nn.Module, compiled: Any, plan: Plan, planner: Planner, key: tuple,
-                 plan_shape: Callable[[tuple, dict], tuple[Plan, Any, Planner]], progress: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, planned: PlannedStep, key: tuple,
+                 plan_shape: Callable[[tuple, dict], PlannedStep], progress: bool = True) -> None:
         super().__init__()
         self._progress = progress
         self.model = model
-        self.plan = plan  # the example inputs' plan
-        self._planner = planner
+        self.plan = planned.plan  # the example inputs' plan
+        self._planner = planned.applier
         self._plan_shape = plan_shape  # the whole pipeline for another input shape
-        self._shapes: dict[tuple, tuple[Plan, Any, Planner]] = {key: (plan, compiled, planner)}
+        self._shapes: dict[tuple, PlannedStep] = {key: planned}  # each finished (PlannedStep.finished)
         self.register_state_dict_post_hook(_without_model_prefix)
         self.register_load_state_dict_pre_hook(_with_model_prefix)
         planned = self._planned_forward
@@ -104,11 +105,11 @@ class RematModule(torch.nn.Module):
     @property
     def plans(self) -> list[Plan]:
         """One plan per input shape planned so far, the example inputs' first."""
-        return [p for p, _, _ in self._shapes.values()]
+        return [planned.plan for planned in self._shapes.values()]
 
     @property
-    def _planners(self) -> list[Planner]:
-        return [planner for _, _, planner in self._shapes.values()]
+    def _planners(self) -> list[CapturePlanner]:
+        return [planned.applier for planned in self._shapes.values()]
 
     def _planned_forward(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -117,19 +118,18 @@ class RematModule(torch.nn.Module):
         if key not in self._shapes:
             self._shapes[key] = self._new_shape(args, kwargs)
         with own_errors():
-            return self._shapes[key][1](*args, **kwargs)
+            return self._shapes[key].compiled(*args, **kwargs)
 
-    def _new_shape(self, args: tuple, kwargs: dict) -> tuple[Plan, Any, Planner]:
+    def _new_shape(self, args: tuple, kwargs: dict) -> PlannedStep:
         limit = recompile_limit()
         if len(self._shapes) == limit:
             log.warning("autoremat: %d input shapes planned so far; each new one is traced, planned and verified "
                         "afresh (seconds each). Pad inputs to a few fixed shapes (bucketing) to avoid it.", limit)
         log.warning("autoremat: new input shape (%s): planning it under the same budget", describe(args, kwargs))
         with own_errors(), stages_on_stderr(self._progress), pulse(), older_objects_set_aside():
-            plan, compiled, planner = self._plan_shape(args, kwargs)
-        planner.done()
-        plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")
-        return plan, compiled, planner
+            planned = self._plan_shape(args, kwargs).finished()
+        planned.plan.notes.append(f"planned for a new input shape: {describe(args, kwargs)}")
+        return planned
 
 
 def _without_model_prefix(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:

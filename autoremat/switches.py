@@ -17,7 +17,7 @@ user has no reason to turn one off.
     reuse      Identical regions traced once (planning/same_regions.py): a repeated block takes the first
                identical block's compiled code and a copy of its profile. Off: every region is traced.
                benchmarks/plan_time.py --variants eager,eager-traced (inductor, inductor-traced) times both.
-    set_aside  The garbage collector skips the objects that existed before planning (planning/collector.py,
+    set_aside  The garbage collector skips the objects that existed before planning (planning/gc_set_aside.py,
                `gc.freeze`). Off: planning runs with the collector as the program left it.
                benchmarks/plan_time.py --gc times both.
 

@@ -1,4 +1,4 @@
-"""How close the op-by-op bound of a larger chunk count comes to the real trace (more_chunks.least_ops_time).
+"""How close the op-by-op bound of a larger chunk count comes to the real trace (loss_region.bounds.least_ops_time).
 
 The planner skips tracing the loss region at k chunks when a lower bound of that trace's time with nothing
 recomputed, taken from the trace at b < k chunks, is already no faster than a plan it has. This script
@@ -21,8 +21,9 @@ from common import bert, head_lm
 
 from autoremat.model.devices import get_device
 from autoremat.passes.loss_chunks import LossOption
-from autoremat.planning.more_chunks import least_ops_time
-from autoremat.planning.planner import CapturePlanner, compile_and_trace
+from autoremat.planning.loss_region.bounds import least_ops_time
+from autoremat.planning.planner import CapturePlanner
+from autoremat.planning.step_tracing import compile_and_trace
 from autoremat.solve.solver import ops_once_time
 from examples import models as ex
 

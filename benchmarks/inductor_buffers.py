@@ -154,7 +154,7 @@ def main() -> None:
     say("memory model, live activations at each graph's peak (all graphs' values):")
     for (graph, phase), (during, node) in peaks.items():
         say(f"    graph {graph} {phase:8s} {during} B at {node}")
-    _, compiled, planner = next(iter(om._shapes.values()))  # the example inputs' plan
+    _, compiled, planner, _ = next(iter(om._shapes.values()))  # the example inputs' plan (a PlannedStep)
     measured = measure_step(model, compiled, planner, args, kwargs, torch.device("cpu"))
     say(f"activations: predicted {om.plan.activation_peak} B, measured {measured} B on a steady-state step "
         f"(the outputs held through the backward, as verification measures) ({measured / om.plan.activation_peak - 1:+.2%})")

@@ -32,7 +32,7 @@ runs after it in the process.
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --sizes 0 --models gated --variants eager
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --cliff --sizes 0 --models biased --variants inductor
 
---gc ROUNDS plans each model at the loose budget and at its floor, with planning/collector.py's set-aside and
+--gc ROUNDS plans each model at the loose budget and at its floor, with planning/gc_set_aside.py's set-aside and
 without, alternating, and reports the times and the collector's seconds side by side.
     PYTHONPATH=.:benchmarks python benchmarks/plan_time.py --gc 3 --quick --sizes 0,1 --models gpt2,llama,bert
 
@@ -266,7 +266,7 @@ class CollectorClock:
 
 
 def run_gc(name: str, size: str, factory, rounds: int) -> dict:
-    """planning/collector.py's effect: plans at a loose budget and at the floor (compiler="eager"), with the
+    """planning/gc_set_aside.py's effect: plans at a loose budget and at the floor (compiler="eager"), with the
     older objects set aside and without, alternating which goes first each round, in one process."""
     torch.manual_seed(0)
     model, inputs = factory()
@@ -297,7 +297,7 @@ def gc_report(rows: list[dict], command: str) -> str:
              f"{platform.processor() or 'cpu'}, torch {torch.__version__}, Python {platform.python_version()}, "
              "1 thread, on a shared machine.\n",
              f"compiler=\"eager\". Loose: fixed bytes + {CLIFF_LOOSE} x eager's activation peak; floor: the floor "
-             "query's smallest budget. Medians over the rounds; on = planning/collector.py's set-aside (the default), "
+             "query's smallest budget. Medians over the rounds; on = planning/gc_set_aside.py's set-aside (the default), "
              "off = without it, alternating which runs first. gc s: seconds inside the collector per plan; full: "
              "full collections over all rounds. Same plan: the predicted peak and recompute time agree on and off.\n",
              "| model | size | budget | on s | off s | off / on | gc s on | gc s off | full on | full off "
@@ -560,7 +560,7 @@ def main() -> None:
     ap.add_argument("--cliff", action="store_true", help="time a loose budget, the floor query, the floor and below "
                     "it; --variants names the compilers (eager, inductor)")
     ap.add_argument("--gc", type=int, default=0, metavar="ROUNDS", help="plan at a loose budget and at the floor "
-                    "with the older objects set aside from the collector and without (planning/collector.py)")
+                    "with the older objects set aside from the collector and without (planning/gc_set_aside.py)")
     ap.add_argument("--out", default=None, help="results file stem (default plan_time_cpu[_quick])")
     ap.add_argument("--cold", action="store_true", help="every run, torch.compile's too, in a process and "
                     "Inductor cache of its own")

@@ -11,7 +11,7 @@ import autoremat
 from autoremat.model.ledger import Ledger
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.compilers import inductor_problem
-from autoremat.planning.planner import trace_step
+from autoremat.planning.step_tracing import trace_step
 from autoremat.solve.decision import PlanPath, Route
 from examples import models
 from tests.tolerances import assert_grads_close, batch_depth
@@ -168,7 +168,7 @@ def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_pa
 
     def refuse(*a, **k):
         raise AssertionError("a chunk-count candidate was traced although the count was cached")
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.loss_region"), "_trace", refuse)
+    monkeypatch.setattr(importlib.import_module("autoremat.planning.loss_region.choice"), "_trace", refuse)
     _no_solver(monkeypatch)
     pipeline = importlib.import_module("autoremat.planning.pipeline")
     traced = []

@@ -1,4 +1,4 @@
-"""A graph break inside a loop: dynamo compiles the loop body once and calls it per block (autoremat/planning/calls.py)."""
+"""A graph break inside a loop: dynamo compiles the loop body once and calls it per block (autoremat/planning/graph_calls.py)."""
 
 import pytest
 import torch

@@ -16,7 +16,8 @@ import torch
 import autoremat
 from autoremat.passes import loss_chunks as LC
 from autoremat.passes.loss_chunks import LossOption
-from autoremat.planning.planner import CapturePlanner, compile_and_trace
+from autoremat.planning.planner import CapturePlanner
+from autoremat.planning.step_tracing import compile_and_trace
 from autoremat.solve import lp
 from autoremat.solve import solver as solver_module
 from autoremat.solve.ilp import TIE_BYTES, IlpModel
@@ -169,7 +170,7 @@ def test_the_loss_region_nodes_are_tagged_through_aotautograd(alternatives) -> N
     """The chunked loss's dynamo node carries LOSS_REGION_TAG; AOTAutograd copies it onto the joint nodes
     traced from it, forward and backward, except a sum of gradient contributions (it copies no meta onto
     those). So every chunk-sized logits value ([rows / 4, vocabulary]) of the 4-chunk trace and its gradient
-    is tagged, or adds tagged gradients (what more_chunks.binds_outside counts as the region's), and nothing
+    is tagged, or adds tagged gradients (what loss_region.bounds.binds_outside counts as the region's), and nothing
     inside the transformer block is tagged."""
     (g,) = alternatives[4]
     rows = BATCH * SEQ // 4
@@ -236,13 +237,13 @@ def _hand_graph():
 
 
 def test_a_chunks_ops_split_into_more_copies_cost_at_least_this_much_more() -> None:
-    """more_chunks.least_ops_time, worked by hand for 2 chunks of 8 rows going to 8 chunks of 2 (m = 4 copies
+    """loss_region.bounds.least_ops_time, worked by hand for 2 chunks of 8 rows going to 8 chunks of 2 (m = 4 copies
     of each op of a chunk), each op costing max(its compute, (m x fixed + rows bytes) / bandwidth) + m launches:
     - z_i, memory-bound, reads W (320 B, fixed): max(8.96, (4 x 320 + 576) / 100) + 4 - 9.96 = 12.60 more;
     - w_i, compute-bound: only the launches, 3 more;
     - the sum adds chunk 2's piece: all 960 B fixed (the gradient chain), max(9.6, 38.4) + 4 - 10.6 = 31.80 more.
     The truth for the sum is 7 adds for 1 (63.6 more): an op with b - 1 copies is counted as such."""
-    from autoremat.planning.more_chunks import least_ops_time
+    from autoremat.planning.loss_region.bounds import least_ops_time
 
     graph, dev = _hand_graph()
     least = least_ops_time([graph], 100.0, 16, 2, 8, dev)
@@ -256,9 +257,9 @@ def test_a_chunks_ops_split_into_more_copies_cost_at_least_this_much_more() -> N
 
 def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monkeypatch) -> None:
     """A floor query plans counts in full while the floors fall. Once a count's most frugal plan peaks
-    outside the loss region, the counts after it are not planned (more_chunks.binds_outside); the floor
+    outside the loss region, the counts after it are not planned (loss_region.bounds.binds_outside); the floor
     is the one planning every count in full while floors fall finds."""
-    from autoremat.planning import more_chunks
+    from autoremat.planning.loss_region import bounds
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
@@ -269,7 +270,7 @@ def test_the_counts_end_where_the_floor_plan_peaks_outside_the_loss_region(monke
                                progress=False)
         return info.value
     ruled = floor_query()
-    monkeypatch.setattr(more_chunks, "binds_outside", lambda *a, **k: False)
+    monkeypatch.setattr(bounds, "binds_outside", lambda *a, **k: False)
     every = floor_query()
     assert ruled.smallest_budget == every.smallest_budget, (ruled.smallest_budget, every.smallest_budget)
     # BudgetError.peak_step: the step the floor plan peaks at, whose live bytes give the floor
@@ -283,7 +284,7 @@ def test_a_floor_set_by_the_optimizer_step_ends_the_counts() -> None:
     the step needs no more with activations than without: then no chunk count can lower it. Worked by hand:
     fixed 1,000 B, optimizer.step() 500 B, SLACK 1,024 B, so the floor with no activations is 2,524 B."""
     from autoremat.model.ledger import Ledger
-    from autoremat.planning.more_chunks import _by_optimizer
+    from autoremat.planning.loss_region.bounds import _by_optimizer
     ledger = Ledger(parameters=400, gradients=400, optimizer_state=200, optimizer_step=500)
     assert ledger.needs(0) == 2524
     assert _by_optimizer(autoremat.BudgetError("", ledger, 2524))  # activations of at most 500 B
@@ -329,7 +330,7 @@ def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
     from autoremat.model.memory import simulate
     from autoremat.model.schedule import Schedule
     from autoremat.passes.loss_chunks import Report
-    from autoremat.planning.chunk_count_trace import ChunkCountTrace
+    from autoremat.planning.loss_region.count_trace import ChunkCountTrace
     from autoremat.solve.decision import Decision
 
     def node(name, shape, inputs=(), region=True):
@@ -348,11 +349,11 @@ def _four_chunk_backward(vocab: int, d: int, rows: int = 8) -> tuple:
     schedule = Schedule(forward=[], backward=order, saved=[], recomputed=[])
     plan = Decision([set()], [schedule], simulate([(g, schedule)]), 0.0, "optimal", "by hand")
     loss = LossOption("loss", 4, [Report(sites=1, rewritten=1, rows=rows, vocab=vocab)])
-    return ChunkCountTrace(SimpleNamespace(sequence=lambda: [g]), None, loss), plan
+    return ChunkCountTrace(SimpleNamespace(calls=(g,)), loss), plan
 
 
 def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -> None:
-    """more_chunks.binds_outside on a backward worked out by hand (_four_chunk_backward).
+    """loss_region.bounds.binds_outside on a backward worked out by hand (_four_chunk_backward).
 
     Vocabulary 8, d = 3: the peak is the last add, s4: 384 B, of h1..h4 (24 B each: pieces the concatenation
     gathers from every chunk), s3, w4 and s4 (96 B each, parameter-sized). More chunks shrink none of them:
@@ -360,17 +361,17 @@ def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -
     gradient g4 alive (512 B, which 16 chunks would make 4 times smaller): they go on. With the loss over 32
     rows, chunks of 8 rows, the weight gradients' 8 rows count as a chunk's by chance: they go on."""
     from autoremat.model.memory import live_at_peak
-    from autoremat.planning.more_chunks import binds_outside
+    from autoremat.planning.loss_region.bounds import binds_outside
 
     count, plan = _four_chunk_backward(8, 3)
     assert (plan.timeline.peak_step.node, plan.peak) == ("s4", 384)
-    (g,) = count.planner.sequence()
+    (g,) = count.trace.calls
     assert {n: b for _, n, b in live_at_peak([(g, plan.schedules[0])])} == {
         "h1": 24, "h2": 24, "h3": 24, "h4": 24, "s3": 96, "w4": 96, "s4": 96}
     assert binds_outside(count, plan)
     count, plan = _four_chunk_backward(64, 1)
     assert (plan.timeline.peak_step.node, plan.peak) == ("h4", 1056)
-    (g,) = count.planner.sequence()
+    (g,) = count.trace.calls
     assert {n: b for _, n, b in live_at_peak([(g, plan.schedules[0])])} == {
         "h1": 8, "h2": 8, "h3": 8, "s3": 256, "g4": 512, "w4": 256, "h4": 8}
     assert not binds_outside(count, plan)
@@ -378,14 +379,14 @@ def test_more_chunks_are_not_traced_where_the_peak_holds_nothing_they_shrink() -
 
 
 def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(alternatives) -> None:
-    """loss_region.Traces.least_base_time: the time with nothing recomputed grows convexly with the chunk count
+    """loss_region.choice.Traces.least_base_time: the time with nothing recomputed grows convexly with the chunk count
     (each chunk's ops on rows/k rows under the roofline, plus a launch each), so the 64-chunk trace costs at
     least the line through the 4- and 16-chunk traces, extrapolated: the bound that leaves the 64-chunk trace
     untraced when fewer chunks are already faster. Checked on the real traces of a 1-layer GPT-2."""
     from types import SimpleNamespace
 
-    from autoremat.planning.chunk_count_trace import ChunkCountTrace
-    from autoremat.planning.loss_region import Traces
+    from autoremat.planning.loss_region.choice import Traces
+    from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 
     torch.manual_seed(0)
     model, ex = gpt2(batch=BATCH, seq=SEQ, n_layer=1, n_embd=32, vocab=VOCAB, dropout=0.0)
@@ -393,7 +394,7 @@ def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(
     compile_and_trace(copy.deepcopy(model), planner, "eager", (), ex)
     base = {k: ops_once_time(g) for k, g in {**alternatives, 64: planner.profiles}.items()}
     loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
-    traces = Traces(None, ChunkCountTrace(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
+    traces = Traces(None, ChunkCountTrace(SimpleNamespace(graphs=tuple(alternatives[1])), loss), 1, [])
     traces.base_time.update({k: base[k] for k in COUNTS})  # as tracing those counts would have set them
     least, how = traces.least_base_time(64)
     assert least == pytest.approx(base[16] + 4 * (base[16] - base[4])) and "4- and 16-chunk" in how
@@ -404,19 +405,19 @@ def test_a_counts_ops_cost_no_less_than_the_two_counts_before_it_extrapolate_to(
 
 
 def test_the_largest_chunked_trace_bounds_a_larger_count_op_by_op(alternatives) -> None:
-    """With only the 4-chunk trace at hand, more_chunks.least_ops_time bounds the 16-chunk trace's ops once from
+    """With only the 4-chunk trace at hand, loss_region.bounds.least_ops_time bounds the 16-chunk trace's ops once from
     below, on the real traces of a 1-layer GPT-2 (no slope to extrapolate yet); not under Inductor."""
     from types import SimpleNamespace
 
     from autoremat.model.devices import get_device
-    from autoremat.planning.chunk_count_trace import ChunkCountTrace
-    from autoremat.planning.loss_region import Traces
+    from autoremat.planning.loss_region.choice import Traces
+    from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 
     base = {k: ops_once_time(g) for k, g in alternatives.items()}
     loss = LossOption("loss", None, [LC.Report(sites=1, rewritten=0, rows=BATCH * SEQ, vocab=VOCAB)])
     step = SimpleNamespace(compiler="eager", dev=get_device("cpu"))
-    traces = Traces(step, ChunkCountTrace(SimpleNamespace(profiles=alternatives[1]), None, loss), 1, [])
-    traces.traced[4] = ChunkCountTrace(SimpleNamespace(profiles=alternatives[4]), None, loss)
+    traces = Traces(step, ChunkCountTrace(SimpleNamespace(graphs=tuple(alternatives[1])), loss), 1, [])
+    traces.traced[4] = ChunkCountTrace(SimpleNamespace(graphs=tuple(alternatives[4])), loss)
     traces.base_time[4] = base[4]
     least, how = traces.least_base_time(16)
     assert base[4] < least <= base[16] and "4-chunk trace" in how, (least, base)
@@ -443,17 +444,17 @@ def two_layers() -> tuple[dict[int, list], LossOption]:
 def _four_chunks(graphs: dict[int, list], loss: LossOption):
     from types import SimpleNamespace
 
-    from autoremat.planning.chunk_count_trace import ChunkCountTrace
+    from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 
-    return ChunkCountTrace(SimpleNamespace(profiles=graphs[4]), None, loss)
+    return ChunkCountTrace(SimpleNamespace(graphs=tuple(graphs[4])), loss)
 
 
 def test_no_count_recomputes_less_outside_the_loss_region_than_its_rows_with_the_region_free(two_layers) -> None:
-    """more_chunks.least_outside: the 4-chunk trace with its loss region costing nothing (`region_free`) is a
+    """loss_region.bounds.least_outside: the 4-chunk trace with its loss region costing nothing (`region_free`) is a
     relaxation of every count's rows, so what its rows must recompute bounds each count's from below: ops once
     plus that bound is at most `trace_time` of the 4- and the 16-chunk trace, at five rooms from the 16-chunk
     rows' least peak to the peak of saving everything."""
-    from autoremat.planning.more_chunks import least_outside
+    from autoremat.planning.loss_region.bounds import least_outside
 
     graphs, loss = two_layers
     four = _four_chunks(graphs, loss)
@@ -477,8 +478,8 @@ def test_a_count_the_rows_outside_the_region_rule_out_is_not_traced(two_layers, 
     from types import SimpleNamespace
 
     from autoremat.model.devices import get_device
-    from autoremat.planning import loss_region
-    from autoremat.planning.more_chunks import least_outside
+    from autoremat.planning.loss_region import choice as loss_region
+    from autoremat.planning.loss_region.bounds import least_outside
 
     graphs, loss = two_layers
     room = math.ceil(1.3 * IlpModel(graphs[16], 1, block_drag=True, shared_blocks=True)

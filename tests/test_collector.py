@@ -1,5 +1,5 @@
 """While a step is planned, the garbage collector's collections skip the objects that existed before
-(planning/collector.py): they are handed back afterwards, a program's own frozen objects stay frozen, and
+(planning/gc_set_aside.py): they are handed back afterwards, a program's own frozen objects stay frozen, and
 the garbage planning makes is still collected."""
 
 import gc
@@ -11,7 +11,7 @@ import torch
 
 import autoremat
 from autoremat import progress
-from autoremat.planning.collector import INTERPRETER_FROZEN, older_objects_set_aside
+from autoremat.planning.gc_set_aside import INTERPRETER_FROZEN, older_objects_set_aside
 
 
 class _Cycle:

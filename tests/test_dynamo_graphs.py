@@ -12,9 +12,9 @@ from torch._dynamo.utils import counters
 
 import autoremat
 from autoremat.passes.loss_chunks import LossOption
-from autoremat.planning import dynamo_graphs
 from autoremat.planning.options import PlanOptions
-from autoremat.planning.planner import CapturePlanner, compile_and_trace, own_errors
+from autoremat.planning.planner import CapturePlanner
+from autoremat.planning.step_tracing import compile_and_trace, trace_again
 from examples.models import gpt2
 from tests.tolerances import assert_grads_close, batch_depth
 
@@ -38,13 +38,12 @@ def test_a_count_traced_from_the_kept_graph_profiles_as_a_full_trace_does(n_laye
     torch.manual_seed(0)
     model, ex = gpt2(batch=2, seq=32, n_layer=n_layer, n_embd=32, vocab=512, dropout=0.0)
     first = _planner(None, keep=True)
-    compile_and_trace(model, first, "eager", (), ex)
-    graph = first.source  # the kept graph the step's later traces start from
+    graph = compile_and_trace(model, first, "eager", (), ex).source  # the kept graph the step's later traces start from
     assert graph is not None
     full, again = _planner(4), _planner(4)
     compile_and_trace(copy.deepcopy(model), full, "eager", (), ex)
     frames = _dynamo_frames()
-    dynamo_graphs.trace_again(model, "eager", again, graph, own_errors)
+    trace_again(model, "eager", again, graph)
     assert _dynamo_frames() == frames, "dynamo ran the model again"
     assert len(again.profiles) == len(full.profiles) == (1 if n_layer == 1 else n_layer + 2)
     for a, b in zip(again.sequence(), full.sequence()):
@@ -67,9 +66,9 @@ def test_the_kept_graph_is_not_used_where_dynamo_broke_the_step_in_two():
 
     model = Broken()
     planner = CapturePlanner(None, device="cpu", optimizer=None, keep_graphs=True)
-    compile_and_trace(model, planner, "eager", (torch.randn(4, 8),), {})
+    trace = compile_and_trace(model, planner, "eager", (torch.randn(4, 8),), {})
     assert len(planner.dynamo_graphs) == 2
-    assert planner.source is None
+    assert trace.source is None
 
 
 @pytest.mark.slow

@@ -484,7 +484,7 @@ def _at_the_chunked_floor(model: nn.Module, kwargs: dict, chunks: int, outputs: 
     from autoremat.model.devices import get_device
     from autoremat.model.ledger import ledger_for_model
     from autoremat.planning.options import PlanOptions, TrainingStep
-    from autoremat.planning.pipeline import build
+    from autoremat.planning.pipeline import build_with_count
     from autoremat.planning.verify import measure_step
 
     where, dev = torch.device("cpu"), get_device("cpu")
@@ -492,10 +492,10 @@ def _at_the_chunked_floor(model: nn.Module, kwargs: dict, chunks: int, outputs: 
     options = PlanOptions(compiler="inductor", verify=False, outputs=outputs)
     step = TrainingStep(model, (), kwargs, where, dev, ledger, options, "inductor")
     with pytest.raises(autoremat.BudgetError) as refused:
-        build(step, 1, [], None, {}, chunks=chunks)
-    plan, compiled, planner = build(step, refused.value.smallest_budget, [], None, {}, chunks=chunks)
+        build_with_count(step, 1, [], None, {}, chunks)
+    plan, compiled, applier, _ = build_with_count(step, refused.value.smallest_budget, [], None, {}, chunks)
     assert plan.loss["chunks"] == chunks
-    return plan.activation_peak, measure_step(model, compiled, planner, (), kwargs, where, warm=True)
+    return plan.activation_peak, measure_step(model, compiled, applier, (), kwargs, where, warm=True)
 
 
 def test_a_biased_head_in_chunks_under_inductor_holds_at_its_floor():

@@ -14,8 +14,9 @@ import autoremat
 from autoremat import switches
 from autoremat.capture.regions import RegionLinks
 from autoremat.model.graph_profile import GraphProfile, NodeProfile
-from autoremat.planning.planner import CapturePlanner, compile_and_trace
+from autoremat.planning.planner import CapturePlanner
 from autoremat.planning.same_regions import relocated
+from autoremat.planning.step_tracing import compile_and_trace
 from examples import models
 from tests.budgets import seeded_grads
 from tests.tolerances import assert_grads_close

@@ -32,7 +32,7 @@ _ADD = torch.ops.aten.add.Tensor
 _ADDMM = torch.ops.aten.addmm.default
 # a transpose as a core ATen op: the graphs here are already decomposed, and Inductor lowers no `t`
 _PERMUTE = torch.ops.aten.permute.default
-# the op a running sum is accumulated by (planning/more_chunks.py reads it as such)
+# the op a running sum is accumulated by (planning/loss_region/bounds.py reads it as such)
 ACCUMULATING = ("aten.addmm.default",)
 _TRANSPOSES = (torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
 

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 from autoremat.model.devices import DeviceSpec
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.ledger import Ledger
-from autoremat.planning.calls import one_set_per_graph, repeats
+from autoremat.planning.graph_calls import one_set_per_graph, repeats
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan
 from autoremat.solve.decision import Decision, PlanPath, Route, evaluate
 from autoremat.solve.solver import Infeasible, smallest_peak, solve
 
 if TYPE_CHECKING:
-    from autoremat.planning.planner import CapturePlanner
+    from autoremat.planning.step_trace import StepTrace
 
 progress = logging.getLogger("autoremat.progress")  # the planning stages, at INFO (planner.progress)
 
@@ -41,7 +41,7 @@ def plan_graphs(
     """Solve the save/recompute ILP for graphs that run in one step, under what the ledger leaves.
 
     one_set: a profile that appears at several positions (one compiled graph called several times)
-    saves the same values at each (calls.one_set_per_graph); else each position is planned on its own."""
+    saves the same values at each (graph_calls.one_set_per_graph); else each position is planned on its own."""
     solving = options.solving()
     budget = budget_or_memory(budget, device)
     room = room_for(budget, ledger, device)
@@ -76,9 +76,9 @@ def room_for(budget: int | None, ledger: Ledger, device: DeviceSpec) -> int:
     return ledger.room(budget_or_memory(budget, device))
 
 
-def check_cached(planner: CapturePlanner, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
-    """Re-simulate a cached plan on the graphs just traced; return it only if it is what it claims."""
-    cached, profiles = planner.cached, planner.sequence()
+def check_cached(trace: StepTrace, budget: int, ledger: Ledger, dev: DeviceSpec) -> Plan | None:
+    """Re-simulate the cached plan `trace` found on the graphs it traced; return it only if it is what it claims."""
+    cached, profiles = trace.cached, list(trace.calls)
     if [g.fingerprint for g in cached.graphs] != [p.fingerprint for p in profiles] or cached.budget != budget:
         return None
     try:

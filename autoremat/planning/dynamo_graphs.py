@@ -7,13 +7,13 @@ rewrite run before AOTAutograd (a pre-pass): the loss region at each chunk count
 (pipeline.one_graph_if_free), and the step with its plan, to compile it. Running dynamo on the whole
 forward again for each would be a large share of each trace, growing with depth (benchmarks/plan_time.py
 times the stages). So the first trace keeps the graph dynamo handed its backend, before
-any rewrite (`Keeping`), and the others hand a fresh copy of it to the same backend (`trace_again`):
+any rewrite (`Keeping`), and the others hand a fresh copy of it to the same backend (`step_tracing.trace_again`):
 the planner gets what a full trace gives it (each region's profile; a region identical to one traced
 before reused by `same_regions`), without the bytecode. The backend runs in a tracing context like
 dynamo's (`tracing_like_dynamo`: FX's dead-code elimination reads it).
 
 The planned step, with compiler="eager", is the code of the trace it was planned on with the plan swapped
-in (planned_in_place.py), or where that cannot be, that graph traced again with the plan (`compile_planned`).
+in (planned_in_place.py), or where that cannot be, that graph traced again with the plan (`step_tracing.compile_planned`).
 It is handed to the frame dynamo compiled at the first trace: the code that frame runs is re-pointed to it (`Late`),
 and a recompile of the frame (a guard failing) goes to the planned step's backend, as it would have
 gone to a frame compiled with that backend. Under Inductor the planned step is still compiled by
@@ -26,26 +26,19 @@ fake or distributed tensors that only dynamo's own context can trace. Those step
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import aot_backend, meta_traces_like_real
 from autoremat.capture.blocks import skipped
-from autoremat.capture.tracing import Restore
-from autoremat.planning.planned_in_place import swap_in_plan
-from autoremat.torch_internals import copy_dynamo_graph, tracing_like_dynamo
+from autoremat.torch_internals import copy_dynamo_graph
 
 log = logging.getLogger("autoremat")
 
-if TYPE_CHECKING:
-    from autoremat.planning.options import TrainingStep
-    from autoremat.planning.planner import CapturePlanner
 
 
 @dataclass
@@ -63,9 +56,14 @@ class DynamoGraph:
         """A copy a pre-pass may rewrite (`copy_dynamo_graph`)."""
         return copy_dynamo_graph(self.gm)
 
+    def run_planned(self, code: Callable, backend: Callable) -> None:
+        """The step is compiled with its plan: dynamo's frame runs `code` from now on, and a recompile of it (a
+        guard failing) goes to `backend`, the planned step's; no later graph is kept."""
+        self.runs.target, self.kept.backend, self.kept.graphs = code, backend, None
+
 
 class Late:
-    """The code dynamo runs for a graph, re-pointed once the step is compiled with its plan (`compile_planned`).
+    """The code dynamo runs for a graph, re-pointed once the step is compiled with its plan (`step_tracing.compile_planned`).
     Dynamo calls what a backend returns with the graph's inputs as arguments (AOTAutograd's own `forward`
     takes them so), and so does this."""
 
@@ -106,14 +104,6 @@ def source_of(model: torch.nn.Module, kept: list[DynamoGraph] | None, compiled: 
     return graph
 
 
-def step_backend(planner: CapturePlanner, compiler: str, trace_only: bool) -> Callable:
-    """The backend a step is traced with for `planner`: its pre-pass, regions and compiler, each graph's calls
-    noted in its log."""
-    return planner.log.wrap(aot_backend(planner, compiler=compiler, pre_pass=planner.pre_pass,
-                                        regions=planner.regions, release_grads=planner.release_grads,
-                                        trace_only=trace_only, same=planner.same, codes=planner.codes))
-
-
 def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> DynamoGraph | None:
     """The step's one dynamo graph, where it can be traced again without dynamo; else None (see above)."""
     if kept is None or len(kept) != 1 or skipped(model):
@@ -125,39 +115,3 @@ def one_plain_graph(model: torch.nn.Module, kept: list[DynamoGraph] | None) -> D
     return kept[0] if plain else None
 
 
-def trace_again(model: torch.nn.Module, compiler: str, planner: CapturePlanner, graph: DynamoGraph,
-                errors: Callable[[], Any], *, trace_only: bool = True) -> tuple[Callable, Callable]:
-    """Trace `graph` for `planner` as `compile_and_trace` would trace the step, from the dynamo graph kept:
-    AOTAutograd and the profiles (and with trace_only=False, the plan applied), no dynamo. Returns the
-    backend and the code it compiled.
-
-    `errors` is the context that hands our own errors raised inside the backend back unwrapped.
-    """
-    backend = step_backend(planner, compiler, trace_only)
-    on_meta = any(p.is_meta for p in model.parameters())
-    with errors(), Restore(model), torch.enable_grad(), tracing_like_dynamo(), \
-            meta_traces_like_real() if on_meta else contextlib.nullcontext():
-        code = backend(graph.fresh(), list(graph.example_inputs))
-    planner.source, planner.code = graph, code
-    return backend, code
-
-
-def compile_planned(step: TrainingStep, applier: CapturePlanner, traced: CapturePlanner,
-                    errors: Callable[[], Any]) -> Any:
-    """The step compiled with `applier`'s plan, made from `traced`'s trace of the dynamo graph kept, and handed
-    to the frame dynamo compiled it from: its code re-pointed, and its recompiles (a guard failing) sent to
-    the applier's backend. The plan is swapped into the code of `traced`'s trace where it can be
-    (planned_in_place.py), else that graph is traced again with it. Returns the step as the user calls it
-    (that frame's torch.compile'd model)."""
-    graph = traced.source
-    assert graph is not None
-    with tracing_like_dynamo():  # the context the partition runs in when traced (FX's dead-code elimination reads it)
-        why_not = swap_in_plan(traced, applier)
-    if why_not is None:
-        backend, code = step_backend(applier, step.compiler, trace_only=False), traced.code
-        applier.source = graph
-    else:
-        log.debug("autoremat: the planned step is traced again: %s", why_not)
-        backend, code = trace_again(step.model, step.compiler, applier, graph, errors, trace_only=False)
-    graph.runs.target, graph.kept.backend, graph.kept.graphs = code, backend, None
-    return graph.compiled

@@ -26,35 +26,35 @@ from autoremat.torch_internals import compiled_autograd_on
 if TYPE_CHECKING:
     from autoremat.capture.graph_code import GraphCode, Partition
     from autoremat.planning.planner import CapturePlanner
+    from autoremat.planning.step_trace import StepTrace
 
 
-def swap_in_plan(traced: CapturePlanner, applier: CapturePlanner) -> str | None:
-    """Partition every graph `traced` traced with `applier`'s plan and swap the result into its code.
-    None when done; else why not, with nothing swapped and the applier as it was (it may trace the step)."""
+def swap_in_plan(traced: StepTrace, applier: CapturePlanner) -> str | None:
+    """Partition every graph of `traced` with `applier`'s plan and swap the result into its code.
+    None when done (the applier has taken the trace over: CapturePlanner.took_over); else why not, with
+    nothing swapped and the applier as it was (it may trace the step)."""
     if not switches.current().swap:
         return "swapping plans in is off"
     if compiled_autograd_on():
         return "compiled autograd is on: it reads the backward graph AOTAutograd kept, the capture's"
     # A graph with no backward (no input or weight needs a gradient) has nothing to partition: it runs as traced.
     entries = [(index, links, code) for index, links, code in traced.codes if code is None or code.cg is not None]
-    profiles = traced.profiles
+    profiles = traced.graphs
     if not entries or len(entries) != len(profiles):
         return "the trace did not note one eager code per graph"
     try:
         swaps = _prepared(entries, profiles, applier)
     finally:
-        applier.same.untraced()  # what `apply` noted of these graphs: no trace of the applier hands back their code
+        applier.untraced()  # what `apply` noted of these graphs: no trace of the applier hands back their code
     if isinstance(swaps, str):
         return swaps
     for code, runners, runner_at in swaps:
         code.run(runners, runner_at)
-    applier.profiles.extend(profiles)
-    applier.codes, applier.code, applier.cut = list(traced.codes), traced.code, traced.cut
-    applier.same.forget([code for code, _, _ in swaps])
+    applier.took_over(traced.graphs, traced.codes, traced.per_block, [code for code, _, _ in swaps])
     return None
 
 
-def _prepared(entries: list, profiles: list, applier: CapturePlanner) -> list[tuple] | str:
+def _prepared(entries: list, profiles: tuple, applier: CapturePlanner) -> list[tuple] | str:
     """For each code of the trace: its runners under the plan, and which one each graph calling it runs; or
     why some graph cannot take its plan this way. Nothing is swapped here."""
     per_code: dict[int, tuple[GraphCode, dict[int, tuple[Partition, frozenset[str]]]]] = {}

@@ -1,11 +1,13 @@
-"""The planning machinery every face uses: from AOTAutograd's joint graphs to a plan and a compiled step.
+"""AOTAutograd's partition callback, which every face's planning goes through.
 
-`Planner` is AOTAutograd's partition callback: it profiles each joint graph and either applies a given
-plan to it or solves for it on its own. `CapturePlanner` is `optimize`'s: its first trace only profiles (a
-graph cannot know the ones after it), then `plan_jointly` plans every graph of the step together under the
-budget (`budget.plan_graphs`) and `compile_with` compiles the step with that plan (autoremat.planning.pipeline
-runs these stages and verifies the result on a real step). The torch.compile face (autoremat.backend)
-builds its own step planner on `Planner`.
+`Planner` profiles each joint graph and either applies a given plan to it or solves for it on its own.
+`CapturePlanner` is `optimize`'s: its first trace only profiles (a graph cannot know the ones after it); the
+function that traced returns what the trace left as a `StepTrace` (step_tracing.py), from which
+`joint_plan.plan_jointly` plans every graph of the step together under the budget and compiles the step with
+that plan (autoremat.planning.pipeline runs these stages and verifies the result on a real step). The
+torch.compile face (autoremat.backend) builds its own step planner on `Planner`. The callback only
+accumulates what AOTAutograd hands it; no other module writes its state, and what a trace left is read
+through its `StepTrace`.
 """
 
 from __future__ import annotations
@@ -18,17 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from autoremat.capture.aot import compile_fresh, default_split
-from autoremat.capture.blocks import (  # noqa: F401  (CaptureError: part of the public namespace)
-    CaptureError,
-    compile_blocks,
-    no_graph_error,
-    remember_skipped,
-    repeated_blocks,
-    skipped,
-)
+from autoremat.capture.aot import default_split
+from autoremat.capture.blocks import CaptureError  # noqa: F401  (part of the public namespace)
 from autoremat.capture.captured import CapturedGraph
-from autoremat.capture.tracing import Restore, describe, eager_saved_bytes, inputs_must_fit, reshard  # noqa: F401 (faces)
+from autoremat.capture.tracing import Restore, describe  # noqa: F401 (faces)
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.ledger import Ledger, ledger_from_graph
@@ -36,14 +31,12 @@ from autoremat.model.profile import fingerprint, profile_graph
 from autoremat.model.schedule import make_schedule
 from autoremat.model.scratch import calibrate_scratch
 from autoremat.passes import split
-from autoremat.planning import dynamo_graphs
-from autoremat.planning.budget import budget_or_memory, plan_graphs, say_solving
-from autoremat.planning.calls import CallLog, repeats
-from autoremat.planning.dynamo_graphs import DynamoGraph
+from autoremat.planning.budget import budget_or_memory, plan_graphs
+from autoremat.planning.graph_calls import CallLog
 from autoremat.planning.options import DEFAULTS, PlanOptions
 from autoremat.planning.plan import BudgetError, Plan, build_plan
-from autoremat.planning.same_regions import SameRegions
-from autoremat.solve.decision import Decision, evaluate
+from autoremat.planning.same_regions import RegionReuse
+from autoremat.solve.decision import evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.torch_internals import BackendCompilerFailed
 from autoremat.units import format_bytes
@@ -51,7 +44,7 @@ from autoremat.units import format_bytes
 if TYPE_CHECKING:
     from autoremat.capture.graph_code import GraphCode
     from autoremat.capture.regions import RegionLinks
-    from autoremat.planning.options import TrainingStep
+    from autoremat.planning.dynamo_graphs import DynamoGraph
 
 log = logging.getLogger("autoremat")
 # One short phrase per planning stage, at INFO: `logging.basicConfig(level=logging.INFO)` shows them,
@@ -217,7 +210,7 @@ class CapturePlanner(Planner):
 
     lookup(fingerprint) -> Plan | None is asked when the first graph arrives (fingerprints exist only
     after tracing); a plan found is applied as the graphs are traced, or with apply_cached=False (eager)
-    swapped into the capture's code afterwards (`compile_with`). The first trace only profiles
+    swapped into the capture's code afterwards (`joint_plan.compile_with`). The first trace only profiles
     (`_capture`). Once `optimize` has returned (`strict = False`), a graph identical to one already
     planned (an identical block, or a recompile caused by a guard on Python state) reuses that plan, and
     a graph that no plan was made for (the same input shape traced to another graph by such a recompile:
@@ -230,26 +223,40 @@ class CapturePlanner(Planner):
                  keep_graphs: bool = False, apply_cached: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # identical regions traced once, over a memo every trace of the step shares (same_regions.py)
-        self.same = SameRegions(self, {} if regions_seen is None else regions_seen)
+        self.same = RegionReuse(self, {} if regions_seen is None else regions_seen)
         self.pre_pass = pre_pass  # the dtype rewrite of each dynamo graph (precision), or None
         self.regions = regions  # one graph per repeated block (autoremat.capture.regions)
         self.release_grads = self.options.release_grads  # each weight gradient to .grad as soon as it exists (regions)
         self.lookup, self.apply_cached = lookup, apply_cached
-        self.cut = False  # whether a dynamo graph was cut into regions (regions found repeated blocks)
+        self.per_block = False  # whether a dynamo graph was split per repeated block (capture/regions.py)
         self.cached: Plan | None = None
         self.strict = True
-        self.log = CallLog(self.profiles)  # which graphs the traced step calls (compile_and_trace)
+        self.log = CallLog(self.profiles)  # which graphs the traced step calls (step_tracing.compile_and_trace)
         self.dynamo_graphs: list[DynamoGraph] | None = [] if keep_graphs else None  # kept: dynamo_graphs.py
-        self.source: DynamoGraph | None = None  # the kept dynamo graph its profiles were traced from, if any
-        # Under eager, the code each graph call of its trace runs (aot_backend's `codes`), and the traced step's
-        # code: a plan is swapped into them instead of tracing again (planning/planned_in_place.py).
+        # Under eager, the code each graph call of its trace runs (aot_backend's `codes`): see StepTrace.codes.
         self.codes: list[tuple[int | None, RegionLinks | None, GraphCode | None]] = []
-        self.code: Any = None
 
     def done(self) -> None:
-        """Planning is over: forgiving from now on (class docstring); the kept graph (and its inputs) let go."""
+        """Planning is over: forgiving from now on (class docstring)."""
         self.strict = False
-        self.source = None
+
+    def took_over(self, profiles: tuple[GraphProfile, ...], codes: tuple, per_block: bool,
+                  swapped: list[GraphCode]) -> None:
+        """A plan was swapped into the codes of a trace (planned_in_place.py): this planner ends as its own
+        trace would have left it: a profile per graph (the trace's own: the plan was solved on them), the
+        codes it may swap a later plan into, and no identical region taking a swapped code as a capture's."""
+        self.profiles.extend(profiles)
+        self.codes, self.per_block = list(codes), per_block
+        self.same.forget(swapped)
+
+    def may_reuse(self) -> bool:
+        """Whether an identical region may take a code traced before (same_regions.py): not after planning (a
+        recompile), nor before the plan cache was asked (the first graph's fingerprint is its key)."""
+        return self.strict and not (self.plan is None and self.lookup is not None and not self.profiles)
+
+    def untraced(self) -> None:
+        """What `apply` noted of graphs it partitioned outside a trace (planned_in_place.py): dropped."""
+        self.same.untraced()
 
     def sequence(self) -> list[GraphProfile]:
         """The step's graphs as it calls them: a graph compiled once and called per block appears per call."""
@@ -287,7 +294,7 @@ class CapturePlanner(Planner):
         whole step has been seen, then compiles again with that plan.
         """
         self._compiled(cg, self._profile(cg), None)
-        self.cut = self.cut or cg.links is not None
+        self.per_block = self.per_block or cg.links is not None
         return default_split(cg)
 
     def _compiled(self, cg: CapturedGraph, gp: GraphProfile, saved: set[str] | None) -> None:
@@ -295,9 +302,9 @@ class CapturePlanner(Planner):
             self.same.traced(cg.region_key, gp, saved)
 
     def adopt(self, gp: GraphProfile) -> None:
-        """A region's profile moved from an identical one traced before (SameRegions.reused)."""
+        """A region's profile moved from an identical one traced before (RegionReuse.reused)."""
         self.profiles.append(gp)
-        self.cut = True
+        self.per_block = True
         along(f"{len(self.profiles)} graph(s) traced and profiled, the last reused from an identical block")
 
     def _with_plan(self, plan: Plan | None, cg: CapturedGraph) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -308,94 +315,3 @@ class CapturePlanner(Planner):
             self.plan = kept
 
 
-def require_graphs(model: torch.nn.Module, planner: Planner) -> None:
-    """A step dynamo ran without any graph would run eagerly, unplanned, past any budget."""
-    if not planner.profiles:
-        raise no_graph_error(model)
-
-
-def compile_and_trace(model, planner: CapturePlanner, compiler: str, args: tuple, kwargs: dict) -> Any:
-    # A trace that can only capture (no plan to apply, no cache to find one in) is profiled and thrown
-    # away: it is not compiled by Inductor (`plan_jointly` compiles the step with its plan).
-    trace_only = planner.plan is None and planner.lookup is None and planner.strict
-    backend = dynamo_graphs.keeping(dynamo_graphs.step_backend(planner, compiler, trace_only), planner.dynamo_graphs)
-    blocks = repeated_blocks(model) if skipped(model) else []
-    compiled = compile_blocks(model, blocks, backend) if blocks else compile_fresh(model, backend)
-    _trace(model, planner, compiled, args, kwargs)
-    if not planner.profiles and not blocks and (blocks := repeated_blocks(model)):
-        # Dynamo ran the whole forward eagerly (a graph break inside the block loop): compile each
-        # block on its own instead, now and in every later trace of this model (capture/blocks.py).
-        remember_skipped(model)
-        compiled = compile_blocks(model, blocks, backend)
-        _trace(model, planner, compiled, args, kwargs)
-    planner.source = dynamo_graphs.source_of(model, planner.dynamo_graphs, compiled)
-    planner.code = planner.source.runs.target if planner.source is not None else None
-    return compiled
-
-
-def _trace(model: torch.nn.Module, planner: CapturePlanner, compiled: Any, args: tuple, kwargs: dict) -> None:
-    """Run the forward once (it traces every graph); the ledger learns what eager code between graphs saved."""
-    planner.log.recording = True
-    try:
-        with own_errors(), Restore(model), torch.enable_grad(), inputs_must_fit(model, args, kwargs):
-            out = compiled(*args, **kwargs)
-            if planner.ledger is not None and planner.device is not None:
-                planner.ledger.eager_saved = eager_saved_bytes(out, model, args, kwargs, planner.device.alloc_granularity)
-    finally:
-        planner.log.recording = False
-    del out
-    reshard(model)
-
-
-def planner_for(step: TrainingStep, budget: int, **kw: Any) -> CapturePlanner:
-    """A CapturePlanner for the step being planned (its device, ledger and options); `kw` adds the rest."""
-    return CapturePlanner(budget, device=step.dev, ledger=step.ledger, options=step.options,
-                          regions_seen=step.regions_seen, **kw)
-
-
-def trace_step(step: TrainingStep, planner: CapturePlanner, source: DynamoGraph | None = None) -> Any:
-    """`compile_and_trace` for the step being planned; given `source`, that kept graph traced again (None)."""
-    if source is None:
-        return compile_and_trace(step.model, planner, step.compiler, step.args, step.kwargs)
-    dynamo_graphs.trace_again(step.model, step.compiler, planner, source, own_errors)
-    return None
-
-
-def solve_step(step: TrainingStep, planner: CapturePlanner, budget: int, reserve: Ledger | None = None) -> Decision:
-    """Every graph of the step (graph breaks, regions) solved jointly under one budget (`plan_graphs`).
-
-    `reserve`: solve against this ledger instead (the fixed bytes plus memory a real step showed the model
-    does not predict); the plan built from the answer still reports `step.ledger`."""
-    profiles = say_solving(planner.sequence(), step.options)
-    return plan_graphs(profiles, budget, reserve or step.ledger, step.dev, step.options, one_set=True)
-
-
-def plan_jointly(step: TrainingStep, planner: CapturePlanner, budget: int, decision: Decision):
-    """The plan of `decision` (every graph of the step, solved jointly under `budget`), compiled."""
-    ledger, dev = step.ledger, step.dev
-    profiles = planner.sequence()
-    plan = build_plan(profiles, decision, ledger, budget, dev.name)
-    if skipped(step.model):
-        blocks = repeated_blocks(step.model)
-        plan.notes.append(f"dynamo skipped {type(step.model).__name__}.forward (a graph break inside the loop over its "
-                          f"blocks): each of its {len(blocks)} {type(blocks[0]).__name__} blocks was compiled on its "
-                          "own and planned jointly with the others; the code around them runs eagerly, and the real "
-                          "step's verification holds what it keeps to the budget")
-    progress.info("compiling the planned step")
-    if repeats(profiles):
-        plan.notes.append(f"{len(profiles)} graph calls of {len({id(g) for g in profiles})} compiled graphs (a graph "
-                          "break inside a loop compiles the loop body once, called per iteration) were planned "
-                          "jointly under one budget")
-    elif len(profiles) > 1:
-        plan.notes.append(f"{len(profiles)} graphs (one per repeated block, and one per graph break) were planned "
-                          "jointly under one budget")
-    return (plan, *compile_with(step, planner, budget, plan))
-
-
-def compile_with(step: TrainingStep, planner: CapturePlanner, budget: int, plan: Plan) -> tuple[Any, CapturePlanner]:
-    """The step `planner` traced, compiled with `plan`, and the planner that applied it."""
-    applier = planner_for(step, budget, plan=plan, pre_pass=planner.pre_pass, regions=planner.regions)
-    # Inductor's compilers run in dynamo's own context: only eager's step is compiled from the kept graph
-    compiled = dynamo_graphs.compile_planned(step, applier, planner, own_errors) \
-        if planner.source is not None and step.compiler == "eager" else trace_step(step, applier)
-    return compiled, applier

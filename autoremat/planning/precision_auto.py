@@ -1,5 +1,5 @@
 """The precision stage, where planning a step starts (`plan_step`): choose the step's compute dtypes
-(precision="fp32" / "bf16" / "fp16" / "auto"), then run the pipeline (pipeline.build) with them.
+(precision="fp32" / "bf16" / "fp16" / "auto"), then run the pipeline (pipeline.plan_with_dtypes) with them.
 
 "bf16" and "fp16" run every castable call in that dtype (fp16 only where the example batch shows it
 is safe). "auto" weighs its candidates by predicted step time within the memory budget and an error
@@ -27,8 +27,9 @@ import torch
 from autoremat.measure import grad_rel_err
 from autoremat.planning import precision_plan
 from autoremat.planning.options import TrainingStep
-from autoremat.planning.pipeline import build
+from autoremat.planning.pipeline import plan_with_dtypes
 from autoremat.planning.plan import BudgetError, Plan
+from autoremat.planning.planned_step import PlannedStep
 from autoremat.planning.planner import Restore, progress
 from autoremat.planning.verify import loss_of
 
@@ -47,60 +48,61 @@ def step_time(plan: Plan) -> float:
     return plan.forward_time_s + plan.recompute_time_s
 
 
-def plan_step(step: TrainingStep, budget: int, store, fields: dict):
+def plan_step(step: TrainingStep, budget: int, store, fields: dict) -> PlannedStep:
     """The step's dtypes chosen (`step.options.precision`; module docstring), then the step traced with them
-    and planned under `budget` (pipeline.build). fp32 goes straight to the pipeline."""
+    and planned under `budget` (pipeline.plan_with_dtypes). fp32 goes straight to the pipeline."""
     model, args, kwargs, where = step.model, step.args, step.kwargs, step.where
     mode, tolerance = step.options.precision, step.options.tolerance
     if mode == "fp32":
-        return build(step, budget, [], store, fields)
+        return plan_with_dtypes(step, budget, [], store, fields)
     with Restore(model), torch.enable_grad():
         an = precision_plan.analyse(model, args, kwargs, step.dev, step.options.fp32_ops, measure=where.type != "meta")
     info: dict[str, Any] = {"mode": mode}
     if mode in ("bf16", "fp16"):
         dtypes, unsafe = precision_plan.fixed_dtypes(an, mode)
-        plan, compiled, planner = build(step, budget, dtypes, store, fields)
+        planned = plan_with_dtypes(step, budget, dtypes, store, fields)
         if unsafe:
-            plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
+            planned.plan.notes.append(f"fp16 would overflow or underflow in {len(unsafe)} call(s) on the example batch; "
                               f"kept in fp32: {', '.join(unsafe[:8])}")
             info["kept_fp32_unsafe"] = unsafe
     else:
         tol = an.default_tolerance() if tolerance is None else float(tolerance)
         info["tolerance"] = tol
-        plan, compiled, planner = _auto(step, an, tol, budget, store, fields, info)
+        planned = _auto(step, an, tol, budget, store, fields, info)
+    plan = planned.plan
     stats = {c: s.to_dict() for st in an.stats for c, s in st.items()}
     picked = plan.precision.get("dtypes") or []
     info["error_estimate"] = precision_plan.error_estimate(an, picked) if an.stats and any(an.stats) else None
     info["calls"] = stats
     plan.precision = {**info, **plan.precision}
     if where.type != "meta" and "loss_rel_err" not in plan.precision and picked:
-        plan.precision.update(precision_errors(model, compiled, args, kwargs, where))
+        plan.precision.update(precision_errors(model, planned.compiled, args, kwargs, where))
     plan.budget = budget
-    return plan, compiled, planner
+    return planned
 
 
-def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, info: dict):
+def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, info: dict) -> PlannedStep:
     """precision="auto": the fastest of fp32, the joint ILP's dtypes and all-bf16 (module docstring)."""
     model, args, kwargs, where, ledger = step.model, step.args, step.kwargs, step.where, step.ledger
     meta = where.type == "meta"
 
-    def checked(result) -> bool:
+    def checked(result: PlannedStep) -> bool:
         if meta:
-            result[0].precision["accuracy"] = "estimated (meta device: no batch to measure)"
+            result.plan.precision["accuracy"] = "estimated (meta device: no batch to measure)"
             return True
-        errors = precision_errors(model, result[1], args, kwargs, where)
-        result[0].precision.update(errors)
+        errors = precision_errors(model, result.compiled, args, kwargs, where)
+        result.plan.precision.update(errors)
         return as_accurate_as_autocast(errors)
 
     try:
-        fp32 = build(step, budget, [], None, fields)
+        fp32 = plan_with_dtypes(step, budget, [], None, fields)
     except BudgetError:
         fp32 = None
-    candidates: dict[str, tuple] = {} if fp32 is None else {"fp32": fp32}
+    candidates: dict[str, PlannedStep] = {} if fp32 is None else {"fp32": fp32}
     why: dict[str, str] = {} if fp32 is not None else {"fp32": "does not fit the budget"}
     room = ledger.room(budget)
     if fp32 is not None:  # the mixed plan may not use more memory than the fp32 one does
-        room = min(room, fp32[0].activation_peak)
+        room = min(room, fp32.plan.activation_peak)
     ilp_tol, ilp_dtypes = tol, None
     for attempt in range(AUTO_TRIES):
         dtypes = precision_plan.auto_dtypes(an, room, ilp_tol, step.dev, step.options.solving())
@@ -111,7 +113,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
             why["ilp"] = reason
             break
         try:
-            result = build(step, min(budget, ledger.needs(room)), dtypes, store, fields)
+            result = plan_with_dtypes(step, min(budget, ledger.needs(room)), dtypes, store, fields)
         except BudgetError:
             why["ilp"] = "the ILP's dtypes did not fit once traced"
             room = int(room * AUTO_ROOM_SHRINK)
@@ -129,7 +131,7 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
         why["bf16"] = reason
     elif ilp_dtypes != bf16_dtypes and (bf16_error <= tol or not candidates):
         try:
-            result = build(step, budget, bf16_dtypes, store, fields)
+            result = plan_with_dtypes(step, budget, bf16_dtypes, store, fields)
         except BudgetError as e:
             why["bf16"] = "every call in bf16 does not fit"
             if not candidates:
@@ -143,9 +145,9 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
                 candidates["bf16"] = result
             else:
                 why["bf16"] = "less accurate than autocast on the example batch"
-    times = {name: step_time(r[0]) for name, r in candidates.items()}
+    times = {name: step_time(r.plan) for name, r in candidates.items()}
     chosen = min(times, key=times.__getitem__)
-    plan = candidates[chosen][0]
+    plan = candidates[chosen].plan
     plan.precision.setdefault("dtypes", [])  # fp32 chosen: no call runs in 16 bits
     info["auto"] = {"chosen": chosen, "predicted_step_s": times, "not_taken": why}
     info["dtypes_chosen_by"] = {"fp32": "fp32", "ilp": "ilp (joint with save/recompute)", "bf16": "all-bf16"}[chosen]
@@ -165,13 +167,13 @@ def _auto(step: TrainingStep, an, tol: float, budget: int, store, fields: dict, 
 def _no_faster(an, dtypes: list[dict[str, str]], fp32, step: TrainingStep) -> str | None:
     """Why a candidate's dtypes cannot beat fp32's plan even with nothing recomputed, so that it is not
     traced; None if they might, or fp32 does not fit. As with the loss region's chunk counts
-    (more_chunks.least_ops_time), each candidate is a trace, a plan and a compile: its ops once (fp32's, less what its 16-bit calls are
+    (loss_region.bounds.least_ops_time), each candidate is a trace, a plan and a compile: its ops once (fp32's, less what its 16-bit calls are
     predicted to save) are a lower bound of its step time."""
     cost = -precision_plan.predicted_gain(an, dtypes, step.dev)
-    if fp32 is None or cost < fp32[0].recompute_time_s:
+    if fp32 is None or cost < fp32.plan.recompute_time_s:
         return None
     return (f"not traced: its 16-bit calls are predicted to add {cost * 1e3:.3f} ms of ops and casts, no less "
-            f"than the {fp32[0].recompute_time_s * 1e3:.3f} ms fp32's plan recomputes")
+            f"than the {fp32.plan.recompute_time_s * 1e3:.3f} ms fp32's plan recomputes")
 
 
 def as_accurate_as_autocast(errors: dict[str, float]) -> bool:

@@ -11,7 +11,7 @@ So the first block of each kind is traced, and every block whose region has the 
 copy of its profile, moved to its own place in the step (`relocated`). The code is reused only where
 it would be the same code: while capturing (the default partition), or while applying a plan that
 saves the same values in both blocks; Inductor's compiled code only from the block just before
-(capture.aot.aot_backend says why). One `SameRegions` memo lives as long as the step being planned
+(capture.aot.aot_backend says why). One `RegionReuse` memo lives as long as the step being planned
 (`TrainingStep.regions_seen`): the loss region's chunk counts, which rewrite only the tail, trace only
 the regions they change: no candidate is traced twice for what it can be derived from.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.fx as fx
 
@@ -31,12 +31,25 @@ from autoremat.capture.regions import RegionLinks
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.profile import module_path_of
 
-if TYPE_CHECKING:
-    from autoremat.planning.planner import CapturePlanner
+
+class RegionOwner(Protocol):
+    """The partition callback a `RegionReuse` serves (planner.CapturePlanner)."""
+
+    def may_reuse(self) -> bool:
+        """Whether a region may take a code traced before now."""
+        ...
+
+    def saved_for(self, gp: GraphProfile, index: int) -> frozenset[str] | None:
+        """What the graph profiled as `gp` at `index` saves under the plan applied (None while capturing)."""
+        ...
+
+    def adopt(self, gp: GraphProfile) -> None:
+        """A region's profile, moved from an identical one traced before, is the callback's next profile."""
+        ...
 
 
 @dataclass
-class Traced:
+class TracedRegion:
     """One region as traced: its profile, the values its compiled code saves, the code, its module paths."""
 
     profile: GraphProfile
@@ -45,18 +58,18 @@ class Traced:
     modules: tuple[str, ...] = ()
 
 
-class SameRegions:
-    """The `capture.aot.SameRegions` of one planner, over a memo shared by every trace of the step."""
+class RegionReuse:
+    """What `capture.aot.SameRegions` asks for (the Protocol AOTAutograd's backend calls), for one planner, over a memo shared by every trace of the step."""
 
-    def __init__(self, planner: CapturePlanner, memo: dict) -> None:
-        self.planner = planner
-        self.memo = memo  # region key -> [Traced, one per saved set compiled]
-        self.pending: dict[tuple, Traced] = {}  # traced by the planner, its code not yet handed back
+    def __init__(self, owner: RegionOwner, memo: dict) -> None:
+        self.owner = owner
+        self.memo = memo  # region key -> [TracedRegion, one per saved set compiled]
+        self.pending: dict[tuple, TracedRegion] = {}  # traced by the planner, its code not yet handed back
 
     def traced(self, key: tuple | None, profile: GraphProfile, saved: set[str] | None) -> None:
         """The planner profiled and partitioned a region (saved: the plan's set; None: a capture)."""
         if key is not None:
-            self.pending[key] = Traced(profile, None if saved is None else frozenset(saved))
+            self.pending[key] = TracedRegion(profile, None if saved is None else frozenset(saved))
 
     def keep(self, key: tuple, compiled: Callable, gm: fx.GraphModule) -> None:
         done = self.pending.pop(key, None)
@@ -78,18 +91,17 @@ class SameRegions:
 
     def reused(self, key: tuple, index: int, links: RegionLinks, gm: fx.GraphModule,
                only: Callable | None = None) -> Callable | None:
-        planner = self.planner
-        if (not switches.current().reuse or not planner.strict
-                or (planner.plan is None and planner.lookup is not None and not planner.profiles)):
-            return None  # after planning (a recompile), or before the plan cache was asked
+        owner = self.owner
+        if not switches.current().reuse or not owner.may_reuse():
+            return None
         here = _module_paths(gm)
         for done in self.memo.get(key, ()):
-            if (only is not None and done.compiled is not only) or done.saved != planner.saved_for(done.profile, index):
+            if (only is not None and done.compiled is not only) or done.saved != owner.saved_for(done.profile, index):
                 continue
             renames = _renames(done.modules, here)
             if renames is None:
                 continue
-            planner.adopt(relocated(done.profile, index, links, renames))
+            owner.adopt(relocated(done.profile, index, links, renames))
             return done.compiled
         return None
 

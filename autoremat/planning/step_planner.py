@@ -4,7 +4,7 @@ Dynamo hands the backend (backend.py) one graph at a time, and a graph may run s
 step or at several input shapes, so `StepPlanner` plans steps, not graphs: a step it has not seen
 runs every call at that call's most frugal plan, each checked against the budget with everything
 the earlier calls of the step hold; once the step is complete its calls are planned jointly and
-compiled again; a planned step is measured (window.py) and planned again with the gap reserved, or the
+compiled again; a planned step is measured (step_window.py) and planned again with the gap reserved, or the
 next step refused (docs/backend.md).
 """
 
@@ -34,7 +34,7 @@ from autoremat.planning.compilers import (
 )
 from autoremat.planning.plan import BudgetError, Plan, build_plan
 from autoremat.planning.planner import Planner
-from autoremat.planning.window import StepWindow
+from autoremat.planning.step_window import StepWindow
 from autoremat.solve.decision import Decision, PlanPath, Route, evaluate
 from autoremat.solve.heuristics import checkpoint_blocks, save_all
 from autoremat.solve.solver import smallest_peak

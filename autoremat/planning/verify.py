@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from autoremat.model.ledger import Ledger
+from autoremat.planning.joint_plan import plan_jointly, solve_step
 from autoremat.planning.options import TrainingStep
 from autoremat.planning.plan import BudgetError
-from autoremat.planning.planner import Restore, along, plan_jointly, progress, solve_step
+from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.planner import Restore, along, progress
 from autoremat.torch_internals import tree_leaves
 from autoremat.units import format_bytes
 
@@ -31,24 +33,24 @@ UNMEASURED = object()  # verify_on_step: no real step of this plan has been meas
 REPLANS = 3
 
 
-def measure_planned(step: TrainingStep, compiled, planner) -> int | None:
+def measure_planned(step: TrainingStep, planned: PlannedStep) -> int | None:
     """`measure_step` of the step just planned and compiled, said on progress (a long verification is
     mostly AOTAutograd compiling the backward at its first call)."""
     progress.info("verifying the plan on a real step")
     if step.compiler == "inductor":
         along("Inductor compiles the backward graphs on this first backward")
-    return _measured(step, compiled, planner)
+    return _measured(step, planned)
 
 
-def _measured(step: TrainingStep, compiled, planner) -> int | None:
+def _measured(step: TrainingStep, planned: PlannedStep) -> int | None:
     """`measure_step` of `step`'s compiled plan (under Inductor a warm step first: measure_step says why), less
     what the eager code between its graphs saved (`Ledger.of_graphs`)."""
-    measured = measure_step(step.model, compiled, planner, step.args, step.kwargs, step.where,
+    measured = measure_step(step.model, planned.compiled, planned.applier, step.args, step.kwargs, step.where,
                             warm=step.compiler == "inductor")
     return None if measured is None else step.ledger.of_graphs(measured)
 
 
-def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured: Any = UNMEASURED):
+def verify_on_step(step: TrainingStep, planned: PlannedStep, budget: int, measured: Any = UNMEASURED) -> PlannedStep:
     """Run one real step and hold the budget to what it measures: re-plan if the model missed.
 
     The measured gap is reserved, the graphs (all of them: they share the step) are planned again, and
@@ -56,15 +58,15 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
     still does not fit is never returned: BudgetError says what was measured and which budget held the
     last plan. `measured`: what measure_step already returned for this plan, if it ran.
     """
-    ledger = step.ledger
+    ledger, plan = step.ledger, planned.plan
     if measured is UNMEASURED:
-        measured = measure_planned(step, compiled, planner)
+        measured = measure_planned(step, planned)
     if measured is None:
         # The step compiled again (dynamo guards on Python state the forward changes, e.g. a global
         # counter): the measurement includes tracing and says nothing about the plan.
         plan.notes.append("the model recompiled on its second call (it changes Python state that dynamo guards "
                           "on, e.g. a global); not verified, and later calls recompile too")
-        return plan, compiled, planner
+        return planned
     plan.notes.append(f"verified on one real step (steady state, .grad buffers present): measured activation "
                       f"peak {measured} B, predicted {plan.activation_peak} B")
     reserved, tried = 0, []
@@ -79,21 +81,23 @@ def verify_on_step(step: TrainingStep, compiled, plan, planner, budget, measured
         reserve.inputs += reserved
         progress.info("re-planning with %d bytes the memory model did not predict", reserved)
         try:
-            new, compiled, planner = plan_jointly(step, planner, budget, solve_step(step, planner, budget, reserve))
+            trace = planned.trace
+            planned = plan_jointly(step, trace, budget, solve_step(step, trace, budget, reserve))
         except BudgetError as e:
             if len(tried) == 1:
                 e.measured = True  # the gap a real step measured, reserved, is what no longer fits
                 raise
             raise _missed(ledger, budget, tried, reserved) from e
+        new = planned.plan
         new.notes += [n for n in plan.notes if n not in new.notes]  # the first plan's, and earlier re-plans'
         new.notes.append(f"re-planned with {reserved} B reserved for memory the model did not predict")
-        plan, measured = new, _measured(step, compiled, planner)
+        plan, measured = new, _measured(step, planned)
         if measured is None:
-            return plan, compiled, planner
+            return planned
         held = ledger.step_peak(measured) <= budget
         plan.notes.append(f"{'verified the re-planned step' if held else 'the re-planned step was over the budget'}: "
                           f"measured activation peak {measured} B, predicted {plan.activation_peak} B")
-    return plan, compiled, planner
+    return planned
 
 
 def _missed(ledger: Ledger, budget: int, tried: list[tuple[int, int]], reserved: int) -> BudgetError:

@@ -1,5 +1,5 @@
 """A trace's least predicted step time as the ILP's rows see it, and lower bounds of it: what the loss region's
-chunk counts are compared by (planning/loss_region.py), each trace on its own: one joint ILP with a choice of
+chunk counts are compared by (planning/loss_region/choice.py), each trace on its own: one joint ILP with a choice of
 trace is larger than all of them together, and solves slower than the traces one by one.
 
 The time is the trace's ops run once (T0) plus the recomputation of the ILP's plan under the room. The rows

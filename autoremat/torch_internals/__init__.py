@@ -40,7 +40,7 @@ AOTAutograd (joint graphs, partitioning):
                                seq_nr, so the profile knows the chunked loss region's nodes
   LOSS_CHUNK_TAG, annotate     torch.fx.traceback.current_meta, the meta of the node being traced: each chunk's
                                ops traced under {LOSS_CHUNK_TAG: its number} in "custom", copied the same way
-                               (planning/more_chunks.py)
+                               (planning/loss_region/bounds.py)
 Dispatcher and ops:
   OpOverload, OpOverloadPacket torch._ops: what an aten call's target is
   is_mutable_op                OpOverload._schema.is_mutable

@@ -12,7 +12,7 @@ than a smaller one: each count frees a quarter of the region the count before it
 kernels, so the gain only shrinks (the largest count's trace, the costliest, then is never traced at a
 budget where a smaller count is best).
 
-The fastest count is then built and verified (`pipeline.build`, from that trace, with its plan where it
+The fastest count is then built and verified (pipeline.py builds it with `CountChoice`, from that trace, with its plan where it
 was planned in full: the step is not traced again). If the full plan refuses a count the rows chose, the
 next fastest is built; if none is left, the counts are planned in full, each calibrated against the
 simulator, fastest first, skipping those that cannot beat the fastest plan that fits, and the fastest
@@ -23,22 +23,19 @@ budget named. A floor query (no room at all) goes straight to the plans in full.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from autoremat.passes import loss_chunks
 from autoremat.passes.loss_chunks import LossOption, compose
-from autoremat.planning import more_chunks, precision_plan
+from autoremat.planning import precision_plan
 from autoremat.planning.budget import plan_graphs, room_for
-from autoremat.planning.chunk_count_trace import ChunkCountTrace
+from autoremat.planning.loss_region import bounds
+from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 from autoremat.planning.plan import BudgetError
-from autoremat.planning.planner import (
-    CapturePlanner,
-    along,
-    planner_for,
-    progress,
-    trace_step,
-)
+from autoremat.planning.planner import along, progress
+from autoremat.planning.step_tracing import planner_for, trace_step
 from autoremat.solve.heuristics import save_all_peak
 from autoremat.solve.rows_time import ops_once_time, trace_time
 from autoremat.solve.solver_options import SolverOptions
@@ -46,28 +43,30 @@ from autoremat.units import format_bytes
 
 if TYPE_CHECKING:
     from autoremat.planning.options import TrainingStep
+    from autoremat.planning.planned_step import PlannedStep
+from autoremat.planning.step_trace import StepTrace
 
 # Chunking can free at most the loss region's own tensors (logits, log-probabilities and both their
 # gradients, in fp32). Below this share of the step's activation peak with nothing recomputed it cannot
-# change the plan much, and each candidate costs a trace and a solve: a 10-class head is left alone.
+# change the plan much, and each count costs a trace and a solve: a 10-class head is left alone.
 LOSS_REGION_SHARE = 0.01
 
 
-def loss_region_matters(planner: CapturePlanner, loss: LossOption, granularity: int) -> bool:
+def loss_region_matters(trace: StepTrace, loss: LossOption, granularity: int) -> bool:
     """Whether the loss region is large enough for its chunk count to be worth planning."""
     vocab = max(r.vocab for r in loss.reports)
     region = 4 * loss.rows() * vocab * 4
-    return region >= LOSS_REGION_SHARE * save_all_peak(planner.profiles, granularity)
+    return region >= LOSS_REGION_SHARE * save_all_peak(list(trace.graphs), granularity)
 
 
-def fits_unchunked(planner: CapturePlanner, budget: int, ledger, dev) -> str | None:
+def fits_unchunked(trace: StepTrace, budget: int, ledger, dev) -> str | None:
     """Why no other chunk count is worth tracing, when the step as first traced (1 chunk) fits the budget
     with nothing recomputed; else None.
 
     Under the roofline a chunked trace's ops cost at least the whole's (the same FLOPs and bytes in
     more kernels, each launched), so with nothing to free no count beats 1.
     """
-    whole, room = save_all_peak(planner.sequence(), dev.alloc_granularity), room_for(budget, ledger, dev)
+    whole, room = save_all_peak(list(trace.calls), dev.alloc_granularity), room_for(budget, ledger, dev)
     if whole > room:
         return None
     return (f"with everything saved the step needs {format_bytes(whole)} of activations, within the "
@@ -81,23 +80,23 @@ class Traces:
         self.step, self.budget, self.dtypes = step, budget, dtypes
         self.counts = loss_chunks.candidates(first.loss.rows())
         self.traced: dict[int, ChunkCountTrace] = {1: first}
-        self.base_time: dict[int, float] = {1: ops_once_time(first.planner.profiles)}
+        self.base_time: dict[int, float] = {1: ops_once_time(list(first.trace.graphs))}
         self.outside_s: tuple[float, float] | None = None  # (least_outside's bound, the at_least it was given)
 
     def __getitem__(self, k: int) -> ChunkCountTrace:
         if k not in self.traced:
             progress.info("tracing the loss region in %d chunks", k)
             first = self.traced[1]
-            self.traced[k] = _trace(self.step, first.planner, first.loss, k, self.budget, self.dtypes,
+            self.traced[k] = _trace(self.step, first.trace, first.loss, k, self.budget, self.dtypes,
                                     f"chunk count {self.counts.index(k) + 1} of {len(self.counts)}")
-            self.base_time[k] = ops_once_time(self.traced[k].planner.profiles)
+            self.base_time[k] = ops_once_time(list(self.traced[k].trace.graphs))
         return self.traced[k]
 
     def least_outside(self, room: int, at_least: float, granularity: int, opts: SolverOptions) -> float:
-        """more_chunks.least_outside on the first chunked trace, solved again only to reach a higher at_least."""
+        """bounds.least_outside on the first chunked trace, solved again only to reach a higher at_least."""
         if self.outside_s is None or self.outside_s[0] < at_least and self.outside_s[1] < at_least:
             first = self.traced[min(c for c in self.traced if c > 1)]
-            self.outside_s = (more_chunks.least_outside(first, room, at_least, granularity, opts), at_least)
+            self.outside_s = (bounds.least_outside(first, room, at_least, granularity, opts), at_least)
         return self.outside_s[0]
 
     def least_base_time(self, k: int) -> tuple[float, str] | None:
@@ -108,91 +107,109 @@ class Traces:
         copies cost max(its FLOPs, k x its per-chunk fixed bytes + its row bytes) plus k launches: convex in k.
         So is the trace's sum, so the slope past the two largest chunked counts traced is at least the slope
         between them. Without Inductor the largest chunked count traced bounds it alone too, op by op
-        (more_chunks.least_ops_time; Inductor fuses ops differently at another count: the chunks' weight
+        (bounds.least_ops_time; Inductor fuses ops differently at another count: the chunks' weight
         gradients are summed by one kernel, not one add each, and it fell below that bound). The larger bound
         is taken. Only counts that split the rows evenly (the last chunk as large as the others)."""
         rows = self.traced[1].loss.rows()
         even = sorted(c for c in self.base_time if c > 1 and rows % c == 0)
         if not even or k <= even[-1] or rows % k:
             return None
-        bounds = []
+        found = []
         if len(even) >= 2:
             (a, ta), (b, tb) = ((c, self.base_time[c]) for c in even[-2:])
-            bounds.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
+            found.append((tb + (tb - ta) * (k - b) / (b - a), f"extrapolated from the {a}- and {b}-chunk traces"))
         b = even[-1]
-        if b in self.traced and self.step.compiler == "eager" and (least := more_chunks.least_ops_time(
-                self.traced[b].planner.profiles, self.base_time[b], rows, b, k, self.step.dev)) is not None:
-            bounds.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
-        return max(bounds, default=None)
+        if b in self.traced and self.step.compiler == "eager" and (least := bounds.least_ops_time(
+                list(self.traced[b].trace.graphs), self.base_time[b], rows, b, k, self.step.dev)) is not None:
+            found.append((least, f"each op of the {b}-chunk trace's chunks copied {k // b} times"))
+        return max(found, default=None)
 
 
-def remembered_count(step: TrainingStep, budget: int, dtypes, store, fields, build: Callable):
-    """build's result from the plan cache at the chunk count a plan of this step was made with before, traced
-    alone; None if no count is remembered or the plan is not in the cache for that count's trace."""
-    known = store.load_count(_step_key(step, store, fields)) if store else None
-    if known is None:
-        return None
-    progress.info("the plan cache has a plan with the loss region in %d chunk(s): tracing that count", known)
-    return build(step, budget, dtypes, store, fields, chunks=known, cached_only=True)
+def remembered_count(step: TrainingStep, store, fields: dict) -> int | None:
+    """The chunk count a plan of this step was made with before (`remember_count`); None if none is remembered."""
+    return store.load_count(_step_key(step, store, fields)) if store else None
 
 
-def choose_chunks(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, store, fields, *, build: Callable):
-    """Trace the step at more chunk counts while more chunks pay, and `build` it with the fastest count.
-
-    `first` is the step as first traced (1 chunk); `build` is pipeline.build, given the chosen count's
-    trace (and its plan, if one was made here). Returns build's (plan, compiled, planner), with the
-    counts considered and how the count was chosen in `plan.loss`. With a plan cache, the count chosen is
-    remembered for `remembered_count`.
-    """
-    out = _choose(step, first, budget, dtypes, store, fields, build)
+def remember_count(step: TrainingStep, store, fields: dict, chunks: int) -> None:
+    """With a plan cache, the count chosen for this step, for `remembered_count` to find."""
     if store is not None:
-        store.store_count(_step_key(step, store, fields), out[0].loss["chunks"])
-    return out
+        store.store_count(_step_key(step, store, fields), chunks)
 
 
 def _step_key(step: TrainingStep, store, fields: dict) -> str:
-    """The cache's key for the step before it is traced, with the fields `build` adds for the first trace."""
+    """The cache's key for the step before it is traced, with the fields the pipeline adds for the first trace."""
     return store.step_key(step.model, step.args, step.kwargs,
                           {**fields, "outputs": step.options.outputs, "loss_chunks": None})
 
 
-def _choose(step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes, store, fields, build: Callable):
-    traces = Traces(step, first, budget, dtypes)
+class CountChoice:
+    """Which chunk count to build the step with, worked out from its traces at each count (module docstring).
 
-    def build_count(k: int):
-        return build(step, budget, dtypes, store, fields, chunks=k, first=traces[k])
-    if len(traces.counts) == 1:  # nothing to choose (too few token rows for a second count)
-        return build_count(1)
-    table: dict[int, str] = {}
-    refused: dict[int, BudgetError] = {}
-    # A floor query (budget=1) leaves no room: its counts go straight to the plans in full.
-    if room_for(budget, step.ledger, step.dev) > 0:
-        fastest, floors_stopped = _survey(traces, budget, step, table, refused)
+    `first` is the step as first traced (1 chunk). The pipeline builds the counts `ranked` returns in turn
+    (each from `trace(k)`, with its plan where one was made here), telling `refused` of one whose build was
+    refused, and `chosen` of the one built, which records on its plan the counts considered and how the count
+    was chosen (`plan.loss`). Once none is left, `planned_in_full` names the count to build (or raises the
+    BudgetError of the lowest floor), and `chosen_in_full` records it.
+    """
+
+    def __init__(self, step: TrainingStep, first: ChunkCountTrace, budget: int, dtypes) -> None:
+        self.step, self.budget = step, budget
+        self.traces = Traces(step, first, budget, dtypes)
+        self.table: dict[int, str] = {}
+        self.refused_by: dict[int, BudgetError] = {}
+        self.surveyed = False  # whether the ILP's rows ranked the counts (not at a floor query: no room)
+        self.floors_stopped = False  # the survey stopped: none fits, and more chunks could not lower the floor
+        self.full: dict[int, bool] = {}  # count -> whether it was planned in full when ranked
+
+    def only_one(self) -> bool:
+        """Nothing to choose: too few token rows for a second count."""
+        return len(self.traces.counts) == 1
+
+    def trace(self, k: int) -> ChunkCountTrace:
+        """The step traced with the loss region in k chunks (traced now if it was not yet)."""
+        return self.traces[k]
+
+    def ranked(self) -> Iterator[int]:
+        """The counts whose plans fit as the survey found them (`_survey`), fastest first, each said on progress
+        as it is handed out. A floor query (budget=1) leaves no room: none, the counts go straight to the plans
+        in full."""
+        if room_for(self.budget, self.step.ledger, self.step.dev) <= 0:
+            return
+        self.surveyed = True
+        fastest, self.floors_stopped = _survey(self.traces, self.budget, self.step, self.table, self.refused_by)
         for k in sorted(fastest, key=lambda c: (fastest[c], c)):
-            in_full = traces[k].decision is not None
-            if in_full:
+            self.full[k] = self.traces[k].decision is not None
+            if self.full[k]:
                 progress.info("the loss region in %d chunk(s): the fastest count, planned in full", k)
             else:
                 progress.info("the ILP chose %d chunk(s) for the loss region", k)
-            try:
-                plan, compiled, planner = build_count(k)
-            except BudgetError as e:
-                refused[k] = e
-                table[k] += "; chosen, refused by the exact simulator"
-                continue
-            table[k] += "; chosen" if in_full else "; chosen by the ILP"
-            return _record(plan, table, "the fastest of the counts planned" if in_full else "ilp"), compiled, planner
-        if floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
-            _refuse_lowest(refused)
-        if any(e.measured for e in refused.values()):
-            # A real step measured more than the model predicted, and no plan of the counts with one held it:
-            # the counts' plans in full would be priced by the same model, and each compiled and measured, only
-            # to miss too and name the same budget (benchmarks/eager_code.py plans such steps at their floor).
-            _refuse_lowest(refused)
-        progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, fastest first")
-    k = _fastest_in_full(traces, refused, table, budget, step)
-    plan, compiled, planner = build_count(k)
-    return _record(plan, table, "each count planned in full"), compiled, planner
+            yield k
+
+    def refused(self, k: int, error: BudgetError) -> None:
+        self.refused_by[k] = error
+        self.table[k] += "; chosen, refused by the exact simulator"
+
+    def chosen(self, k: int, planned: PlannedStep) -> PlannedStep:
+        self.table[k] += "; chosen" if self.full[k] else "; chosen by the ILP"
+        return _record(planned, self.table, "the fastest of the counts planned" if self.full[k] else "ilp")
+
+    def planned_in_full(self) -> int:
+        """No ranked count was built: the counts planned in full (`_fastest_in_full`), or the BudgetError of
+        the lowest floor where more plans could not help."""
+        if self.surveyed:
+            if self.floors_stopped:  # none fits, and more chunks could not lower the floor: nothing is left to plan
+                _refuse_lowest(self.refused_by)
+            if any(e.measured for e in self.refused_by.values()):
+                # A real step measured more than the model predicted, and no plan of the counts with one held it:
+                # the counts' plans in full would be priced by the same model, and each compiled and measured, only
+                # to miss too and name the same budget (benchmarks/eager_code.py plans such steps at their floor).
+                _refuse_lowest(self.refused_by)
+            progress.info("no chunk count traced so far has a plan that fits: planning the counts in full, "
+                          "fastest first")
+        return _fastest_in_full(self.traces, self.refused_by, self.table, self.budget, self.step)
+
+    def chosen_in_full(self, planned: PlannedStep) -> PlannedStep:
+        return _record(planned, self.table, "each count planned in full")
 
 
 def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
@@ -231,7 +248,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                             f"{least[1]}; the ILP's rows recompute at least {1e3 * outside:.3f} ms outside the "
                             "loss region at any count)")
                 break
-        profiles = traces[k].planner.profiles
+        profiles = list(traces[k].trace.graphs)
         table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
         if fastest and traces.base_time[k] >= min(fastest.values()):
             table[k] += "; no faster than fewer chunks even with nothing recomputed: no more counts traced"
@@ -252,7 +269,7 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if fastest:  # fewer chunks fit: the peak is outside the region, where more chunks change nothing
                     table[k] += "; fewer chunks fit the budget, so more cannot lower the floor: no more counts traced"
                     break
-                why = f"the floor {more_chunks.OUTSIDE}" if more_chunks.floor_outside(traces[k], refused[k]) else None
+                why = f"the floor {bounds.OUTSIDE}" if bounds.floor_outside(traces[k], refused[k]) else None
                 if why is None and falling is not None and floor >= falling[0]:
                     why = f"the floor was no lower than the {falling[1]}-chunk one"
                 if why is not None:
@@ -262,11 +279,11 @@ def _survey(traces: Traces, budget: int, step: TrainingStep, table: dict,
                 if falling is None or floor < falling[0]:
                     falling = (floor, k)
                 continue
-            outside = more_chunks.binds_outside(traces[k], traces[k].decision)
+            outside = bounds.binds_outside(traces[k], traces[k].decision)
         no_faster = bool(fastest) and time_s >= min(fastest.values())
         fastest[k] = time_s
         if no_faster or outside:
-            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {more_chunks.OUTSIDE}"
+            table[k] += "; no faster than fewer chunks" if no_faster else f"; its {bounds.OUTSIDE}"
             table[k] += ": no more counts traced"
             break
     _untraced(traces, table, "fewer chunks were already as fast")
@@ -281,23 +298,23 @@ def _untraced(traces: Traces, table: dict, why: str = "more chunks could not low
 def _plan_count(traces: Traces, k: int, budget: int, step: TrainingStep, table: dict,
                 refused: dict) -> tuple[float | None, int]:
     """Count k planned in full, as `build` plans the step (plan_jointly: its calls, one saved set per
-    compiled graph), its plan kept on the candidate: (its predicted step time, 0), or (None, its floor)
+    compiled graph), its plan kept on its trace: (its predicted step time, 0), or (None, its floor)
     with its BudgetError in `refused` where it does not fit."""
     progress.info("planning the loss region in %d chunk(s) in full", k)
-    candidate = traces[k]
+    count_trace = traces[k]
     try:
-        d = plan_graphs(candidate.planner.sequence(), budget, step.ledger, step.dev, step.options, one_set=True)
+        d = plan_graphs(list(count_trace.trace.calls), budget, step.ledger, step.dev, step.options, one_set=True)
     except BudgetError as e:
         refused[k] = e
         table[k] += "; planned in full: does not fit"
         return None, e.smallest_budget if e.smallest_budget is not None else 2**62
-    candidate.decision = d
+    traces.traced[k] = dataclasses.replace(count_trace, decision=d)
     time_s = traces.base_time[k] + d.recompute_time_s
     table[k] += f"; planned in full: fits, predicted {time_s * 1e3:.3f} ms"
     return time_s, 0
 
 
-def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, budget: int, dtypes,
+def _trace(step: TrainingStep, first: StepTrace, loss: LossOption, k: int, budget: int, dtypes,
            which: str) -> ChunkCountTrace:
     """The step traced with the loss region in k chunks: from the dynamo graph the first trace kept where it
     can be (AOTAutograd alone: `dynamo_graphs`), else in full."""
@@ -308,7 +325,7 @@ def _trace(step: TrainingStep, first: CapturePlanner, loss: LossOption, k: int, 
     planner = planner_for(step, budget, regions=options.regions is not False, pre_pass=pre)
     along(f"{which}: " + ("the step's dynamo graph, kept from the first trace, traced again with the rewrite"
                           if first.source is not None else "the whole step is traced with the rewrite"))
-    return ChunkCountTrace(planner, trace_step(step, planner, first.source), option)
+    return ChunkCountTrace(trace_step(step, planner, first.source), option)
 
 
 def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, step: TrainingStep) -> int:
@@ -343,7 +360,7 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
                        f"no faster than the {best[1]}-chunk plan ({best[0] * 1e3:.3f} ms)")
             table[k] = f"not traced; not planned: {stopped}"
             continue
-        candidate = traces[k]
+        count_trace = traces[k]
         if not table.get(k, "").startswith("ops once"):
             table[k] = f"ops once {1e3 * traces.base_time[k]:.3f} ms"
         if best is not None and traces.base_time[k] >= best[0]:
@@ -351,11 +368,11 @@ def _fastest_in_full(traces: Traces, refused: dict, table: dict, budget: int, st
                       f"({best[0] * 1e3:.3f} ms)"
             table[k] += f"; not planned: {stopped}"
             continue
-        time_s, floor = _plan_count(traces, k, budget, step, table, refused) if candidate.decision is None \
-            else (traces.base_time[k] + candidate.decision.recompute_time_s, 0)
+        time_s, floor = _plan_count(traces, k, budget, step, table, refused) if count_trace.decision is None \
+            else (traces.base_time[k] + count_trace.decision.recompute_time_s, 0)
         if time_s is None:
-            if more_chunks.floor_outside(candidate, refused[k]):
-                stopped = f"the {k}-chunk floor {more_chunks.OUTSIDE}"
+            if bounds.floor_outside(count_trace, refused[k]):
+                stopped = f"the {k}-chunk floor {bounds.OUTSIDE}"
             elif best is None and falling is not None and floor >= falling[0]:
                 stopped = f"the {k}-chunk floor was no lower than the {falling[1]}-chunk one"
             if falling is None or floor < falling[0]:
@@ -380,7 +397,8 @@ def _refuse_lowest(refused: dict[int, BudgetError]) -> None:
                       e.smallest_budget, e.peak_step, measured=e.measured, at_peak=e.at_peak) from None
 
 
-def _record(plan, table: dict, how: str):
-    plan.loss["candidates"] = {str(c): v for c, v in table.items()}
-    plan.loss["chosen_by"] = how
-    return plan
+def _record(planned: PlannedStep, table: dict, how: str) -> PlannedStep:
+    """`planned`, its plan recording the counts considered (`table`) and how the count was chosen."""
+    planned.plan.loss["candidates"] = {str(c): v for c, v in table.items()}
+    planned.plan.loss["chosen_by"] = how
+    return planned

@@ -19,22 +19,22 @@ from autoremat.solve.solver_options import SolverOptions
 
 if TYPE_CHECKING:
     from autoremat.model.graph_profile import GraphProfile
-    from autoremat.planning.chunk_count_trace import ChunkCountTrace
+    from autoremat.planning.loss_region.count_trace import ChunkCountTrace
 
 OUTSIDE = "plan's peak holds nothing sized by the chunk's rows, which is all more chunks shrink"
 # least_outside's MIP gets this share of the time limit: it only spares a trace, a few seconds at most
 OUTSIDE_SHARE = 1 / 4
 
 
-def floor_outside(candidate: ChunkCountTrace, refused: BudgetError) -> bool:
+def floor_outside(count_trace: ChunkCountTrace, refused: BudgetError) -> bool:
     """Whether a refused count's floor is set where more chunks change nothing: by optimizer.step()'s
     temporaries, or at a peak of its most memory-frugal plan that holds no chunk-sized value (`binds_outside`).
     A larger count's floor search, the longest of a floor query, would then end at the same floor
     (benchmarks/plan_time.py --cliff times the floor query)."""
-    return _by_optimizer(refused) or binds_outside(candidate, refused.frugal)
+    return _by_optimizer(refused) or binds_outside(count_trace, refused.frugal)
 
 
-def binds_outside(candidate: ChunkCountTrace, plan: Decision | None) -> bool:
+def binds_outside(count_trace: ChunkCountTrace, plan: Decision | None) -> bool:
     """Whether the count's plan peaks where more chunks shrink nothing that is alive.
 
     More chunks shrink the values of the chunk being computed: those traced from the chunked loss
@@ -54,10 +54,10 @@ def binds_outside(candidate: ChunkCountTrace, plan: Decision | None) -> bool:
     known: no plan, or a torch that did not carry the loss region's tag onto the backward nodes."""
     if plan is None or plan.timeline.peak_step is None:
         return False
-    graphs = candidate.planner.sequence()
+    graphs = list(count_trace.trace.calls)
     if not any(p.loss_region and p.kind == "backward" for g in graphs for p in g.nodes.values()):
         return False
-    rows, k = candidate.loss.rows(), candidate.loss.chunks or 1
+    rows, k = count_trace.loss.rows(), count_trace.loss.chunks or 1
     size = -(-rows // k)
     sizes = {size, rows - (k - 1) * size}
     peak = plan.timeline.peak_step
@@ -120,7 +120,7 @@ def _by_optimizer(refused: BudgetError) -> bool:
     return floor is not None and ledger.after_backward > 0 and floor <= ledger.needs(0)
 
 
-def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
+def region_free(count_trace: ChunkCountTrace) -> list[GraphProfile]:
     """Copies of a chunked trace's profiles in which the loss region costs nothing: its values hold no bytes
     and take no time. Its values are those the loss pass tagged, and the backward ones AOTAutograd leaves
     untagged that read them and either read nothing else (the weight gradient's running sum, the hidden
@@ -128,12 +128,12 @@ def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
 
     A chunk count changes only those values; everything else is the same op on the same bytes at any count.
     So the ILP's rows of this copy need at most the recomputation any count's rows need (a lower bound:
-    loss_region.Traces.least_outside). A value freed that was not the region's only frees more."""
-    rows, k = candidate.loss.rows(), candidate.loss.chunks or 1
+    loss_region.choice.Traces.least_outside). A value freed that was not the region's only frees more."""
+    rows, k = count_trace.loss.rows(), count_trace.loss.chunks or 1
     size = -(-rows // k)
     sizes = {size, rows - (k - 1) * size}
     out = []
-    for g in candidate.planner.profiles:  # the trace's own, as trace_time solves it
+    for g in count_trace.trace.graphs:  # the trace's own, as trace_time solves it
         free: set[str] = set()
         nodes = dict(g.nodes)
         for name, p in g.nodes.items():  # in the graph's order: a value's inputs come before it
@@ -148,13 +148,13 @@ def region_free(candidate: ChunkCountTrace) -> list[GraphProfile]:
     return out
 
 
-def least_outside(candidate: ChunkCountTrace, room: int, at_least: float, granularity: int,
+def least_outside(count_trace: ChunkCountTrace, room: int, at_least: float, granularity: int,
                   opts: SolverOptions) -> float:
     """A lower bound of the recomputation the ILP's rows need at any chunk count: what they need for this
     chunked trace with its loss region free (`region_free`), proved by the MIP until it reaches `at_least`.
     Every count recomputes at least this outside the region, so a larger count whose ops once fall short of
     a smaller count's plan by less than it cannot beat that plan, and is not traced."""
-    free = region_free(candidate)
+    free = region_free(count_trace)
     ops = ops_once_time(free)
     limit = OUTSIDE_SHARE * opts.time_limit
     return least_time(free, room, at_least=ops + at_least, granularity=granularity,
