@@ -91,6 +91,7 @@ def test_optimize_and_a_new_shape_plan_with_older_objects_set_aside() -> None:
         logger.removeHandler(seen)
         logger.setLevel(level)
     assert _handed_back()
-    captures = [frozen for message, frozen in seen.seen if message.startswith("capturing")]
+    # a stage's start, not the pulse a stage that runs for seconds repeats ("...: still running, ...")
+    captures = [frozen for message, frozen in seen.seen if message == "capturing the training step"]
     assert planned and len(seen.seen) > planned and len(captures) == 2, seen.seen
     assert all(frozen > INTERPRETER_FROZEN for frozen in captures), seen.seen
