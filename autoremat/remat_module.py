@@ -148,7 +148,8 @@ def input_key(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     and training mode (dropout and BatchNorm trace differently in eval)."""
     if all(map(_unnested, args)) and all(map(_unnested, kwargs.values())):
         # Tensors and scalars only: their positions and keyword names are the whole structure. Said here
-        # without a pytree flatten, which costs ~10 us a call (a launch-bound step runs in ~1 ms).
+        # without a pytree flatten, whose cost per call a launch-bound step would feel
+        # (benchmarks/fx_overhead.py times such steps).
         return ("flat", len(args), tuple(kwargs), model.training, *map(_leaf_key, args),
                 *map(_leaf_key, kwargs.values()))
     leaves, spec = tree_flatten((args, kwargs))

@@ -155,8 +155,8 @@ def measure_step(model, compiled, planner, args, kwargs, where, warm: bool = Fal
 
 def _agreed(measured: int | None, where: torch.device) -> int | None:
     """Under torch.distributed every rank must take the same decision (keep, re-plan or refuse): one
-    rank refusing while the others train would leave them waiting in a collective (seen: FSDP2 on a
-    loaded CPU, where the two ranks measured differently). The largest measurement decides for all."""
+    rank refusing while the others train would leave them waiting in a collective, and ranks can measure
+    different peaks (each process has its own allocator state and timing). The largest measurement decides for all."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return measured
     if torch.distributed.get_world_size() == 1:

@@ -91,8 +91,7 @@ def refine_further(graphs: list[GraphProfile], plan: Decision, granularity: int,
     """`plan` searched again for cuts and values saved back, while a round lowers its peak.
 
     Each search is bounded by a count of simulations, and one that ran out may have stopped far from
-    where a fresh one ends (a second search from the first one's result lowers the floor of benchmarks/floor.py's
-    12-block stack further). A round that lowers the peak by less than `REFINE_MIN_GAIN` of it is the last:
+    where a fresh one ends, so a second search starts from the first one's result. A round that lowers the peak by less than `REFINE_MIN_GAIN` of it is the last:
     each round is hundreds of simulations of the whole step, most of a floor search's, and rounds after such
     a small gain rarely find more (benchmarks/floor_search.py times floor searches)."""
     for _ in range(rounds):

@@ -168,9 +168,8 @@ def block_mode_plans(graphs: list[GraphProfile], room: int, granularity: int) ->
     return found
 
 
-# `spend_slack`'s simulations of the whole step: a count, not a deadline, bounds it (each is a fraction of a
-# second on a 7B Llama's graphs: benchmarks/plan_spread.py), so one request gets one plan on any machine at
-# any load.
+# `spend_slack`'s simulations of the whole step: a count, not a deadline, bounds it, so one request gets one
+# plan on any machine at any load (benchmarks/plan_spread.py repeats requests and compares their plans).
 SLACK_TRIES = 32
 
 
