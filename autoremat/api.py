@@ -25,8 +25,8 @@ import torch
 from autoremat.capture.aot import COMPILE_CLOCK
 from autoremat.model.devices import DeviceSpec, blas_workspace_bytes, get_device
 from autoremat.model.ledger import Ledger, ledger_for_model
-from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import LossOption, compose
+from autoremat.passes.op_kinds import FP32_KEPT
 from autoremat.planning import precision_plan
 from autoremat.planning.cache import PlanCache, precision_mode
 from autoremat.planning.compilers import CompilerChoice, choose_compiler, run_with_fallback
@@ -136,7 +136,7 @@ def optimize(
         with fp16 calls has `plan.needs_grad_scaler`: use `torch.amp.GradScaler`.
     tolerance: for "auto", the most summed per-call relative error (measured on the example batch)
         the plan may spend; default: what autocast's choice (every matmul in bf16) is measured at.
-    fp32_ops: the calls kept in fp32 whatever their inputs (default `precision_measure.FP32_KEPT`: norms,
+    fp32_ops: the calls kept in fp32 whatever their inputs (default `passes.op_kinds.FP32_KEPT`: norms,
         softmax, exp/log/pow, reductions, losses); a call left out of the list becomes castable.
     solver, time_limit, gap: the ILP solver ("auto" or "highs": HiGHS either way), its time limit in seconds per
         solve and its relative optimality gap. At the time limit the best plan found so far is used

@@ -390,7 +390,7 @@ def simulated_live_at_peak(om) -> dict:
     plan, profiles = om.plan, om._planners[0].profiles
     best = live_at_peak(profiles, [set(g.saved) | set(g.again) for g in plan.graphs],
                         get_device(plan.device).alloc_granularity)
-    from autoremat.model.cuts import base
+    from autoremat.passes.recompute_names import base
 
     live = []
     for (scope, name), size in sorted(best["live"].items(), key=lambda kv: -kv[1]):

@@ -25,8 +25,8 @@ from common import REPO, floor_configs, git_state, live_at_peak, make_step, spli
 
 import autoremat
 from autoremat.measure import measure_peak
-from autoremat.model.cuts import base
 from autoremat.model.devices import get_device
+from autoremat.passes.recompute_names import base
 
 MiB = 2**20
 

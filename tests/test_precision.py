@@ -258,9 +258,11 @@ def test_fp16_on_meta_asks_for_real_inputs_and_auto_plans_with_estimated_errors(
 
 
 def test_fp32_ops_override_makes_softmax_castable(stack):
+    from autoremat.passes.op_kinds import FP32_KEPT
+
     model, ex = stack
     default = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False, compiler="eager")
-    kept = [op for op in autoremat.model.precision_measure.FP32_KEPT if op != "softmax"]
+    kept = [op for op in FP32_KEPT if op != "softmax"]
     unlocked = autoremat.optimize(model, budget=10**9, example_inputs=ex, precision="bf16", verify=False,
                                   fp32_ops=kept, compiler="eager")
     assert not any("softmax" in c for c in default.plan.precision["dtypes"][0])

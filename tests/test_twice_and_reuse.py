@@ -12,7 +12,8 @@ import autoremat.model.profile as profile_mod
 import autoremat.passes.remat as remat_pass
 import autoremat.solve.solver as solver_mod
 from autoremat.measure import measure_peak
-from autoremat.model.cuts import MARK, base, cut_backward
+from autoremat.model.cuts import cut_backward
+from autoremat.passes.recompute_names import MARK, base
 from examples import models
 from tests.budgets import seeded_grads
 from tests.tolerances import assert_grads_close

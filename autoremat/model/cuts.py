@@ -15,22 +15,13 @@ backward node is never a saved value, so the two cannot be confused; a narrow cu
 followed by `__again`): `GraphPlan.again` lists them.
 Which cuts pay is found by the exact simulator (`autoremat.solve.cut_search.recompute_twice`), never assumed.
 
-A copy is named `<value>__again<k>`; `base` gives the value's own name back.
+A copy is named `<value>__again<k>` (passes/recompute_names.py, which every stage reads).
 """
 
 from __future__ import annotations
 
-import functools
-
 from autoremat.model.graph_profile import NodeProfile
-
-MARK = "__again"
-
-
-@functools.lru_cache(maxsize=1 << 16)  # called for every entry of every simulated schedule
-def base(name: str) -> str:
-    """The node a (possibly re-emitted) schedule entry computes."""
-    return name.partition(MARK)[0]
+from autoremat.passes.recompute_names import MARK
 
 
 def cut_backward(nodes: dict[str, NodeProfile], backward: list[str], recomputed: set[str], cuts: set[str],

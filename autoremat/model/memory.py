@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autoremat import switches
-from autoremat.model.cuts import base
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.inplace import donor, kernel_last_use, least_peak_first
 from autoremat.model.region_crossings import handed_over, region_handoffs, tied_waits
 from autoremat.model.schedule import Schedule
+from autoremat.passes.recompute_names import base
 from autoremat.torch_internals import TANGENTS_BOXED
 
 INF = math.inf

@@ -30,57 +30,19 @@ The rewrite that runs the chosen calls in 16 bits is a graph pass: passes/dtypes
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from autoremat.torch_internals import C_NN_LINEAR, tree_leaves, tree_map
+from autoremat.passes.op_kinds import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
+from autoremat.torch_internals import tree_leaves, tree_map
 
-LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FP16_MAX = 65504.0
 FP16_TINY = 2.0**-24  # smallest fp16 subnormal: anything smaller becomes zero
 FP16_SAFETY = 8.0  # fp16 is forbidden once a value comes within this factor of FP16_MAX
 FP16_UNDERFLOW_SHARE = 1e-3  # ... or when more than this share of nonzero outputs flush to zero
-
-_MATMULS = {
-    C_NN_LINEAR, F.linear, torch.matmul, operator.matmul, torch.mm, torch.bmm, torch.addmm,
-    torch.baddbmm, torch.einsum, F.conv1d, F.conv2d, F.conv3d, torch.conv1d, torch.conv2d, torch.conv3d,
-    F.scaled_dot_product_attention,
-}
-_MATMUL_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
-# What autocast runs in fp32 (its CUDA fp32 list, by function name), plus the losses and reductions.
-FP32_KEPT = (
-    "layer_norm", "group_norm", "batch_norm", "instance_norm", "rms_norm", "softmax", "log_softmax",
-    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy_with_logits",
-    "kl_div", "exp", "log", "log1p", "expm1", "pow", "rsqrt", "sum", "mean", "norm", "cumsum", "cumprod",
-    "prod", "var", "std", "logsumexp",
-)
-
-
-def call_name(node: fx.Node) -> str:
-    """The function or method name of a call node ('linear', 'softmax', ...), '' for other nodes."""
-    if node.op == "call_method":
-        return str(node.target)
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", str(node.target)).lstrip("_")
-    return ""
-
-
-def is_matmul(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in _MATMULS) or (
-        node.op == "call_method" and node.target in _MATMUL_METHODS)
-
-
-def traced_value(node) -> object:
-    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
-
-
-def is_float(val) -> bool:
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def castable(gm: fx.GraphModule, fp32_ops: Iterable[str] = FP32_KEPT) -> list[str]:

@@ -24,8 +24,8 @@ overwriting variant (`NodeProfile.overwrites`): the fused LM head's backward wri
 
 from __future__ import annotations
 
-from autoremat.model.cuts import base
 from autoremat.model.graph_profile import NodeProfile
+from autoremat.passes.recompute_names import base
 
 
 def _inputs_of(nodes: dict[str, NodeProfile], reads: dict[str, tuple[str, ...]], e: str) -> tuple[str, ...]:

@@ -4,9 +4,9 @@ for the memory model (`memory.simulate`) and the ILP's rows (lifetimes.output_sp
 
 from __future__ import annotations
 
-from autoremat.model.cuts import base
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.schedule import Schedule
+from autoremat.passes.recompute_names import base
 
 
 def region_handoffs(profiles: list[GraphProfile]) -> dict[tuple[int, str], list[tuple[int, str]]]:

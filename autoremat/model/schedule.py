@@ -12,10 +12,11 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from autoremat.model.cuts import MARK, base, cut_backward
+from autoremat.model.cuts import cut_backward
 from autoremat.model.graph_profile import GraphProfile, NodeProfile
 from autoremat.model.marks import force_marks
 from autoremat.model.recomputed_writes import write_over_dying_input, write_recomputed
+from autoremat.passes.recompute_names import MARK, base
 
 
 class PlanError(ValueError):

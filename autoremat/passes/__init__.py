@@ -23,8 +23,9 @@
   simulated order (`split`, `reorder`), once the plan is solved; a recomputed batch norm runs without
   its running-stat update, and the forward draws each random value once.
 
-The passes take graphs and plans as arguments and import no pipeline stage but precision's call
-helpers and the naming of values recomputed twice (`autoremat.model.cuts`), so every stage may use them:
+The passes take graphs and plans as arguments and import no pipeline stage (the call kinds precision
+reads, `op_kinds`, and the naming of values recomputed twice, `recompute_names`, live here), so every stage
+may use them:
 capture applies the decompositions, the profile reads which draws replay and which buffers are
 reused, the planner applies the split.
 """

@@ -16,8 +16,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from autoremat.model.precision_measure import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
 from autoremat.passes.fused_attention import fused_attention
+from autoremat.passes.op_kinds import FP32_KEPT, LOW, call_name, is_float, is_matmul, traced_value
 
 _INHERITED = ("nn_module_stack", "stack_trace", "source_fn_stack")
 

@@ -13,8 +13,8 @@ from typing import Protocol
 import torch
 import torch.fx as fx
 
-from autoremat.model.cuts import base as again_base
 from autoremat.passes.fused_linear_loss import write_gradient_into_h
+from autoremat.passes.recompute_names import base as again_base
 from autoremat.passes.reuse import dying_inputs, write_into_dying
 from autoremat.passes.rng_replay import forward_draws_once
 from autoremat.torch_internals import extract_fwd_bwd_modules, is_primal, is_sym_node

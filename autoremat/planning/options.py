@@ -16,8 +16,8 @@ import torch
 
 from autoremat.model.devices import DeviceSpec
 from autoremat.model.ledger import Ledger
-from autoremat.model.precision_measure import FP32_KEPT
 from autoremat.passes.loss_chunks import OUTPUTS
+from autoremat.passes.op_kinds import FP32_KEPT
 from autoremat.planning import precision_plan
 from autoremat.planning.compilers import check_compiler
 from autoremat.solve.lp import check_solver

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from autoremat.model.cuts import base
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.ledger import Ledger
 from autoremat.model.marks import mark_counts, must_marks
 from autoremat.model.memory import Timeline, live_at_peak
 from autoremat.model.schedule import Schedule
 from autoremat.passes.loss_chunks import describe as describe_loss
+from autoremat.passes.recompute_names import base
 from autoremat.solve.decision import Decision, PlanPath, evaluate
 from autoremat.solve.heuristics import save_all
 from autoremat.units import format_bytes

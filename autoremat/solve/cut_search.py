@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from autoremat.model.cuts import MARK, base
 from autoremat.model.graph_profile import GraphProfile
+from autoremat.passes.recompute_names import MARK, base
 from autoremat.solve.decision import Decision, Refinement, evaluate
 from autoremat.solve.heuristics import lower_peak
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from autoremat.model import memory
-from autoremat.model.cuts import base
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.memory import Timeline, simulate
 from autoremat.model.schedule import Schedule, make_schedule
+from autoremat.passes.recompute_names import base
 
 
 class Route(Enum):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 
 from autoremat.capture.regions import block_of
-from autoremat.model.cuts import base
 from autoremat.model.graph_profile import GraphProfile
 from autoremat.model.lifetimes import lifetimes
 from autoremat.model.memory import live_at_peak
+from autoremat.passes.recompute_names import base
 from autoremat.solve.decision import BlockModes, Decision, PlanPath, Refinement, Route, evaluate
 
 

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from autoremat.model.cuts import base
 from autoremat.model.memory import live_at_peak
 from autoremat.passes.matmul_accumulation import ACCUMULATING
+from autoremat.passes.recompute_names import base
 from autoremat.planning.plan import BudgetError
 from autoremat.solve.decision import Decision
 from autoremat.solve.rows_time import least_time, ops_once_time
