@@ -1,17 +1,19 @@
 """The on-disk plan cache: a second optimize skips the solver; nothing read from disk is trusted."""
 
+import contextlib
 import importlib
 import json
+import logging
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 import autoremat
+from autoremat import progress
 from autoremat.model.ledger import Ledger
 from autoremat.planning.cache import PlanCache
 from autoremat.planning.compilers import inductor_problem
-from autoremat.planning.step_tracing import trace_step
 from autoremat.solve.decision import PlanPath, Route
 from examples import models
 from tests.tolerances import assert_grads_close, batch_depth
@@ -22,13 +24,33 @@ def _model():
     return models.transformer_stack(n_layer=1, d=16, seq=8, batch=2)
 
 
-def _no_solver(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the solver ran although the plan was cached")
+# The stages a plan goes through, as the progress log names them to the user (`logging.INFO` on
+# autoremat.progress): a cache hit captures the step and applies the plan, and names no stage that solves,
+# chooses a chunk count or traces one.
+SOLVING = ("solving", "planning the loss region", "tracing the loss region", "the ILP chose", "re-planning",
+           "no chunk count traced")
 
-    # plan_graphs (autoremat.planning.budget) is where every face calls the solver; smallest_peak too.
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.budget"), "solve", refuse)
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.budget"), "smallest_peak", refuse)
+
+@contextlib.contextmanager
+def _stages():
+    """The progress log's stage messages while the block runs (a long stage's repeated pulse left out)."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger = logging.getLogger(progress.LOGGER)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        seen[:] = [m for m in seen if ": still running" not in m]
+
+
+def _solved(stages: list[str]) -> list[str]:
+    return [m for m in stages if m.startswith(SOLVING)]
 
 
 def _assert_eager_gradients(model, step, ex):
@@ -39,14 +61,15 @@ def _assert_eager_gradients(model, step, ex):
     assert_grads_close([(g, r) for g, r in zip(got, ref, strict=True)], depth=batch_depth(ex))
 
 
-def test_second_optimize_skips_the_solver(tmp_path, monkeypatch):
+def test_second_optimize_skips_the_solver(tmp_path):
     model, ex = _model()
     first = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
     assert first.plan.solver_path.route is not Route.CACHE
     assert len(list(tmp_path.glob("*.json"))) == 1
-    _no_solver(monkeypatch)
-    second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
+    with _stages() as stages:
+        second = autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path, compiler="eager")
     assert second.plan.solver_path.route is Route.CACHE
+    assert stages and not _solved(stages), stages
     assert PlanPath.parse(second.plan.solver["solved_by"]) == first.plan.solver_path
     assert second.plan.graphs[0].saved == first.plan.graphs[0].saved
     assert second.plan.activation_peak == first.plan.activation_peak
@@ -129,7 +152,7 @@ def _too_big(tmp_path, model, ex, good):
     assert again.plan.graphs[0].saved == tight.graphs[0].saved
 
 
-def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
+def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path):
     class DataDependent(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -144,13 +167,14 @@ def test_graph_breaks_are_cached_as_one_joint_plan(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model, x = DataDependent(), torch.randn(8, 16)
     first = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
-    _no_solver(monkeypatch)
-    second = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
+    with _stages() as stages:
+        second = autoremat.optimize(model, budget="1GB", example_inputs=(x,), cache=tmp_path, compiler="eager")
+    assert stages and not _solved(stages), stages
     assert second.num_graphs == 2 and second.plan.solver_path.route is Route.CACHE
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
 
 
-def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_path, monkeypatch):
+def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_path):
     """A plan whose loss region the ILP chunked is stored under the chunked trace's key, known only once that
     count is traced; the count is remembered under a key of the model's and batch's shapes, so the second
     run traces that count alone, once, instead of retracing and planning every candidate (plan_time.py's
@@ -166,16 +190,13 @@ def test_a_chunked_loss_region_is_found_without_tracing_every_count_again(tmp_pa
     assert first.plan.loss["chunks"] > 1 and len(first.plan.loss["candidates"]) > 2, first.plan.loss
     assert len(list(tmp_path.glob("*.json"))) == 2  # the plan, and the count under the step's key
 
-    def refuse(*a, **k):
-        raise AssertionError("a chunk-count candidate was traced although the count was cached")
-    monkeypatch.setattr(importlib.import_module("autoremat.planning.loss_region.choice"), "_trace", refuse)
-    _no_solver(monkeypatch)
-    pipeline = importlib.import_module("autoremat.planning.pipeline")
-    traced = []
-    monkeypatch.setattr(pipeline, "trace_step", lambda *a: traced.append(a) or trace_step(*a))
-    second = autoremat.optimize(model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager",
-                                outputs="loss", cache=tmp_path, progress=False)
-    assert len(traced) == 1  # the remembered count, captured; the cached plan is swapped into its code
+    with _stages() as stages:
+        second, traces = _aot_traces(lambda: autoremat.optimize(
+            model, budget=budget, example_inputs=batch, optimizer=None, compiler="eager", outputs="loss",
+            cache=tmp_path, progress=False))
+    # the remembered count, captured once (one AOTAutograd trace per graph of the step); the cached plan is
+    # swapped into its code: no count traced, nothing solved
+    assert not _solved(stages) and traces == len({g.fingerprint for g in first.plan.graphs}), (stages, traces)
     assert second.plan.solver_path.route is Route.CACHE
     assert second.plan.loss["chunks"] == first.plan.loss["chunks"]
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in first.plan.graphs]
@@ -187,7 +208,7 @@ def _aot_traces(run):
     return out, counters["aot_autograd"]["total"] - before
 
 
-def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_path, monkeypatch):
+def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_path):
     """A 3-block stack is cut into 4 graphs: the embedding with block 0, blocks 1 and 2 (the same joint graph,
     so one AOTAutograd trace), and the head. At 60% of its activations the plan saves different values in
     blocks 1 and 2. A cache hit captures the step as a cold plan does (3 traces), then swaps the plan into
@@ -202,9 +223,11 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
     graphs = first.plan.graphs
     assert len(graphs) == 4 and graphs[1].fingerprint == graphs[2].fingerprint
     assert set(graphs[1].saved) != set(graphs[2].saved)  # the case this covers: one code, two saved sets
-    _no_solver(monkeypatch)
-    second, traces = _aot_traces(lambda: autoremat.optimize(model, budget=budget, example_inputs=ex, optimizer=None,
-                                                            compiler="eager", cache=tmp_path, progress=False))
+    with _stages() as stages:
+        second, traces = _aot_traces(lambda: autoremat.optimize(model, budget=budget, example_inputs=ex,
+                                                                optimizer=None, compiler="eager", cache=tmp_path,
+                                                                progress=False))
+    assert stages and not _solved(stages), stages
     assert second.plan.solver_path.route is Route.CACHE
     assert traces == len({g.fingerprint for g in graphs}) == 3
     assert [g.saved for g in second.plan.graphs] == [g.saved for g in graphs]
@@ -217,7 +240,7 @@ def test_a_hit_traces_identical_blocks_once_even_where_their_plans_differ(tmp_pa
     assert_grads_close([(g, r) for g, r in zip(grads[1], grads[0], strict=True)], depth=batch_depth(ex))
 
 
-def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):
+def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, caplog):
     """regions="auto" plans a roomy 2-block stack as one graph, and stores the plan under that graph's key, and
     beside it that this step was planned as one graph. A second run traces that form alone (one AOTAutograd
     trace), whose plan is the hit: not the cut step first, whose key is not in the cache. Taken for a stale
@@ -227,9 +250,10 @@ def test_a_one_graph_plan_is_found_in_the_cache(tmp_path, monkeypatch, caplog):
     first, cold = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
                                                          compiler="eager", progress=False))
     assert first.num_graphs == 1 and any("one graph for the step" in n for n in first.plan.notes), first.plan.notes
-    _no_solver(monkeypatch)
-    second, hit = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
-                                                         compiler="eager", progress=False))
+    with _stages() as stages:
+        second, hit = _aot_traces(lambda: autoremat.optimize(model, budget="1GB", example_inputs=ex, cache=tmp_path,
+                                                             compiler="eager", progress=False))
+    assert stages and not _solved(stages), stages
     assert second.plan.solver_path.route is Route.CACHE and second.num_graphs == 1
     assert hit == 1 < cold, (hit, cold)
     assert not [r for r in caplog.records if "cached plan" in r.getMessage()]
