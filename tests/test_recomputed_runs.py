@@ -78,8 +78,8 @@ def test_a_buffer_writers_kernel_scratch_is_measured():
 
 def test_an_out_overload_that_copies_its_result_is_not_written_through():
     # mul.Scalar_out is PyTorch's generated wrapper (the functional mul, then a copy into `out`): a GELU
-    # backward's `mul(pow, 3.0)` written through it allocated its whole result at GPT-2's floor peak while
-    # the memory model booked none (the first floor plan measured 1,320,836 B over its prediction).
+    # backward's `mul(pow, 3.0)` written through it would allocate its whole result while the memory model
+    # books none for a writer.
     from autoremat.passes.reuse import out_variant
 
     assert out_variant(torch.ops.aten.mul.Scalar) is None
